@@ -1,0 +1,1 @@
+"""Attention backends: one file each, holding its Backend, Metadata, Builder and Impl."""

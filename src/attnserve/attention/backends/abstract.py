@@ -1,0 +1,257 @@
+"""The attention-backend contract: Backend (static facts), Metadata, Builder and Impl.
+
+A backend owns everything layout-specific: the KV-cache shape, moving cache blocks, the per-step
+metadata its kernels need (built by its `AttentionMetadataBuilder` from plain block tables and
+lengths) and the attention operator itself. Nothing above `attention/backends/` sees any of it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a model layer asks of a backend; the selector matches it against capabilities."""
+
+    head_size: int
+    dtype: torch.dtype
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    device: str = "cpu"
+    sliding_window: int | None = None
+    use_alibi: bool = False
+    logits_soft_cap: float | None = None
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can do. `None` for head_sizes means any head size."""
+
+    dtypes: tuple[torch.dtype, ...]
+    devices: tuple[str, ...]
+    head_sizes: tuple[int, ...] | None = None
+    min_block_size: int = 1
+    max_block_size: int = 256
+    block_size_multiple: int = 1
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    sliding_window: bool = False
+    alibi: bool = False
+    logits_soft_cap: bool = False
+    priority: int = 0
+
+    def unsupported_reasons(self, spec: AttentionSpec) -> list[str]:
+        """Every way `spec` falls outside these capabilities (empty when it is supported)."""
+        checks = [
+            (spec.device in self.devices, f"device {spec.device!r} not in {self.devices}"),
+            (spec.dtype in self.dtypes, f"dtype {spec.dtype} not in {self.dtypes}"),
+            (
+                self.head_sizes is None or spec.head_size in self.head_sizes,
+                f"head size {spec.head_size} not in {self.head_sizes}",
+            ),
+            (
+                self.min_block_size <= spec.block_size <= self.max_block_size
+                and spec.block_size % self.block_size_multiple == 0,
+                f"block size {spec.block_size} not in {self.min_block_size}.."
+                f"{self.max_block_size} (multiple of {self.block_size_multiple})",
+            ),
+            (
+                spec.kv_cache_dtype in self.kv_cache_dtypes,
+                f"kv_cache_dtype {spec.kv_cache_dtype!r} not in {self.kv_cache_dtypes}",
+            ),
+            (self.sliding_window or spec.sliding_window is None, "no sliding window support"),
+            (self.alibi or not spec.use_alibi, "no ALiBi support"),
+            (self.logits_soft_cap or spec.logits_soft_cap is None, "no logits soft-cap support"),
+        ]
+        return [reason for ok, reason in checks if not ok]
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs common to every backend; backends subclass it with their own fields.
+
+    The batch holds `num_prefills` prefill sequences first (their `num_prefill_tokens` new
+    tokens), then decode sequences (one new token each). `slot_mapping[t]` is the flat cache slot
+    (block_id * block_size + offset) where new token t's key/value go; -1 marks padding.
+    """
+
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    slot_mapping: torch.Tensor
+
+    @property
+    def num_decodes(self) -> int:
+        return self.num_decode_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+M = TypeVar("M", bound=AttentionMetadata)
+
+
+class AttentionMetadataBuilder(ABC, Generic[M]):
+    """Turns plain per-sequence block tables and lengths into one backend's metadata.
+
+    Sequence i has `context_lens[i]` tokens already cached and `query_lens[i]` new tokens this
+    step; its tokens 0 .. context+query-1 live in the blocks of `block_tables[i]`, in order.
+    """
+
+    def __init__(self, block_size: int, device: torch.device | str, **kwargs: Any) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.device = torch.device(device)
+
+    @abstractmethod
+    def build(
+        self,
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+        query_lens: Sequence[int],
+    ) -> M:
+        """Return the metadata for one step."""
+
+
+class AttentionImpl(ABC, Generic[M]):
+    """The attention operator of one layer: writes the new K/V, then attends."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
+        slopes = None if alibi_slopes is None else torch.as_tensor(alibi_slopes).float()
+        if slopes is not None and slopes.shape != (num_heads,):
+            raise ValueError(f"alibi_slopes must have {num_heads} entries, got {slopes.shape}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.alibi_slopes = slopes
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.kv_cache_dtype = kv_cache_dtype
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: M,
+    ) -> torch.Tensor:
+        """query [T, num_heads*head_size], key/value [T, num_kv_heads*head_size] -> [T, H*D]."""
+
+
+class AttentionBackend(ABC):
+    """Static facts about one backend, and its dispatch to Impl, Metadata and Builder.
+
+    The default `swap_blocks` / `copy_blocks` move whole blocks along the cache's block axis
+    (`get_kv_cache_block_dim`); a backend whose layout needs more overrides them.
+    """
+
+    capabilities: ClassVar[BackendCapabilities]
+
+    @staticmethod
+    @abstractmethod
+    def get_name() -> str: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl[Any]]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_metadata_cls() -> type[AttentionMetadata]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder[Any]]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_block_dim() -> int:
+        """The axis of the KV-cache tensor that indexes blocks."""
+
+    @classmethod
+    def get_kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+        """The element type of the cache tensor for a `kv_cache_dtype` setting."""
+        if kv_cache_dtype == "auto":
+            return model_dtype
+        if kv_cache_dtype == "fp8":
+            return torch.float8_e4m3fn
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}")
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run on this machine at all (a missing package), or None."""
+        return None
+
+    @classmethod
+    def unsupported_reasons(cls, spec: AttentionSpec) -> list[str]:
+        """Every reason this backend cannot serve `spec` here (empty when it can)."""
+        missing = cls.unavailable_reason()
+        return ([missing] if missing else []) + cls.capabilities.unsupported_reasons(spec)
+
+    @classmethod
+    def supports(cls, spec: AttentionSpec) -> bool:
+        return not cls.unsupported_reasons(spec)
+
+    @classmethod
+    def swap_blocks(
+        cls, src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: torch.Tensor
+    ) -> None:
+        """Copy blocks src_to_dst[:, 0] of one cache into blocks src_to_dst[:, 1] of another,
+        possibly on another device."""
+        if src_to_dst.numel() == 0:
+            return
+        dim = cls.get_kv_cache_block_dim()
+        src, dst = _bitwise(src_kv_cache), _bitwise(dst_kv_cache)
+        src_idx = src_to_dst[:, 0].to(src.device)
+        dst_idx = src_to_dst[:, 1].to(dst.device)
+        dst.index_copy_(dim, dst_idx, src.index_select(dim, src_idx).to(dst.device))
+
+    @classmethod
+    def copy_blocks(cls, kv_caches: list[torch.Tensor], src_to_dsts: torch.Tensor) -> None:
+        """Within each layer's cache, copy block src_to_dsts[i, 0] onto block src_to_dsts[i, 1]."""
+        if src_to_dsts.numel() == 0:
+            return
+        dim = cls.get_kv_cache_block_dim()
+        for cache in map(_bitwise, kv_caches):
+            src_idx = src_to_dsts[:, 0].to(cache.device)
+            dst_idx = src_to_dsts[:, 1].to(cache.device)
+            cache.index_copy_(dim, dst_idx, cache.index_select(dim, src_idx))
+
+
+def _bitwise(cache: torch.Tensor) -> torch.Tensor:
+    """A view that block copies can index whatever the element type (fp8 lacks index ops)."""
+    return cache.view(torch.uint8) if cache.element_size() == 1 else cache

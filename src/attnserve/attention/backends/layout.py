@@ -1,0 +1,100 @@
+"""The validated, tensorised view of one step's batch that every metadata builder starts from.
+
+Builders differ in what they hand their kernels; they all need the same facts first: which
+sequence and position each new token has, its cache slot, and the padded block table. This
+module computes them with a handful of tensor ops (no Python loop over tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Host (CPU) tensors describing one step; B sequences, T new tokens."""
+
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    context_lens: torch.Tensor  # [B] int64: tokens already cached
+    query_lens: torch.Tensor  # [B] int64: new tokens this step
+    seq_lens: torch.Tensor  # [B] int64: context + query
+    query_start_loc: torch.Tensor  # [B + 1] int64: offsets of each sequence's new tokens
+    block_table: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    token_seq: torch.Tensor  # [T] int64: sequence index of each new token
+    token_pos: torch.Tensor  # [T] int64: position of each new token in its sequence
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.numel())
+
+
+def _validate(
+    block_tables: Sequence[Sequence[int]],
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+    block_size: int,
+) -> int:
+    """Check the inputs and return the number of prefill sequences."""
+    if not len(block_tables) == len(context_lens) == len(query_lens):
+        raise ValueError(
+            f"block_tables ({len(block_tables)}), context_lens ({len(context_lens)}) and "
+            f"query_lens ({len(query_lens)}) must have one entry per sequence"
+        )
+    num_prefills = 0
+    for i, (table, ctx, q) in enumerate(zip(block_tables, context_lens, query_lens, strict=True)):
+        if q < 1 or ctx < 0:
+            raise ValueError(f"sequence {i}: query_len must be >= 1 and context_len >= 0")
+        needed = -(-(ctx + q) // block_size)
+        if len(table) < needed:
+            raise ValueError(
+                f"sequence {i}: {ctx + q} tokens need {needed} blocks of {block_size}, "
+                f"block table has {len(table)}"
+            )
+        is_prefill = q > 1 or ctx == 0
+        if is_prefill and num_prefills != i:
+            raise ValueError(f"sequence {i} is a prefill after a decode: prefills must come first")
+        num_prefills += is_prefill
+    return num_prefills
+
+
+def build_step_layout(
+    block_tables: Sequence[Sequence[int]],
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+    block_size: int,
+) -> StepLayout:
+    """Validate one step's batch and compute its token positions, slots and block table."""
+    num_prefills = _validate(block_tables, context_lens, query_lens, block_size)
+    ctx = torch.tensor(list(context_lens), dtype=torch.int64)
+    qry = torch.tensor(list(query_lens), dtype=torch.int64)
+    max_blocks = max((len(t) for t in block_tables), default=0)
+    table = torch.zeros(len(block_tables), max(max_blocks, 1), dtype=torch.int64)
+    for row, ids in enumerate(block_tables):
+        table[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.int64)
+    if table.numel() and int(table.min()) < 0:
+        raise ValueError("block ids must be >= 0")
+    start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+    torch.cumsum(qry, 0, out=start_loc[1:])
+    token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), qry)
+    token_pos = torch.arange(int(start_loc[-1])) - start_loc[token_seq] + ctx[token_seq]
+    token_blocks = table[token_seq, token_pos // block_size]
+    num_prefill_tokens = int(start_loc[num_prefills])
+    return StepLayout(
+        num_prefills=num_prefills,
+        num_prefill_tokens=num_prefill_tokens,
+        num_decode_tokens=int(start_loc[-1]) - num_prefill_tokens,
+        context_lens=ctx,
+        query_lens=qry,
+        seq_lens=ctx + qry,
+        query_start_loc=start_loc,
+        block_table=table,
+        token_seq=token_seq,
+        token_pos=token_pos,
+        slot_mapping=token_blocks * block_size + token_pos % block_size,
+    )

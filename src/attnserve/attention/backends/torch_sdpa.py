@@ -1,0 +1,228 @@
+"""TORCH_SDPA: the pure-torch reference backend (CPU and GPU).
+
+KV layout: [2, num_blocks, block_size, num_kv_heads, head_size] (K then V). Each step the
+builder prepares, for the prefill and the decode sequences separately, a padded grid that maps
+every (sequence, key position) to its cache slot and every (sequence, query row) to its token;
+the operator gathers K/V through it and makes one `scaled_dot_product_attention` call per group,
+so the work is batched per step with no Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from attnserve.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    BackendCapabilities,
+)
+from attnserve.attention.backends.layout import StepLayout, build_step_layout
+
+
+@dataclass(frozen=True)
+class DenseGroup:
+    """A padded [B, Q] x [B, L] view of some sequences of the step (prefills or decodes)."""
+
+    token_slice: slice  # the group's new tokens in the flat batch
+    row_of_token: torch.Tensor  # [Tg] flat index into the [B * Q] query grid
+    grid_token: torch.Tensor  # [B, Q] flat-batch token of each query row (padding: any)
+    query_pos: torch.Tensor  # [B, Q] position of each query row (padding: 0)
+    key_slots: torch.Tensor  # [B, L] cache slot of each key position (padding: any valid)
+    key_valid: torch.Tensor  # [B, L] key position < sequence length
+
+
+@dataclass
+class TorchSDPAMetadata(AttentionMetadata):
+    prefill: DenseGroup | None
+    decode: DenseGroup | None
+
+
+def _dense_group(
+    layout: StepLayout, seqs: range, block_size: int, device: torch.device
+) -> DenseGroup | None:
+    if len(seqs) == 0:
+        return None
+    loc = layout.query_start_loc
+    tokens = slice(int(loc[seqs.start]), int(loc[seqs.stop]))
+    token_seq = layout.token_seq[tokens] - seqs.start
+    column = torch.arange(tokens.start, tokens.stop) - loc[layout.token_seq[tokens]]
+    num_rows = int(layout.query_lens[seqs.start : seqs.stop].max())
+    row_of_token = token_seq * num_rows + column
+    grid_token = torch.zeros(len(seqs) * num_rows, dtype=torch.int64)
+    grid_token[row_of_token] = torch.arange(tokens.start, tokens.stop)
+    query_pos = torch.zeros(len(seqs) * num_rows, dtype=torch.int64)
+    query_pos[row_of_token] = layout.token_pos[tokens]
+    seq_lens = layout.seq_lens[seqs.start : seqs.stop]
+    key_pos = torch.arange(int(seq_lens.max()))
+    table = layout.block_table[seqs.start : seqs.stop]
+    block_col = (key_pos // block_size).clamp(max=table.shape[1] - 1)
+    key_slots = table[:, block_col] * block_size + key_pos % block_size
+    return DenseGroup(
+        token_slice=tokens,
+        row_of_token=row_of_token.to(device),
+        grid_token=grid_token.view(len(seqs), num_rows).to(device),
+        query_pos=query_pos.view(len(seqs), num_rows).to(device),
+        key_slots=key_slots.to(device),
+        key_valid=(key_pos[None, :] < seq_lens[:, None]).to(device),
+    )
+
+
+class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
+    def build(
+        self,
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+        query_lens: Sequence[int],
+    ) -> TorchSDPAMetadata:
+        layout = build_step_layout(block_tables, context_lens, query_lens, self.block_size)
+        prefills = range(0, layout.num_prefills)
+        decodes = range(layout.num_prefills, layout.num_seqs)
+        return TorchSDPAMetadata(
+            num_prefills=layout.num_prefills,
+            num_prefill_tokens=layout.num_prefill_tokens,
+            num_decode_tokens=layout.num_decode_tokens,
+            slot_mapping=layout.slot_mapping.to(self.device),
+            prefill=_dense_group(layout, prefills, self.block_size, self.device),
+            decode=_dense_group(layout, decodes, self.block_size, self.device),
+        )
+
+
+class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TorchSDPAMetadata,
+    ) -> torch.Tensor:
+        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        k_cache = kv_cache[0].view(num_slots, self.num_kv_heads, self.head_size)
+        v_cache = kv_cache[1].view(num_slots, self.num_kv_heads, self.head_size)
+        self._write_cache(key, value, k_cache, v_cache, attn_metadata.slot_mapping)
+        q = query.view(-1, self.num_heads, self.head_size)
+        out = torch.empty_like(q)
+        for group in (attn_metadata.prefill, attn_metadata.decode):
+            if group is not None:
+                out[group.token_slice] = self._attend_group(q, k_cache, v_cache, group)
+        return out.view(-1, self.num_heads * self.head_size)
+
+    def _write_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        written = slot_mapping >= 0
+        slots = slot_mapping[written]
+        k_cache[slots] = key.view(-1, self.num_kv_heads, self.head_size)[written]
+        v_cache[slots] = value.view(-1, self.num_kv_heads, self.head_size)[written]
+
+    def _attend_group(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DenseGroup
+    ) -> torch.Tensor:
+        group_size = self.num_heads // self.num_kv_heads
+        q_grid = q[group.grid_token].transpose(1, 2)  # [B, H, Q, D]
+        k_grid = self._expand_heads(k_cache[group.key_slots], group_size)  # [B, H, L, D]
+        v_grid = self._expand_heads(v_cache[group.key_slots], group_size)
+        allowed = self._allowed(group)  # [B, 1, Q, L]
+        bias = self._alibi_bias(group)  # [B, H, Q, L] or None
+        if self.logits_soft_cap is not None:
+            out = self._soft_capped_attention(
+                q_grid, k_grid, v_grid, allowed, bias, self.logits_soft_cap
+            )
+        else:
+            mask = allowed if bias is None else bias.masked_fill(~allowed, -math.inf).to(q.dtype)
+            out = F.scaled_dot_product_attention(
+                q_grid, k_grid, v_grid, attn_mask=mask, scale=self.scale
+            )
+        rows = out.transpose(1, 2).reshape(-1, self.num_heads, self.head_size)
+        return rows[group.row_of_token]
+
+    @staticmethod
+    def _expand_heads(kv: torch.Tensor, group_size: int) -> torch.Tensor:
+        kv = kv.transpose(1, 2)  # [B, Hkv, L, D]
+        batch, kv_heads, length, dim = kv.shape
+        expanded = kv[:, :, None].expand(batch, kv_heads, group_size, length, dim)
+        return expanded.reshape(batch, kv_heads * group_size, length, dim)
+
+    def _allowed(self, group: DenseGroup) -> torch.Tensor:
+        key_pos = torch.arange(group.key_slots.shape[1], device=group.key_slots.device)
+        distance = group.query_pos[:, :, None] - key_pos[None, None, :]
+        allowed = (distance >= 0) & group.key_valid[:, None, :]
+        if self.sliding_window is not None:
+            allowed &= distance < self.sliding_window
+        return allowed[:, None]
+
+    def _alibi_bias(self, group: DenseGroup) -> torch.Tensor | None:
+        if self.alibi_slopes is None:
+            return None
+        key_pos = torch.arange(group.key_slots.shape[1], device=group.key_slots.device)
+        distance = (key_pos[None, None, :] - group.query_pos[:, :, None]).float()
+        slopes = self.alibi_slopes.to(distance.device)
+        return slopes[None, :, None, None] * distance[:, None]
+
+    def _soft_capped_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        allowed: torch.Tensor,
+        bias: torch.Tensor | None,
+        cap: float,
+    ) -> torch.Tensor:
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
+        scores = cap * torch.tanh(scores / cap)
+        if bias is not None:
+            scores = scores + bias
+        probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
+        return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+class TorchSDPABackend(AttentionBackend):
+    capabilities = BackendCapabilities(
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        devices=("cpu", "cuda"),
+        head_sizes=None,
+        min_block_size=1,
+        max_block_size=256,
+        sliding_window=True,
+        alibi=True,
+        logits_soft_cap=True,
+        priority=0,
+    )
+
+    @staticmethod
+    def get_name() -> str:
+        return "TORCH_SDPA"
+
+    @staticmethod
+    def get_impl_cls() -> type[TorchSDPAImpl]:
+        return TorchSDPAImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[TorchSDPAMetadata]:
+        return TorchSDPAMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[TorchSDPAMetadataBuilder]:
+        return TorchSDPAMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_block_dim() -> int:
+        return 1

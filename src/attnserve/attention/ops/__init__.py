@@ -1,0 +1,1 @@
+"""Kernels (Triton) that attention backends call."""

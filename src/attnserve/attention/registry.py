@@ -1,0 +1,59 @@
+"""The one registry of attention backends, by name.
+
+Built-in backends are listed here as import paths (loaded on first use, so a backend whose
+package is missing costs nothing until asked for). Third-party backends register with
+`register_backend`, or with no code change through the entry-point group
+`attnserve.attention_backends` (entry-point name = backend name, value = "module:Class").
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+from attnserve.attention.backends.abstract import AttentionBackend
+
+ENTRY_POINT_GROUP = "attnserve.attention_backends"
+
+_registry: dict[str, type[AttentionBackend] | str] = {
+    "TORCH_SDPA": "attnserve.attention.backends.torch_sdpa:TorchSDPABackend",
+}
+_entry_points_loaded = False
+
+
+def register_backend(name: str, backend: type[AttentionBackend] | str) -> None:
+    """Register a backend class, or a lazy "module:Class" path, under an upper-case name."""
+    if not name or name != name.upper():
+        raise ValueError(f"backend names are non-empty and upper-case, got {name!r}")
+    _registry[name] = backend
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        _registry.setdefault(point.name.upper(), point.value)
+
+
+def backend_names() -> list[str]:
+    """Every registered backend name, built-in first, in registration order."""
+    _load_entry_points()
+    return list(_registry)
+
+
+def get_backend_cls(name: str) -> type[AttentionBackend]:
+    """The backend class registered under `name`; ValueError for an unknown name, ImportError
+    when its module cannot be imported here."""
+    _load_entry_points()
+    if name not in _registry:
+        raise ValueError(f"unknown attention backend {name!r}; registered: {backend_names()}")
+    target = _registry[name]
+    if isinstance(target, str):
+        module_name, _, attr = target.partition(":")
+        loaded = getattr(importlib.import_module(module_name), attr)
+        if not (isinstance(loaded, type) and issubclass(loaded, AttentionBackend)):
+            raise ValueError(f"{target} is not an AttentionBackend subclass")
+        _registry[name] = target = loaded
+    return target

@@ -1,0 +1,89 @@
+"""Choosing the attention backend for a layer: `get_attn_backend`.
+
+The selector knows backends only through the registry and their declared capabilities: it keeps
+those that can serve the request on this machine and picks the highest priority. A name forced
+by argument or by `ATTNSERVE_ATTENTION_BACKEND` wins, or fails with the reason and the
+alternatives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from attnserve.attention.backends.abstract import AttentionBackend, AttentionSpec
+from attnserve.attention.registry import backend_names, get_backend_cls
+
+ENV_VAR = "ATTNSERVE_ATTENTION_BACKEND"
+
+logger = logging.getLogger(__name__)
+
+
+def default_device() -> str:
+    """'cuda' when a GPU is visible, else 'cpu'."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_report(spec: AttentionSpec) -> dict[str, list[str]]:
+    """For every registered backend, why it cannot serve `spec` (empty list: it can)."""
+    report: dict[str, list[str]] = {}
+    for name in backend_names():
+        try:
+            report[name] = get_backend_cls(name).unsupported_reasons(spec)
+        except ImportError as error:
+            report[name] = [f"cannot be imported here: {error}"]
+    return report
+
+
+def get_attn_backend(
+    head_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    block_size: int = 16,
+    device: str | torch.device | None = None,
+    sliding_window: int | None = None,
+    use_alibi: bool = False,
+    logits_soft_cap: float | None = None,
+    attention_backend: str | None = None,
+) -> type[AttentionBackend]:
+    """The best registered backend that serves this request here, or the forced one."""
+    spec = AttentionSpec(
+        head_size=head_size,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=block_size,
+        device=torch.device(device).type if device is not None else default_device(),
+        sliding_window=sliding_window,
+        use_alibi=use_alibi,
+        logits_soft_cap=logits_soft_cap,
+    )
+    forced = attention_backend or os.environ.get(ENV_VAR) or None
+    report = backend_report(spec)
+    able = [name for name, reasons in report.items() if not reasons]
+    if forced is not None:
+        return _forced_backend(forced.upper(), report, able)
+    if not able:
+        raise ValueError(f"no attention backend serves {spec}: {report}")
+    best = max(able, key=lambda name: get_backend_cls(name).capabilities.priority)
+    for name, reasons in report.items():
+        if reasons and name != best:
+            logger.info("attention backend %s not used: %s", name, "; ".join(reasons))
+    return get_backend_cls(best)
+
+
+def _forced_backend(
+    name: str, report: dict[str, list[str]], able: list[str]
+) -> type[AttentionBackend]:
+    if name not in report:
+        raise ValueError(
+            f"unknown attention backend {name!r}; registered: {list(report)}; "
+            f"able to serve this request: {able}"
+        )
+    if report[name]:
+        raise ValueError(
+            f"attention backend {name} cannot serve this request: {'; '.join(report[name])}. "
+            f"Backends that can: {able}"
+        )
+    return get_backend_cls(name)

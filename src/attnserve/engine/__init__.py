@@ -1,0 +1,1 @@
+"""The engine: requests, scheduling, and the paged KV block bookkeeping."""

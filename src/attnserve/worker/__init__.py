@@ -1,0 +1,1 @@
+"""The worker: model execution, KV cache tensors, executors."""

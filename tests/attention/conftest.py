@@ -1,0 +1,33 @@
+"""Which backends and devices the conformance suite runs here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnserve.attention import AttentionBackend, backend_names, get_backend_cls
+
+
+def _devices() -> list[str]:
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def _runnable() -> list[tuple[str, str]]:
+    pairs = []
+    for name in backend_names():
+        for device in _devices():
+            pairs.append((name, device))
+    return pairs
+
+
+@pytest.fixture(params=_runnable(), ids=lambda p: f"{p[0]}-{p[1]}")
+def backend_on_device(request: pytest.FixtureRequest) -> tuple[type[AttentionBackend], str]:
+    name, device = request.param
+    try:
+        backend = get_backend_cls(name)
+    except ImportError as error:
+        pytest.skip(f"{name} cannot be imported here: {error}")
+    missing = backend.unavailable_reason()
+    if missing or device not in backend.capabilities.devices:
+        pytest.skip(f"{name} does not run on {device} here: {missing or 'device not supported'}")
+    return backend, device

@@ -1,0 +1,190 @@
+"""The backend conformance suite: every registered backend runnable here must pass it.
+
+Each case runs two steps through the backend: step 1 prefills every sequence's context (so the
+cache is written by the backend itself), step 2 mixes fresh prefills, chunked prefills and
+decodes. Both steps are checked against a dense fp32 attention.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from attnserve.attention import AttentionBackend
+from tests.attention.harness import (
+    Case,
+    Runner,
+    Sequence,
+    check_close,
+    make_sequences,
+    num_cache_blocks,
+    reference,
+    with_slot_mapping,
+)
+
+FEATURES: list[dict[str, object]] = [
+    {},
+    {"sliding_window": 7},
+    {"alibi": True},
+    {"soft_cap": 5.0},
+    {"sliding_window": 19, "alibi": True, "soft_cap": 8.0},
+]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _cases() -> list[Case]:
+    grid = itertools.product([1, 2, 4, 8], [64, 80, 128], [1, 16, 32, 128])
+    cases = []
+    for index, (group, head_size, block_size) in enumerate(grid):
+        cases.append(
+            Case(
+                num_kv_heads=2 if group < 8 else 1,
+                group=group,
+                head_size=head_size,
+                block_size=block_size,
+                dtype=DTYPES[index % len(DTYPES)],
+                seed=index,
+                **FEATURES[index % len(FEATURES)],  # type: ignore[arg-type]
+            )
+        )
+    return cases
+
+
+CASES = _cases()
+
+
+def _lengths(rng: random.Random, block_size: int) -> list[tuple[int, int]]:
+    """(context, query) per sequence: prefills, chunked prefills, then decodes."""
+    longest = max(40, 2 * block_size + 5)
+    prefills = [(0, rng.randint(2, longest)) for _ in range(rng.randint(0, 2))]
+    chunked = [(rng.randint(1, longest), rng.randint(2, 20)) for _ in range(rng.randint(0, 2))]
+    decodes = [(rng.randint(1, longest), 1) for _ in range(rng.randint(1, 4))]
+    single = [(0, 1)] if rng.random() < 0.5 else []  # a one-token prompt is a prefill
+    return single + prefills + chunked + decodes
+
+
+def _skip_unsupported(backend: type[AttentionBackend], case: Case, device: str) -> None:
+    reasons = backend.unsupported_reasons(case.spec(device))
+    if reasons:
+        pytest.skip("; ".join(reasons))
+
+
+def _write_context(runner: Runner, seqs: list[Sequence]) -> None:
+    """Step 1: prefill each sequence's context through the backend, checking its output."""
+    cached = [s for s in seqs if s.context_len > 0]
+    if not cached:
+        return
+    spans = [(0, s.context_len) for s in cached]
+    got = runner.step(cached, spans)
+    want = torch.cat(
+        [reference(runner.case, s, a, b) for s, (a, b) in zip(cached, spans, strict=True)]
+    )
+    check_close(runner.case, got, want)
+
+
+def _check_mixed_step(runner: Runner, seqs: list[Sequence]) -> None:
+    """Step 2: every sequence's new tokens over its cached context."""
+    spans = [(s.context_len, s.length) for s in seqs]
+    got = runner.step(seqs, spans)
+    want = torch.cat(
+        [reference(runner.case, s, a, b) for s, (a, b) in zip(seqs, spans, strict=True)]
+    )
+    check_close(runner.case, got, want)
+
+
+def _setup(
+    backend: type[AttentionBackend], case: Case, device: str
+) -> tuple[Runner, list[Sequence]]:
+    _skip_unsupported(backend, case, device)
+    rng = random.Random(case.seed)
+    seqs = make_sequences(case, _lengths(rng, case.block_size), rng)
+    return Runner(backend, case, num_cache_blocks(seqs), device), seqs
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_mixed_batch_matches_dense_reference(
+    backend_on_device: tuple[type[AttentionBackend], str], case: Case
+) -> None:
+    backend, device = backend_on_device
+    runner, seqs = _setup(backend, case, device)
+    _write_context(runner, seqs)
+    _check_mixed_step(runner, seqs)
+
+
+@pytest.mark.parametrize("case", CASES[::7], ids=str)
+def test_swap_out_and_in_keeps_outputs(
+    backend_on_device: tuple[type[AttentionBackend], str], case: Case
+) -> None:
+    backend, device = backend_on_device
+    runner, seqs = _setup(backend, case, device)
+    _write_context(runner, seqs)
+    num_blocks = runner.kv_cache.shape[backend.get_kv_cache_block_dim()]
+    used = sorted({b for s in seqs for b in s.blocks})
+    host = runner.new_cache(len(used), "cpu")
+    backend.swap_blocks(runner.kv_cache, host, torch.tensor([[b, i] for i, b in enumerate(used)]))
+    runner.kv_cache = runner.new_cache(num_blocks, device)  # the device copy is lost
+    moved = {b: num_blocks - 1 - i for i, b in enumerate(used)}  # back into other blocks
+    backend.swap_blocks(
+        host, runner.kv_cache, torch.tensor([[i, moved[b]] for i, b in enumerate(used)])
+    )
+    for s in seqs:
+        s.blocks = [moved[b] for b in s.blocks]
+    _check_mixed_step(runner, seqs)
+
+
+@pytest.mark.parametrize("case", CASES[3::7], ids=str)
+def test_copy_blocks_keeps_outputs(
+    backend_on_device: tuple[type[AttentionBackend], str], case: Case
+) -> None:
+    backend, device = backend_on_device
+    runner, seqs = _setup(backend, case, device)
+    _write_context(runner, seqs)
+    num_blocks = runner.kv_cache.shape[backend.get_kv_cache_block_dim()]
+    used = sorted({b for s in seqs for b in s.blocks})
+    spare = [b for b in range(num_blocks) if b not in used]
+    copies = dict(zip(used, spare, strict=False))
+    backend.copy_blocks([runner.kv_cache], torch.tensor(list(copies.items())))
+    garbage = runner.new_cache(num_blocks, device)  # then overwrite the originals with garbage
+    backend.swap_blocks(garbage, runner.kv_cache, torch.tensor([[b, b] for b in copies]))
+    for s in seqs:
+        s.blocks = [copies[b] for b in s.blocks]
+    _check_mixed_step(runner, seqs)
+
+
+def test_padding_slots_are_never_written(
+    backend_on_device: tuple[type[AttentionBackend], str],
+) -> None:
+    backend, device = backend_on_device
+    case = Case(num_kv_heads=2, group=2, head_size=64, block_size=16)
+    runner, seqs = _setup(backend, case, device)
+    spans = [(0, s.length) for s in seqs]
+    meta = runner.builder.build([s.blocks for s in seqs], [0] * len(seqs), [s.length for s in seqs])
+    before = runner.kv_cache.clone()
+    padded = with_slot_mapping(meta, torch.full_like(meta.slot_mapping, -1))
+    runner.forward(seqs, spans, padded)
+    assert torch.equal(before.view(torch.uint8), runner.kv_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("block_tables", "context_lens", "query_lens", "message"),
+    [
+        ([[0]], [0, 1], [1], "one entry per sequence"),
+        ([[0]], [0], [0], "query_len must be >= 1"),
+        ([[0]], [10], [10], "need 2 blocks"),
+        ([[0], [1]], [3, 0], [1, 4], "prefill after a decode"),
+    ],
+)
+def test_builder_rejects_bad_batches(
+    backend_on_device: tuple[type[AttentionBackend], str],
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    query_lens: list[int],
+    message: str,
+) -> None:
+    backend, device = backend_on_device
+    builder = backend.get_builder_cls()(16, device)
+    with pytest.raises(ValueError, match=message):
+        builder.build(block_tables, context_lens, query_lens)

@@ -1,0 +1,95 @@
+"""Selector and registry: defaults, forcing by argument and environment, errors, entry points."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnserve.attention import registry
+from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
+from attnserve.attention.selector import ENV_VAR, get_attn_backend
+
+
+def test_cpu_default_is_torch_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert get_attn_backend(64, torch.float32, device="cpu") is TorchSDPABackend
+
+
+def test_env_var_forces_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "torch_sdpa")
+    assert get_attn_backend(128, torch.bfloat16, device="cpu").get_name() == "TORCH_SDPA"
+
+
+def test_unknown_name_is_a_value_error_listing_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "NO_SUCH_BACKEND")
+    with pytest.raises(ValueError, match=r"unknown attention backend 'NO_SUCH_BACKEND'.*SDPA"):
+        get_attn_backend(64, torch.float32, device="cpu")
+
+
+def test_argument_wins_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "NO_SUCH_BACKEND")
+    backend = get_attn_backend(64, torch.float32, device="cpu", attention_backend="TORCH_SDPA")
+    assert backend is TorchSDPABackend
+
+
+def test_forced_backend_that_cannot_serve_names_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    with pytest.raises(ValueError, match=r"TORCH_SDPA cannot serve.*block size 512"):
+        get_attn_backend(
+            64, torch.float32, block_size=512, device="cpu", attention_backend="TORCH_SDPA"
+        )
+
+
+def test_request_no_backend_serves_is_a_value_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    with pytest.raises(ValueError, match="no attention backend serves"):
+        get_attn_backend(64, torch.int8, device="cpu")
+
+
+def test_register_backend_rejects_lower_case_names() -> None:
+    with pytest.raises(ValueError, match="upper-case"):
+        registry.register_backend("mine", TorchSDPABackend)
+
+
+def test_entry_point_backend_is_registered_without_code_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "my_backend.py").write_text(
+        textwrap.dedent(
+            """
+            from attnserve.attention.backends.abstract import BackendCapabilities
+            from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
+            import torch
+
+            class MyBackend(TorchSDPABackend):
+                capabilities = BackendCapabilities(
+                    dtypes=(torch.float32,), devices=("cpu",), priority=100
+                )
+
+                @staticmethod
+                def get_name() -> str:
+                    return "MY_BACKEND"
+            """
+        )
+    )
+    dist = tmp_path / "my_backend-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-backend\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[attnserve.attention_backends]\nMY_BACKEND = my_backend:MyBackend\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert "MY_BACKEND" in registry.backend_names()
+    chosen = get_attn_backend(64, torch.float32, device="cpu")
+    assert chosen.get_name() == "MY_BACKEND"  # its priority beats TORCH_SDPA's
+    assert get_attn_backend(64, torch.bfloat16, device="cpu") is TorchSDPABackend
+    sys.modules.pop("my_backend", None)
