@@ -6,6 +6,11 @@ import pytest
 import torch
 
 from attnserve.attention import AttentionBackend, backend_names, get_backend_cls
+from examples.one_file_backend import OneFileBackend
+
+# The documented one-file example backend runs the suite too: it proves the suite is
+# layout-agnostic and that the example in docs/attention.md is right.
+EXAMPLES = {"ONE_FILE": OneFileBackend}
 
 
 def _devices() -> list[str]:
@@ -14,7 +19,7 @@ def _devices() -> list[str]:
 
 def _runnable() -> list[tuple[str, str]]:
     pairs = []
-    for name in backend_names():
+    for name in [*backend_names(), *EXAMPLES]:
         for device in _devices():
             pairs.append((name, device))
     return pairs
@@ -24,7 +29,7 @@ def _runnable() -> list[tuple[str, str]]:
 def backend_on_device(request: pytest.FixtureRequest) -> tuple[type[AttentionBackend], str]:
     name, device = request.param
     try:
-        backend = get_backend_cls(name)
+        backend = EXAMPLES.get(name) or get_backend_cls(name)
     except ImportError as error:
         pytest.skip(f"{name} cannot be imported here: {error}")
     missing = backend.unavailable_reason()
