@@ -1,3 +1,17 @@
 """attnserve: a fast, compact LLM inference and serving engine with pluggable attention."""
 
+from attnserve.outputs import CompletionOutput, RequestOutput
+from attnserve.sampling_params import SamplingParams
+
 __version__ = "0.1.0"
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> object:
+    """`LLM` loads the engine (torch, transformers) only when asked for."""
+    if name == "LLM":
+        from attnserve.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,14 +1,85 @@
-"""The `attnserve` command: one sub-command per job, each a thin call into the package."""
+"""The `attnserve` command: generate, chat, demo, backends — each a thin call into the package."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from attnserve.attention.backends.abstract import AttentionSpec
 from attnserve.attention.selector import backend_report, default_device
+from attnserve.sampling_params import SamplingParams
+
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for learning Python.",
+]
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        max_tokens=args.max_tokens,
+    )
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=temperature)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--sampling-seed", type=int, default=None)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from attnserve.engine.arg_utils import EngineArgs
+    from attnserve.entrypoints.llm import LLM
+
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    started = time.perf_counter()
+    outputs = llm.generate(args.prompt, _sampling(args), use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    for output in outputs:
+        print(f"--- {output.prompt!r}\n{output.outputs[0].text}")
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"[{tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tokens/s]")
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from attnserve.engine.arg_utils import EngineArgs
+    from attnserve.engine.llm_engine import LLMEngine
+    from attnserve.entrypoints.chat import chat_loop
+
+    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    chat_loop(engine, _sampling(args), sys.stdin, system=args.system)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from attnserve.entrypoints.llm import LLM
+
+    print("loading the embedded default model (SmolLM2-135M-Instruct)...", flush=True)
+    llm = LLM()
+    params = SamplingParams(temperature=0, max_tokens=64)
+    started = time.perf_counter()
+    outputs = llm.chat([[{"role": "user", "content": q}] for q in DEMO_QUESTIONS], params)
+    elapsed = time.perf_counter() - started
+    for question, output in zip(DEMO_QUESTIONS, outputs, strict=True):
+        print(f"\nQ: {question}\nA: {output.outputs[0].text.strip()}")
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"\n{tokens} tokens for {len(outputs)} chats in {elapsed:.2f} s")
+    print(f"({tokens / elapsed:.1f} tokens/s, batched, on {llm.llm_engine.runner.device})")
+    return 0
 
 
 def _backends(args: argparse.Namespace) -> int:
@@ -24,30 +95,52 @@ def _backends(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from attnserve.demo import run_attention_demo
+def _engine_parser(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help_text: str
+) -> argparse.ArgumentParser:
+    from attnserve.engine.arg_utils import EngineArgs
 
-    return run_attention_demo()
+    parser: argparse.ArgumentParser = commands.add_parser(name, help=help_text)
+    EngineArgs.add_cli_args(parser)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    generate = _engine_parser(commands, "generate", "generate text for prompts")
+    generate.add_argument("--prompt", action="append", required=True, help="repeatable")
+    _add_sampling_args(generate, temperature=0.0)
+    generate.set_defaults(handler=_generate)
+    chat = _engine_parser(commands, "chat", "chat with a model in the terminal")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(chat, temperature=0.7)
+    chat.set_defaults(handler=_chat)
+    demo = commands.add_parser("demo", help="chat with the embedded default model")
+    demo.set_defaults(handler=_demo)
     backends = commands.add_parser("backends", help="list attention backends and whether they fit")
     backends.add_argument("--head-size", type=int, default=128)
     backends.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     backends.add_argument("--block-size", type=int, default=16)
     backends.add_argument("--device", default=None)
     backends.set_defaults(handler=_backends)
-    demo = commands.add_parser("demo", help="run the quick-start demo")
-    demo.set_defaults(handler=_demo)
+    bench = commands.add_parser("bench", help="benchmarks (GPU)")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    kernels = bench_commands.add_parser("kernels", help="attention kernels' decode/prefill speed")
+    from attnserve.bench.kernels import add_arguments as add_kernel_bench_arguments
+
+    add_kernel_bench_arguments(kernels)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
-    return handler(args)
+    try:
+        return handler(args)
+    except ValueError as error:
+        print(f"attnserve: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

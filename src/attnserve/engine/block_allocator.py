@@ -1,13 +1,18 @@
-"""`BlockAllocator`: the pool of KV-cache block ids, with reference counts for sharing.
+"""`BlockAllocator`: the pool of KV-cache block ids, with reference counts and a prefix cache.
 
 Blocks are plain integers 0..num_blocks-1 indexing the cache tensors along their block axis.
 Running out is reported with `OutOfBlocksError` (nothing is allocated then) so the scheduler can
 preempt; it is never a crash.
+
+With prefix caching, a full block can be registered under the chained hash of its tokens. When
+its last holder frees it, it keeps its contents and stays findable (an evictable block) until an
+allocation needs the space: free, unhashed blocks go first, then evictable ones, least recently
+used first.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 
@@ -15,33 +20,57 @@ class OutOfBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 
 
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """The hash of a full block: its tokens and the hash of the block before it."""
+    return hash((parent, tokens))
+
+
 class BlockAllocator:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
         self._ref_counts = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}
+        self._block_of: dict[int, int] = {}
+        self._tokens_of: dict[int, tuple[int, ...]] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take now (evictable cached blocks included)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free_blocks
 
     def allocate(self, num_blocks: int = 1) -> list[int]:
-        """Take `num_blocks` free blocks (reference count 1 each), all or none."""
+        """Take `num_blocks` blocks (reference count 1 each), all or none."""
         if num_blocks < 0:
             raise ValueError(f"cannot allocate {num_blocks} blocks")
-        if num_blocks > len(self._free):
+        if num_blocks > self.num_free_blocks:
             raise OutOfBlocksError(
-                f"need {num_blocks} KV blocks, {len(self._free)} of {self.num_blocks} free"
+                f"need {num_blocks} KV blocks, {self.num_free_blocks} of {self.num_blocks} free"
             )
-        blocks = [self._free.popleft() for _ in range(num_blocks)]
+        blocks = [self._take_one() for _ in range(num_blocks)]
         for block in blocks:
             self._ref_counts[block] = 1
         return blocks
+
+    def _take_one(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        block, _ = self._evictable.popitem(last=False)
+        self._forget_hash(block)
+        return block
 
     def share(self, blocks: Iterable[int]) -> None:
         """Add one holder to each of `blocks` (they must be allocated)."""
@@ -50,15 +79,51 @@ class BlockAllocator:
             self._ref_counts[block] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop one holder from each of `blocks`; a block with no holder left is free again."""
+        """Drop one holder from each of `blocks`; a block with no holder left is free again
+        (kept findable if it is registered in the prefix cache)."""
         for block in blocks:
             self._check_held(block)
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free.append(block)
+                if block in self._hash_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
+
+    def register(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """Make a full, computed block findable by its chained hash (first writer wins)."""
+        if not self.enable_prefix_caching or block_hash in self._block_of:
+            return
+        if block in self._hash_of:
+            return
+        self._hash_of[block] = block_hash
+        self._block_of[block_hash] = block
+        self._tokens_of[block] = tokens
+
+    def acquire_cached(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+        """The cached block holding exactly `tokens` under `block_hash`, with one more holder."""
+        if not self.enable_prefix_caching:
+            return None
+        self.prefix_queries += 1
+        block = self._block_of.get(block_hash)
+        if block is None or self._tokens_of[block] != tokens:
+            return None
+        self.prefix_hits += 1
+        if self._ref_counts[block] == 0:
+            del self._evictable[block]
+        self._ref_counts[block] += 1
+        return block
+
+    def cached_hash(self, block: int) -> int | None:
+        return self._hash_of.get(block)
+
+    def _forget_hash(self, block: int) -> None:
+        block_hash = self._hash_of.pop(block)
+        del self._block_of[block_hash]
+        del self._tokens_of[block]
 
     def _check_held(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:

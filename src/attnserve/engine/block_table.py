@@ -1,8 +1,12 @@
-"""`BlockTable`: one sequence's ordered list of KV blocks, grown as its tokens grow."""
+"""`BlockTable`: one sequence's ordered list of KV blocks, grown as its tokens grow.
+
+With prefix caching it also finds the cached blocks of a new sequence's longest cached prefix,
+and registers each block once it is full and computed, under the chained hash of its tokens.
+"""
 
 from __future__ import annotations
 
-from attnserve.engine.block_allocator import BlockAllocator
+from attnserve.engine.block_allocator import BlockAllocator, OutOfBlocksError, chain_hash
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -14,6 +18,7 @@ class BlockTable:
         self.allocator = allocator
         self.block_size = block_size
         self.blocks: list[int] = []
+        self.block_hashes: list[int] = []  # of blocks[0 .. len-1], each full and registered
 
     @property
     def capacity(self) -> int:
@@ -28,6 +33,61 @@ class BlockTable:
         """Grow to hold `num_tokens` tokens; OutOfBlocksError (taking nothing) if short."""
         self.blocks += self.allocator.allocate(self.extra_blocks_for(num_tokens))
 
+    def _block_tokens(self, token_ids: list[int], index: int) -> tuple[int, ...]:
+        return tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+
+    def match_prefix(self, token_ids: list[int]) -> int:
+        """For an empty table, take the cached blocks of the longest cached prefix of
+        `token_ids`, leaving at least one token to compute; return the tokens they hold."""
+        if self.blocks:
+            raise ValueError("match_prefix needs an empty block table")
+        parent: int | None = None
+        for index in range((len(token_ids) - 1) // self.block_size):
+            tokens = self._block_tokens(token_ids, index)
+            block_hash = chain_hash(parent, tokens)
+            block = self.allocator.acquire_cached(block_hash, tokens)
+            if block is None:
+                break
+            self.blocks.append(block)
+            self.block_hashes.append(block_hash)
+            parent = block_hash
+        return self.capacity
+
+    def register_full_blocks(self, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Register every block that is now full of computed tokens."""
+        if not self.allocator.enable_prefix_caching:
+            return
+        for index in range(len(self.block_hashes), num_computed_tokens // self.block_size):
+            tokens = self._block_tokens(token_ids, index)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            block_hash = chain_hash(parent, tokens)
+            self.allocator.register(self.blocks[index], block_hash, tokens)
+            self.block_hashes.append(block_hash)
+
+    def fork(self) -> BlockTable:
+        """A table sharing every block of this one (one more holder each)."""
+        twin = BlockTable(self.allocator, self.block_size)
+        self.allocator.share(self.blocks)
+        twin.blocks = list(self.blocks)
+        twin.block_hashes = list(self.block_hashes)
+        return twin
+
+    def prepare_write(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Make tokens start..end-1 writable: copy shared blocks they fall in (copy-on-write)
+        and grow to hold them. Returns the (src, dst) block copies the worker must make first.
+        All or nothing: OutOfBlocksError leaves the table as it was."""
+        first, last = start // self.block_size, min(end - 1, self.capacity - 1) // self.block_size
+        shared = [i for i in range(first, last + 1) if self.allocator.ref_count(self.blocks[i]) > 1]
+        if not self.allocator.can_allocate(len(shared) + self.extra_blocks_for(end)):
+            raise OutOfBlocksError(f"copy-on-write of {len(shared)} blocks and growth to {end}")
+        copies = []
+        for index, new in zip(shared, self.allocator.allocate(len(shared)), strict=True):
+            copies.append((self.blocks[index], new))
+            self.allocator.free([self.blocks[index]])
+            self.blocks[index] = new
+        self.ensure_capacity(end)
+        return copies
+
     def slot(self, position: int) -> int:
         """The flat cache slot of token `position`."""
         if not 0 <= position < self.capacity:
@@ -40,3 +100,4 @@ class BlockTable:
         """Release every block (one holder each)."""
         self.allocator.free(self.blocks)
         self.blocks = []
+        self.block_hashes = []

@@ -1,0 +1,137 @@
+"""`LLMEngine`: requests in, `RequestOutput`s out, one scheduled step at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from attnserve.engine.arg_utils import EngineArgs
+from attnserve.engine.block_allocator import BlockAllocator
+from attnserve.engine.block_table import BlockTable
+from attnserve.engine.request import Request
+from attnserve.engine.scheduler import Scheduler
+from attnserve.engine.sequence import Sequence
+from attnserve.engine.step_inputs import build_batch
+from attnserve.model.tokenizer import load_tokenizer
+from attnserve.outputs import RequestOutput
+from attnserve.sampling_params import SamplingParams
+from attnserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        started = time.perf_counter()
+        self.args = args
+        self.model_config, cache_config, scheduler_config = args.create_configs()
+        torch.manual_seed(args.seed)
+        self.tokenizer: PreTrainedTokenizerBase | None = (
+            load_tokenizer(self.model_config) if self.model_config.tokenizer else None
+        )
+        self.runner = ModelRunner(
+            self.model_config, cache_config, args.resolved_device(), args.attention_backend
+        )
+        self.block_size = cache_config.block_size
+        self.allocator = BlockAllocator(self.runner.num_blocks, cache_config.enable_prefix_caching)
+        swap_blocks = self.runner.num_swap_blocks
+        self.scheduler = Scheduler(
+            scheduler_config,
+            self.allocator,
+            BlockAllocator(swap_blocks) if swap_blocks else None,
+            scheduler_config.preemption_mode,
+        )
+        self.eos_token_ids = list(self.model_config.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        logger.info("engine ready in %.1f s", time.perf_counter() - started)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token id lists")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = sampling_params or SamplingParams()
+        text, token_ids = self.tokenize(prompt)
+        self._check_prompt(token_ids)
+        seq = Sequence(request_id, token_ids, params, BlockTable(self.allocator, self.block_size))
+        self.requests[request_id] = Request(request_id, text, seq, self.tokenizer)
+        self.scheduler.add(seq)
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        max_len = self.model_config.max_model_len
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens leaves no room under max_model_len {max_len}"
+            )
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        capacity = self.allocator.num_blocks * self.block_size
+        if len(token_ids) + 1 > capacity:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens does not fit the KV cache ({capacity} tokens)"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; every block it held is free when this returns."""
+        self.scheduler.abort(request_id)
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute and update once; outputs for every request that advanced."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
+            return []
+        results = self.runner.execute(build_batch(scheduled, self.eos_token_ids))
+        touched = self.scheduler.update(scheduled, results, self.eos_token_ids)
+        advanced: dict[str, Request] = {}
+        for seq in touched:
+            request = self.requests[seq.request_id]
+            if request.observe(seq) and not seq.is_finished:
+                self.scheduler.finish(seq, "stop")  # the text is already cut at the stop
+            advanced[seq.request_id] = request
+        outputs = []
+        for request_id, request in advanced.items():
+            output = request.output()
+            if output is not None:
+                outputs.append(output)
+            if request.finished:
+                del self.requests[request_id]
+        return outputs
+
+    def stats(self) -> dict[str, float]:
+        """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate."""
+        used = self.allocator.num_blocks - self.allocator.num_free_blocks
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            "kv_cache_usage": used / self.allocator.num_blocks,
+            "prefix_cache_hit_rate": self.allocator.prefix_hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,243 @@
+"""`Scheduler`: continuous batching with chunked prefill, prefix caching and preemption.
+
+The policy, once per step, within `max_num_seqs` sequences and `max_num_batched_tokens` tokens:
+1. Running sequences first, oldest first: a decoding sequence takes one token, a sequence still
+   in its prompt takes as much of the rest of it as the token budget allows. So decodes are never
+   starved by new prompts. When a running sequence needs a block and none is free, the newest
+   running sequence is preempted: by recompute (its blocks freed, its tokens prefilled again
+   later) or, with `preemption_mode="swap"` and room in the host swap space, by swapping its
+   blocks out to host memory.
+2. Then swapped-out sequences are swapped back in, oldest first, while blocks allow.
+3. Then waiting sequences, first come first served, while the budget and free blocks last. A
+   new sequence first takes the cached blocks of its longest cached prefix (prefix caching) and
+   computes only the rest; a long prompt is split into chunks across steps (chunked prefill).
+A step that had to preempt admits nothing new (no thrashing). Writes into a block shared with a
+parallel-sampling sibling copy it first (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from attnserve.config import PREEMPTION_MODES, SchedulerConfig
+from attnserve.engine.block_allocator import BlockAllocator, OutOfBlocksError
+from attnserve.engine.sequence import Sequence, SequenceStatus
+from attnserve.worker.batch import BlockPairs, SampleOutput, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so a next token is drawn."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_new_tokens > 1 or self.seq.num_computed_tokens == 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    swap_in: BlockPairs = field(default_factory=list)  # (host block, device block)
+    swap_out: BlockPairs = field(default_factory=list)  # (device block, host block)
+    copies: BlockPairs = field(default_factory=list)  # (device src, device dst)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: BlockAllocator,
+        swap_allocator: BlockAllocator | None = None,
+        preemption_mode: str = "recompute",
+    ) -> None:
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
+        self.config = config
+        self.allocator = allocator
+        self.swap_allocator = swap_allocator
+        self.preemption_mode = preemption_mode
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` wherever it is, freeing its device and host blocks at once."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if self.swap_allocator is not None and seq.swapped_blocks:
+            self.swap_allocator.free(seq.swapped_blocks)
+            seq.swapped_blocks = []
+        seq.finish(reason)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """End every sequence of a request; return them."""
+        seqs = [
+            s
+            for queue in (self.running, self.waiting, self.swapped)
+            for s in queue
+            if s.request_id == request_id
+        ]
+        for seq in seqs:
+            self.finish(seq, "abort")
+        return seqs
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            chunk = min(seq.num_uncomputed_tokens, budget)
+            if self._make_room(seq, chunk, out):
+                out.scheduled.append(ScheduledSequence(seq, chunk))
+                budget -= chunk
+        if self.num_preemptions == preemptions_before:
+            budget = self._swap_in(out, budget)
+        if self.num_preemptions == preemptions_before and not self.swapped:
+            self._admit_waiting(out, budget)
+        out.scheduled.sort(key=lambda item: not item.is_prefill)
+        return out
+
+    def _room_left(self, out: SchedulerOutput, budget: int) -> bool:
+        return budget > 0 and len(out.scheduled) < self.config.max_num_seqs
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and self._room_left(out, budget):
+            seq = self.swapped[0]
+            chunk = min(seq.num_uncomputed_tokens, budget)
+            end = seq.num_computed_tokens + chunk
+            if not self.allocator.can_allocate(seq.block_table.extra_blocks_for(end)):
+                break
+            self.swapped.popleft()
+            seq.block_table.ensure_capacity(end)
+            out.swap_in += zip(seq.swapped_blocks, seq.block_table.blocks, strict=False)
+            if self.swap_allocator is not None:
+                self.swap_allocator.free(seq.swapped_blocks)
+            seq.swapped_blocks = []
+            self._start(seq, chunk, out)
+            budget -= chunk
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and self._room_left(out, budget):
+            seq = self.waiting[0]
+            if not seq.block_table.blocks:
+                seq.num_computed_tokens = seq.block_table.match_prefix(seq.token_ids)
+            chunk = min(seq.num_uncomputed_tokens, budget)
+            end = seq.num_computed_tokens + chunk
+            if not self.allocator.can_allocate(seq.block_table.extra_blocks_for(end)):
+                seq.reset_for_recompute()
+                return
+            seq.block_table.ensure_capacity(end)
+            self.waiting.popleft()
+            self._start(seq, chunk, out)
+            budget -= chunk
+
+    def _start(self, seq: Sequence, chunk: int, out: SchedulerOutput) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSequence(seq, chunk))
+
+    def _make_room(self, seq: Sequence, chunk: int, out: SchedulerOutput) -> bool:
+        """Make `seq`'s next `chunk` tokens writable, preempting newer sequences if needed.
+        False when `seq` itself had to go."""
+        start = seq.num_computed_tokens
+        while True:
+            try:
+                out.copies += seq.block_table.prepare_write(start, start + chunk)
+                return True
+            except OutOfBlocksError:
+                victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:
+                    logger.warning("request %s outgrew the whole KV cache", seq.request_id)
+                    self.finish(seq, "length")
+                    return False
+                self._preempt(victim, out)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.num_preemptions += 1
+        blocks = seq.block_table.blocks
+        swap = self.swap_allocator
+        if self.preemption_mode == "swap" and swap is not None and swap.can_allocate(len(blocks)):
+            seq.swapped_blocks = swap.allocate(len(blocks))
+            out.swap_out += zip(blocks, seq.swapped_blocks, strict=True)
+            seq.block_table.free()
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            return
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+
+    def update(
+        self, out: SchedulerOutput, results: list[SampleOutput | None], eos_token_ids: list[int]
+    ) -> list[Sequence]:
+        """Record one step's results (forking where a prompt drew several tokens); return the
+        sequences that got a token, finished ones included."""
+        touched = []
+        for item, result in zip(out.scheduled, results, strict=True):
+            seq = item.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            seq.block_table.register_full_blocks(seq.token_ids, seq.num_computed_tokens)
+            if result is None:
+                continue
+            seq.prompt_logprobs += result.prompt_logprobs or []
+            if result.token_ids:
+                touched += self._accept(seq, result)
+        for seq in touched:
+            reason = self._finish_reason(seq, eos_token_ids)
+            if reason is not None:
+                self.finish(seq, reason)
+        return touched
+
+    def _accept(self, seq: Sequence, result: SampleOutput) -> list[Sequence]:
+        logprobs: list[TokenLogprobs | None] = (
+            list(result.logprobs) if result.logprobs else [None] * len(result.token_ids)
+        )
+        forks = [
+            seq.fork(seq.index + i, token, lp)
+            for i, (token, lp) in enumerate(zip(result.token_ids[1:], logprobs[1:], strict=True), 1)
+        ]
+        seq.num_forks_pending = 0
+        seq.append(result.token_ids[0], logprobs[0])
+        position = self.running.index(seq) + 1
+        self.running[position:position] = forks
+        return [seq, *forks]
+
+    def _finish_reason(self, seq: Sequence, eos_token_ids: list[int]) -> str | None:
+        params = seq.sampling_params
+        token = seq.token_ids[-1]
+        num_output = len(seq.output_token_ids)
+        if num_output >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return "stop"
+            if not params.ignore_eos and token in eos_token_ids:
+                return "stop"
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return "length"
+        if len(seq.token_ids) >= self.config.max_model_len:
+            return "length"
+        return None

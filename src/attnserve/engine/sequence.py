@@ -1,0 +1,101 @@
+"""`Sequence`: one completion's state in the engine — tokens, progress, blocks, and how it ended.
+
+A request with n > 1 (or best_of) starts as one sequence; when its prompt is computed, that
+step draws one token per completion and the engine forks the sequence, the forks sharing the
+prompt's blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from attnserve.engine.block_table import BlockTable
+from attnserve.sampling_params import SamplingParams
+from attnserve.worker.batch import TokenLogprobs
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        block_table: BlockTable,
+        index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.block_table = block_table
+        self.token_ids = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_forks_pending = sampling_params.num_candidates - 1
+        self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.cumulative_logprob = 0.0
+        self.swapped_blocks: list[int] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sample_seed(self) -> int | None:
+        """The seed of this sequence's next draw, or None for the global generator."""
+        seed = self.sampling_params.seed
+        if seed is None:
+            return None
+        return hash((seed, self.index, len(self.output_token_ids))) & (2**62 - 1)
+
+    def append(self, token: int, logprobs: TokenLogprobs | None) -> None:
+        self.token_ids.append(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token]
+
+    def fork(self, index: int, token: int, logprobs: TokenLogprobs | None) -> Sequence:
+        """A sibling that shares this sequence's computed blocks and continues with `token`."""
+        child = Sequence(
+            self.request_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            self.block_table.fork(),
+            index,
+        )
+        child.num_forks_pending = 0
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        child.append(token, logprobs)
+        return child
+
+    def reset_for_recompute(self) -> None:
+        """Preempted by recompute: drop the cache; every token will be prefilled again."""
+        self.block_table.free()
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def finish(self, reason: str) -> None:
+        self.block_table.free()
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason

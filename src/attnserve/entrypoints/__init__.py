@@ -1,0 +1,1 @@
+"""Entry points: the offline `LLM` API and the OpenAI-compatible server."""

@@ -1,0 +1,138 @@
+"""`LLM`: the offline Python API, as in vLLM — `generate` and `chat` over one engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from attnserve.engine.arg_utils import EngineArgs
+from attnserve.engine.llm_engine import LLMEngine
+from attnserve.outputs import RequestOutput
+from attnserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine for offline batched generation. Keyword arguments are `EngineArgs` fields
+    (block_size, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, ...)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        attention_backend: str | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        load_format: str = "auto",
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        args = EngineArgs(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            attention_backend=attention_backend,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            load_format=load_format,
+            seed=seed,
+            **kwargs,
+        )
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+        return cls(**fields)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _broadcast(sampling_params, len(prompt_list))
+        ids = []
+        try:
+            for prompt, p in zip(prompt_list, params, strict=True):
+                ids.append(str(next(self._request_counter)))
+                self.llm_engine.add_request(ids[-1], prompt, p)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            for request_id in ids:
+                self.llm_engine.abort_request(request_id)
+            raise
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
+            while self.llm_engine.has_unfinished_requests() and len(finished) < len(wanted):
+                for output in self.llm_engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items: list[object] = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [[int(t) for t in items]]  # type: ignore[call-overload]
+    prompt_list: list[Prompt] = []
+    for item in items:
+        if not (isinstance(item, str) or (isinstance(item, list) and item)):
+            raise ValueError(f"a prompt is a string or a non-empty list of token ids, got {item!r}")
+        prompt_list.append(item)
+    return prompt_list
+
+
+def _broadcast(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling params for {count} prompts")
+    return list(params)

@@ -1,0 +1,234 @@
+"""`ModelConfig`: what model to serve, resolved and validated up front.
+
+`ModelConfig.resolve` accepts a local HF directory, a `.gguf` file, a dummy preset name, or None
+for the embedded default model (SmolLM2-135M-Instruct, converted once into the local cache).
+Every problem (missing path, unknown preset, unsupported architecture or rope type, bad dtype,
+too long `max_model_len`) is a ValueError raised here, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnserve.model.layers.rotary_embedding import SUPPORTED_ROPE_TYPES
+from attnserve.model.presets import DUMMY_PRESETS, preset_hf_config
+from attnserve.model.registry import check_architecture
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """ "auto": bfloat16 on CUDA (float16 without bf16 support), float32 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use one of {list(_DTYPES)}")
+        return dtype
+    if dtype == "auto":
+        if torch.device(device).type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use 'auto' or one of {list(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope scaling dict or None) from a transformers 4.x or 5.x config."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        scaling = None if params.get("rope_type", "default") == "default" else dict(params)
+        return float(params["rope_theta"]), scaling
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if scaling and "rope_type" not in scaling:
+        scaling = {**scaling, "rope_type": scaling.get("type", "default")}
+    return float(getattr(hf_config, "rope_theta", 10000.0)), scaling
+
+
+def layer_sliding_windows(hf_config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention)."""
+    window = getattr(hf_config, "sliding_window", None)
+    num_layers = int(hf_config.num_hidden_layers)
+    if window is None or getattr(hf_config, "use_sliding_window", True) is False:
+        return [None] * num_layers
+    layer_types = getattr(hf_config, "layer_types", None) or ["sliding_attention"] * num_layers
+    return [int(window) if kind == "sliding_attention" else None for kind in layer_types]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    hf_config: Any
+    tokenizer: str | None
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str
+    weights_path: str | None
+
+    @property
+    def architecture(self) -> str:
+        return str(self.hf_config.architectures[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.hf_config.num_attention_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(getattr(self.hf_config, "num_key_value_heads", None) or self.num_heads)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hf_config.hidden_size)
+
+    @property
+    def head_size(self) -> int:
+        head_dim = getattr(self.hf_config, "head_dim", None)
+        return int(head_dim) if head_dim else self.hidden_size // self.num_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @cached_property
+    def sliding_window(self) -> int | None:
+        windows = [w for w in layer_sliding_windows(self.hf_config) if w is not None]
+        return max(windows) if windows else None
+
+    @cached_property
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids: the model config's, plus generation_config.json's if present."""
+        ids = _as_id_list(getattr(self.hf_config, "eos_token_id", None))
+        generation = read_generation_config(self.model)
+        ids += [i for i in _as_id_list(generation.get("eos_token_id")) if i not in ids]
+        return ids
+
+    @classmethod
+    def resolve(
+        cls,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        load_format: str = "auto",
+        max_model_len: int | None = None,
+        device: str = "cpu",
+    ) -> ModelConfig:
+        """Validate the request and build the config (see the module docstring)."""
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load_format {load_format!r}; use one of {LOAD_FORMATS}")
+        torch_dtype = resolve_dtype(dtype, device)
+        if model is None:
+            from attnserve.model.default_model import default_model_dir
+
+            model = default_model_dir()
+        hf_config, default_tokenizer, load_format, weights_path = _describe(model, load_format)
+        _validate_hf_config(hf_config)
+        return cls(
+            model=model,
+            hf_config=hf_config,
+            tokenizer=_resolve_tokenizer(tokenizer, default_tokenizer),
+            dtype=torch_dtype,
+            max_model_len=_resolve_max_model_len(hf_config, max_model_len),
+            load_format=load_format,
+            weights_path=weights_path,
+        )
+
+
+def _describe(model: str, load_format: str) -> tuple[Any, str | None, str, str | None]:
+    """(hf_config, default tokenizer, concrete load format, weights path) for `model`."""
+    if model in DUMMY_PRESETS:
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"{model!r} is a dummy preset: load_format must be 'dummy'")
+        return preset_hf_config(model), None, "dummy", None
+    path = Path(model)
+    if path.is_dir():
+        return _describe_hf_dir(path, load_format)
+    if path.is_file() and path.suffix == ".gguf":
+        if load_format not in ("auto", "gguf", "dummy"):
+            raise ValueError(f"{model} is a GGUF file: load_format must be 'gguf' or 'dummy'")
+        from attnserve.model.loader.gguf import gguf_has_tokenizer, gguf_hf_config
+
+        concrete = "dummy" if load_format == "dummy" else "gguf"
+        tokenizer = str(path) if gguf_has_tokenizer(path) else None
+        return gguf_hf_config(path), tokenizer, concrete, str(path)
+    raise ValueError(
+        f"model {model!r} is neither an existing HF directory, a .gguf file, nor a dummy "
+        f"preset (known presets: {sorted(DUMMY_PRESETS)})"
+    )
+
+
+def _describe_hf_dir(path: Path, load_format: str) -> tuple[Any, str | None, str, str | None]:
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {path} has no config.json")
+    if load_format == "gguf":
+        raise ValueError(f"{path} is a directory: load_format 'gguf' needs a .gguf file")
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    _validate_hf_config(hf_config)
+    has_tokenizer = any((path / name).is_file() for name in _TOKENIZER_FILES)
+    tokenizer = str(path) if has_tokenizer else None
+    if load_format == "dummy":
+        return hf_config, tokenizer, "dummy", None
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"model directory {path} has no *.safetensors weights")
+    return hf_config, tokenizer, "safetensors", str(path)
+
+
+def _validate_hf_config(hf_config: Any) -> None:
+    architectures = getattr(hf_config, "architectures", None)
+    if not architectures:
+        raise ValueError("the model config names no architecture (config.json 'architectures')")
+    check_architecture(architectures[0])
+    _, scaling = rope_settings(hf_config)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+
+def _resolve_tokenizer(tokenizer: str | None, default: str | None) -> str | None:
+    if tokenizer is None:
+        return default
+    if not os.path.exists(tokenizer):
+        raise ValueError(f"tokenizer path {tokenizer!r} does not exist")
+    return tokenizer
+
+
+def _resolve_max_model_len(hf_config: Any, max_model_len: int | None) -> int:
+    model_max = int(hf_config.max_position_embeddings)
+    if max_model_len is None:
+        return model_max
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    if max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"({model_max})"
+        )
+    return max_model_len
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+
+
+def read_generation_config(model: str) -> dict[str, Any]:
+    path = Path(model) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    loaded: dict[str, Any] = json.loads(path.read_text())
+    return loaded

@@ -1,0 +1,1 @@
+"""The building blocks of attnserve's models: linear, embedding, norm, rotary, activation."""

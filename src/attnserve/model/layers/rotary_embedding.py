@@ -1,0 +1,82 @@
+"""Rotary position embedding (GPT-NeoX / HF Llama "rotate half" style), plain or Llama-3 scaled.
+
+The cos/sin table for every position up to `max_position` is built once, in float32, on the
+module's device; a forward gathers the rows of the batch's positions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency rescaling: long wavelengths divided by `factor`, short ones kept,
+    the band between interpolated smoothly."""
+    factor = float(scaling["factor"])
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_inv_freq(
+    head_size: int, base: float, scaling: Mapping[str, Any] | None = None
+) -> torch.Tensor:
+    """The per-pair inverse frequencies [head_size / 2] in float32."""
+    exponents = torch.arange(0, head_size, 2, dtype=torch.float32) / head_size
+    inv_freq = 1.0 / (base**exponents)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if scaling is not None and rope_type == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] float32; cos/sin [T, 1, D/2]."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_size: int,
+        max_position: int,
+        base: float,
+        scaling: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        inv_freq = rope_inv_freq(head_size, base, scaling)
+        device = torch.get_default_device()
+        angles = torch.outer(
+            torch.arange(max_position, dtype=torch.float32, device=device),
+            inv_freq.to(device),
+        )
+        self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), -1), False)
+        self.cos_sin_cache: torch.Tensor
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate query [T, H*D] and key [T, Hkv*D] by their tokens' positions [T]."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        rotated = []
+        for x in (query, key):
+            heads = x.view(x.shape[0], -1, self.head_size).float()
+            rotated.append(_rotate(heads, cos, sin).to(x.dtype).flatten(1))
+        return rotated[0], rotated[1]

@@ -1,0 +1,66 @@
+"""`load_model`: build the registered model for a `ModelConfig` on a device and fill its weights.
+
+The model is built directly on the target device in the config's dtype (parameters start
+uninitialised), then filled from safetensors, a GGUF file, or seeded random values (dummy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnserve.attention import AttentionBackend
+from attnserve.model.config import ModelConfig
+from attnserve.model.loader.weights import init_dummy_weights, iter_safetensors
+from attnserve.model.registry import get_model_cls
+
+if TYPE_CHECKING:
+    from attnserve.model.models.llama import LlamaForCausalLM
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    config: ModelConfig,
+    attn_backend: type[AttentionBackend],
+    device: torch.device | str,
+    kv_cache_dtype: str = "auto",
+) -> LlamaForCausalLM:
+    """The model with uninitialised weights on `device` (use "meta" to inspect shapes)."""
+    model_cls = get_model_cls(config.architecture)
+    with _default_dtype(config.dtype), torch.device(device):
+        return model_cls(config, attn_backend, kv_cache_dtype)
+
+
+@torch.no_grad()
+def load_model(
+    config: ModelConfig,
+    attn_backend: type[AttentionBackend],
+    device: torch.device,
+    kv_cache_dtype: str = "auto",
+) -> LlamaForCausalLM:
+    """The model in eval mode, on `device`, in `config.dtype`, with its weights loaded."""
+    model = build_model(config, attn_backend, device, kv_cache_dtype)
+    if config.load_format == "dummy":
+        init_dummy_weights(model)
+    elif config.load_format == "gguf":
+        from attnserve.model.loader.gguf import iter_gguf_weights
+
+        model.load_weights(iter_gguf_weights(config.weights_path or config.model, config.hf_config))
+    else:
+        model.load_weights(iter_safetensors(config.weights_path or config.model))
+    return model.eval()
+
+
+__all__ = ["build_model", "load_model"]

@@ -1,0 +1,1 @@
+"""Model implementations on attnserve's layers (see attnserve.model.registry)."""

@@ -1,0 +1,151 @@
+"""`Sampler`: next tokens from logits, batched on the device.
+
+Per row, in order: banned tokens masked, repetition / presence / frequency penalties, then greedy
+(temperature 0) or temperature with top-k, top-p and min-p, all as tensor ops over the batch. A
+draw uses the exponential-race trick (argmax of probs / Exp(1) noise), whose noise comes from the
+global generator, or, for a seeded request, from a generator seeded for that one draw, so a seeded
+request's tokens do not depend on what else is in the batch. Log-probabilities are those of the
+model's raw distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnserve.sampling_params import SamplingParams
+from attnserve.worker.batch import SampleOutput, SequenceInput, TokenLogprobs
+
+
+def top_logprobs(
+    logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]
+) -> list[TokenLogprobs]:
+    """Per row of `logprobs` [N, V]: the chosen token's log-probability and the row's top k."""
+    top_values, top_ids = logprobs.topk(max(ks), dim=-1)
+    chosen_values = logprobs.gather(-1, chosen[:, None]).squeeze(-1)
+    rows = []
+    for token, value, ids, values, k in zip(
+        chosen.tolist(),
+        chosen_values.tolist(),
+        top_ids.tolist(),
+        top_values.tolist(),
+        ks,
+        strict=True,
+    ):
+        entry = dict(zip(ids[:k], values[:k], strict=True))
+        entry[token] = value
+        rows.append(entry)
+    return rows
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, inputs: list[SequenceInput]) -> list[SampleOutput]:
+        """logits [N, V] float32, one row per input that samples -> one result per input."""
+        params = [s.sampling for s in inputs if s.sampling is not None]
+        if len(params) != len(inputs):
+            raise ValueError("every input given to the sampler must carry sampling params")
+        logits = self._apply_penalties(self._ban(logits, inputs), inputs)
+        counts = torch.tensor([s.num_samples for s in inputs], device=logits.device)
+        draws = logits.repeat_interleave(counts, dim=0) if int(counts.max()) > 1 else logits
+        draw_params = [p for s, p in zip(inputs, params, strict=True) for _ in range(s.num_samples)]
+        seeds = [
+            None if s.sample_seed is None else s.sample_seed + d
+            for s in inputs
+            for d in range(s.num_samples)
+        ]
+        tokens = self.sample(draws, draw_params, seeds)
+        logprobs = self._logprobs(draws, tokens, draw_params)
+        flat_tokens = tokens.tolist()
+        results, start = [], 0
+        for s in inputs:
+            end = start + s.num_samples
+            chunk = None if logprobs is None else logprobs[start:end]
+            results.append(SampleOutput(flat_tokens[start:end], chunk))
+            start = end
+        return results
+
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]
+    ) -> torch.Tensor:
+        """One draw per row of `logits` [N, V] -> token ids [N] (int64)."""
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy_tokens
+        device = logits.device
+        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        probs = torch.softmax(self._filter(logits / temperature[:, None], params), dim=-1)
+        noise = self._exponential_noise(probs, seeds)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        return torch.where(is_greedy, greedy_tokens, sampled)
+
+    @staticmethod
+    def _ban(logits: torch.Tensor, inputs: list[SequenceInput]) -> torch.Tensor:
+        rows = [(r, t) for r, s in enumerate(inputs) for t in s.banned_token_ids]
+        if not rows:
+            return logits
+        index = torch.tensor(rows, device=logits.device).T
+        return logits.index_put(
+            (index[0], index[1]), torch.tensor(-float("inf"), device=index.device)
+        )
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, inputs: list[SequenceInput]) -> torch.Tensor:
+        rows = [
+            r for r, s in enumerate(inputs) if s.sampling is not None and s.sampling.has_penalties
+        ]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for r in rows:
+            s, p = inputs[r], inputs[r].sampling
+            if p is None or s.prompt_token_ids is None or s.output_token_ids is None:
+                raise ValueError("penalties need the prompt and output token ids")
+            row = logits[r]
+            output = torch.tensor(s.output_token_ids, dtype=torch.int64, device=row.device)
+            counts = torch.zeros_like(row).index_add_(
+                0, output, torch.ones_like(output, dtype=row.dtype)
+            )
+            seen = counts > 0
+            seen[torch.tensor(s.prompt_token_ids, device=row.device)] = True
+            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row = torch.where(seen, scaled, row)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+            logits[r] = row
+        return logits
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+    ) -> list[TokenLogprobs] | None:
+        wanted = [p.logprobs is not None or p.num_candidates > p.n for p in params]
+        if not any(wanted):
+            return None
+        ks = [p.logprobs or 0 for p in params]
+        return top_logprobs(torch.log_softmax(logits, dim=-1), tokens, ks)
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Mask out tokens outside each row's top-k, top-p nucleus and min-p floor."""
+        vocab = logits.shape[-1]
+        device = logits.device
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=device)[None, :]
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = (rank >= top_k[:, None]) | (mass_before >= top_p[:, None])
+        drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+        drop[:, 0] = False  # the most likely token always survives
+        masked = sorted_logits.masked_fill(drop, -float("inf"))
+        return torch.empty_like(logits).scatter_(-1, order, masked)
+
+    @staticmethod
+    def _exponential_noise(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_()
+        for row, seed in enumerate(seeds):
+            if seed is not None:
+                generator = torch.Generator(device=probs.device).manual_seed(seed)
+                noise[row].exponential_(generator=generator)
+        return noise

@@ -1,0 +1,52 @@
+"""Shared fixtures: a tiny random Llama saved as an HF directory, and HF's own greedy output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_LLAMA = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "eos_token_id": 383,
+    "bos_token_id": 1,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An HF LlamaForCausalLM with random weights (std large enough for varied argmaxes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY_LLAMA)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.2)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers' own greedy continuation of `prompt` (no EOS stop)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # run on through EOS, like ignore_eos
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        )
+    return [int(t) for t in out[0, len(prompt) :]]

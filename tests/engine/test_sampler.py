@@ -1,0 +1,97 @@
+"""Sampler against the distributions it should draw from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnserve.model.sampler import Sampler
+from attnserve.sampling_params import SamplingParams
+from attnserve.worker.batch import SequenceInput
+
+PROBS = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+
+
+def _draw(params: SamplingParams, n: int = 4000) -> torch.Tensor:
+    torch.manual_seed(0)
+    logits = PROBS.log().repeat(n, 1)
+    return Sampler().sample(logits, [params] * n, [None] * n)
+
+
+def _frequencies(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=len(PROBS)).float() / len(tokens)
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(6, 50)
+    tokens = Sampler().sample(logits, [SamplingParams(temperature=0)] * 6, [None] * 6)
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_temperature_one_follows_the_distribution() -> None:
+    freq = _frequencies(_draw(SamplingParams(temperature=1.0)))
+    torch.testing.assert_close(freq, PROBS, atol=0.03, rtol=0)
+
+
+def test_top_k_keeps_the_k_most_likely_renormalised() -> None:
+    freq = _frequencies(_draw(SamplingParams(top_k=2)))
+    torch.testing.assert_close(freq, torch.tensor([2 / 3, 1 / 3, 0, 0, 0]), atol=0.03, rtol=0)
+
+
+def test_top_p_keeps_the_nucleus() -> None:
+    freq = _frequencies(_draw(SamplingParams(top_p=0.8)))  # 0.5 + 0.25 < 0.8: three survive
+    assert freq[3] == 0 and freq[4] == 0 and freq[2] > 0
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    freq = _frequencies(_draw(SamplingParams(min_p=0.2)))  # floor 0.1: 0.07 and 0.03 dropped
+    assert freq[3] == 0 and freq[4] == 0 and freq[2] > 0
+
+
+def test_seeded_draws_do_not_depend_on_the_batch() -> None:
+    logits = torch.randn(3, 100)
+    params = [SamplingParams(temperature=1.0, seed=1)] * 3
+    alone = Sampler().sample(logits[1:2], params[:1], [42])
+    batched = Sampler().sample(logits, params, [7, 42, None])
+    assert batched[1] == alone[0]
+    again = Sampler().sample(logits, params, [7, 42, None])
+    assert again[0] == batched[0]
+
+
+def _input(params: SamplingParams, **kwargs: object) -> SequenceInput:
+    return SequenceInput([1], 0, [0], sampling=params, **kwargs)  # type: ignore[arg-type]
+
+
+def test_banned_tokens_are_never_drawn() -> None:
+    logits = PROBS.log()[None]
+    (out,) = Sampler()(logits, [_input(SamplingParams(temperature=0), banned_token_ids=(0, 1))])
+    assert out.token_ids == [2]
+
+
+def test_penalties_follow_their_definitions() -> None:
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
+    params = SamplingParams(
+        temperature=0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25
+    )
+    row = _input(params, prompt_token_ids=[2], output_token_ids=[0, 0, 3])
+    penalised = Sampler._apply_penalties(logits, [row])
+    # token 0: seen twice in the output -> 2/2 - 0.5 - 0.5; token 2: in the prompt -> -1*2
+    expected = torch.tensor([[2 / 2 - 0.5 - 0.25 * 2, 1.0, -2.0, 0.5 / 2 - 0.5 - 0.25]])
+    torch.testing.assert_close(penalised, expected)
+
+
+def test_parallel_draws_and_logprobs() -> None:
+    logits = torch.randn(2, 30)
+    rows = [
+        _input(SamplingParams(n=3, temperature=1.0, logprobs=2), num_samples=3, sample_seed=5),
+        _input(SamplingParams(temperature=0, logprobs=0)),
+    ]
+    first, second = Sampler()(logits, rows)
+    assert len(first.token_ids) == 3 and len(second.token_ids) == 1
+    assert first.logprobs is not None and second.logprobs is not None
+    reference = torch.log_softmax(logits, -1)
+    for token, entry in zip(first.token_ids, first.logprobs, strict=True):
+        assert entry[token] == pytest.approx(float(reference[0, token]), abs=1e-5)
+        top2 = reference[0].topk(2).indices.tolist()
+        assert set(top2) <= set(entry)
+    assert list(second.logprobs[0]) == [int(logits[1].argmax())]

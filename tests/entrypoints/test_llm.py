@@ -1,0 +1,157 @@
+"""The offline `LLM` API end to end, against HF transformers on the same weights.
+
+Greedy tokens must equal HF's `generate` however the engine schedules: one batch, chunked
+prefill under a small token budget, preemption by recompute and by swap under a tiny KV cache,
+prefix-cache hits, parallel sampling.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from attnserve import LLM, SamplingParams
+from tests.conftest import hf_greedy
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(2, 380) for _ in range(n)] for n in (5, 23, 41, 9)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    return [hf_greedy(tiny_llama_dir, p, NEW_TOKENS) for p in prompts]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+ENGINE_SETUPS = {
+    "one-batch": {},
+    "chunked-prefill": {"max_num_batched_tokens": 16},
+    "recompute-preemption": {"kv_cache_memory_bytes": 14 * 4096, "block_size": 4},
+    "swap-preemption": {
+        "kv_cache_memory_bytes": 14 * 4096,
+        "block_size": 4,
+        "preemption_mode": "swap",
+    },
+    "no-prefix-cache": {"enable_prefix_caching": False, "max_num_seqs": 2},
+}
+
+
+@pytest.mark.parametrize("setup", ENGINE_SETUPS, ids=str)
+def test_greedy_matches_hf(
+    tiny_llama_dir: Path, prompts: list[list[int]], expected: list[list[int]], setup: str
+) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu", **ENGINE_SETUPS[setup])
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    stats = llm.llm_engine.stats()
+    if "preemption" in setup:
+        assert stats["num_preemptions"] > 0
+    assert llm.llm_engine.allocator.num_free_blocks == llm.llm_engine.allocator.num_blocks
+
+
+def test_prefix_cache_hits_keep_outputs(
+    tiny_llama_dir: Path, prompts: list[list[int]], expected: list[list[int]]
+) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu", block_size=4)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert llm.llm_engine.allocator.prefix_hit_rate > 0.3
+
+
+def test_parallel_sampling_and_seeds(tiny_llama_dir: Path, prompts: list[list[int]]) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu", block_size=4)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    (together,) = llm.generate(prompts[1:2], params, use_tqdm=False)
+    assert [c.index for c in together.outputs] == [0, 1, 2]
+    samples = [tuple(c.token_ids) for c in together.outputs]
+    assert len(set(samples)) > 1  # independent draws
+    mixed = llm.generate(prompts, [GREEDY, params, GREEDY, GREEDY], use_tqdm=False)
+    assert [tuple(c.token_ids) for c in mixed[1].outputs] == samples  # batch-independent
+    assert llm.llm_engine.allocator.num_free_blocks == llm.llm_engine.allocator.num_blocks
+
+
+def test_greedy_n_copies_and_best_of(
+    tiny_llama_dir: Path, prompts: list[list[int]], expected: list[list[int]]
+) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu")
+    params = SamplingParams(n=2, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    (out,) = llm.generate(prompts[:1], params, use_tqdm=False)
+    assert [c.token_ids for c in out.outputs] == [expected[0], expected[0]]
+    best = SamplingParams(n=1, best_of=3, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)
+    (out,) = llm.generate(prompts[:1], best, use_tqdm=False)
+    assert len(out.outputs) == 1 and out.outputs[0].cumulative_logprob is not None
+
+
+def test_logprobs_and_prompt_logprobs(tiny_llama_dir: Path, prompts: list[list[int]]) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1)
+    (out,) = llm.generate(prompts[1:2], params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.logprobs is not None and len(completion.logprobs) == 3
+    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert entry[token] == max(entry.values())  # greedy picks the most likely
+        assert len(entry) <= 3
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(prompts[1])  # across chunks of 8
+    for token, entry in zip(prompts[1][1:], out.prompt_logprobs[1:], strict=True):
+        assert entry is not None and token in entry and all(v <= 0 for v in entry.values())
+
+
+def test_min_tokens_and_stop_token_ids(tiny_llama_dir: Path, expected: list[list[int]]) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu")
+    prompt = [5, 6, 7]
+    free_run = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = free_run[3]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, stop_token_ids=[stop_at])
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free_run[: free_run.index(stop_at) + 1]
+    assert out.finish_reason == "stop"
+    banned = SamplingParams(
+        temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, stop_token_ids=[stop_at]
+    )
+    out = llm.generate([prompt], banned, use_tqdm=False)[0].outputs[0]
+    assert stop_at not in out.token_ids and len(out.token_ids) == NEW_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "message"),
+    [
+        ([], {}, "non-empty list"),
+        ([1, 2, 9999], {}, "token ids must be in"),
+        ("text", {}, "no tokenizer"),
+        (list(range(2, 600)), {}, "max_model_len"),
+    ],
+)
+def test_bad_requests_are_value_errors_and_leak_nothing(
+    tiny_llama_dir: Path, prompt: object, kwargs: dict[str, object], message: str
+) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu")
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[3, 4], prompt], GREEDY, use_tqdm=False)  # type: ignore[list-item]
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.allocator.num_free_blocks == llm.llm_engine.allocator.num_blocks
+
+
+def test_bad_engine_arguments_are_value_errors(tiny_llama_dir: Path) -> None:
+    for kwargs, message in [
+        ({"block_size": 0}, "block_size"),
+        ({"preemption_mode": "pray"}, "preemption_mode"),
+        ({"device": "tpu"}, "device"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tiny_llama_dir), **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=0)
