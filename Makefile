@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/attnserve demo
+	$(VENV)/bin/attnserve generate --chat --max-tokens 48 "What is the capital of France?"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

@@ -45,8 +45,9 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # run on through EOS, like ignore_eos
+    ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
         )
     return [int(t) for t in out[0, len(prompt) :]]

@@ -1,4 +1,4 @@
-"""The `attnserve` command: generate, chat, demo, backends — each a thin call into the package."""
+"""The `attnserve` command: generate, chat, serve, bench, backends — thin calls into the package."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from attnserve.attention.backends.abstract import AttentionSpec
-from attnserve.attention.selector import backend_report, default_device
+from attnserve.attention.selector import (
+    backend_report,
+    default_device,
+    describe_capabilities,
+    get_attn_backend,
+    registered_capabilities,
+)
 from attnserve.sampling_params import SamplingParams
-
-DEMO_QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give me three tips for learning Python.",
-]
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -46,10 +46,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     started = time.perf_counter()
-    outputs = llm.generate(args.prompt, _sampling(args), use_tqdm=False)
+    if args.chat:
+        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+        outputs = llm.chat(conversations, _sampling(args), use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompts, _sampling(args), use_tqdm=False)
     elapsed = time.perf_counter() - started
-    for output in outputs:
-        print(f"--- {output.prompt!r}\n{output.outputs[0].text}")
+    for prompt, output in zip(args.prompts, outputs, strict=True):
+        print(f"> {prompt}\n{output.outputs[0].text.strip()}\n")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"[{tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tokens/s]")
     return 0
@@ -65,23 +69,6 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from attnserve.entrypoints.llm import LLM
-
-    print("loading the embedded default model (SmolLM2-135M-Instruct)...", flush=True)
-    llm = LLM()
-    params = SamplingParams(temperature=0, max_tokens=64)
-    started = time.perf_counter()
-    outputs = llm.chat([[{"role": "user", "content": q}] for q in DEMO_QUESTIONS], params)
-    elapsed = time.perf_counter() - started
-    for question, output in zip(DEMO_QUESTIONS, outputs, strict=True):
-        print(f"\nQ: {question}\nA: {output.outputs[0].text.strip()}")
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"\n{tokens} tokens for {len(outputs)} chats in {elapsed:.2f} s")
-    print(f"({tokens / elapsed:.1f} tokens/s, batched, on {llm.llm_engine.runner.device})")
-    return 0
-
-
 def _backends(args: argparse.Namespace) -> int:
     spec = AttentionSpec(
         head_size=args.head_size,
@@ -91,33 +78,44 @@ def _backends(args: argparse.Namespace) -> int:
     )
     print(f"attention backends for {spec}:")
     for name, reasons in backend_report(spec).items():
-        print(f"  {name:<16} {'ok' if not reasons else 'no: ' + '; '.join(reasons)}")
+        print(f"  {name:<16} {'can serve it' if not reasons else 'no: ' + '; '.join(reasons)}")
+        if name in registered_capabilities():
+            print(f"  {'':<16} {describe_capabilities(registered_capabilities()[name])}")
+    chosen = get_attn_backend(
+        spec.head_size, spec.dtype, block_size=spec.block_size, device=spec.device
+    )
+    print(f"selected: {chosen.get_name()} (highest priority among those that can serve it)")
     return 0
 
 
 def _engine_parser(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help_text: str
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    help_text: str,
+    positional_model: bool = True,
 ) -> argparse.ArgumentParser:
     from attnserve.engine.arg_utils import EngineArgs
 
     parser: argparse.ArgumentParser = commands.add_parser(name, help=help_text)
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, positional_model)
     return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    generate = _engine_parser(commands, "generate", "generate text for prompts")
-    generate.add_argument("--prompt", action="append", required=True, help="repeatable")
+    generate = _engine_parser(commands, "generate", "generate text for prompts", False)
+    generate.add_argument("prompts", nargs="+", metavar="PROMPT")
+    generate.add_argument("--chat", action="store_true", help="apply the chat template")
     _add_sampling_args(generate, temperature=0.0)
     generate.set_defaults(handler=_generate)
-    chat = _engine_parser(commands, "chat", "chat with a model in the terminal")
+    chat = _engine_parser(commands, "chat", "chat with a model in the terminal", False)
     chat.add_argument("--system", default=None, help="system prompt")
     _add_sampling_args(chat, temperature=0.7)
     chat.set_defaults(handler=_chat)
-    demo = commands.add_parser("demo", help="chat with the embedded default model")
-    demo.set_defaults(handler=_demo)
+    from attnserve.entrypoints.openai.cli_args import add_server_args
+
+    add_server_args(_engine_parser(commands, "serve", "OpenAI-compatible server (loopback)"))
     backends = commands.add_parser("backends", help="list attention backends and whether they fit")
     backends.add_argument("--head-size", type=int, default=128)
     backends.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")

@@ -13,7 +13,11 @@ import os
 
 import torch
 
-from attnserve.attention.backends.abstract import AttentionBackend, AttentionSpec
+from attnserve.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionSpec,
+    BackendCapabilities,
+)
 from attnserve.attention.registry import backend_names, get_backend_cls
 
 ENV_VAR = "ATTNSERVE_ATTENTION_BACKEND"
@@ -24,6 +28,37 @@ logger = logging.getLogger(__name__)
 def default_device() -> str:
     """'cuda' when a GPU is visible, else 'cpu'."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def registered_capabilities() -> dict[str, BackendCapabilities]:
+    """The declared capabilities of every registered backend that imports here."""
+    found = {}
+    for name in backend_names():
+        try:
+            found[name] = get_backend_cls(name).capabilities
+        except ImportError:
+            continue
+    return found
+
+
+def describe_capabilities(caps: BackendCapabilities) -> str:
+    """One line a person can read: what a backend supports."""
+    dtypes = "/".join(str(d).removeprefix("torch.") for d in caps.dtypes)
+    heads = "any" if caps.head_sizes is None else ",".join(map(str, caps.head_sizes))
+    features = [
+        f
+        for f, on in [
+            ("window", caps.sliding_window),
+            ("alibi", caps.alibi),
+            ("soft-cap", caps.logits_soft_cap),
+        ]
+        if on
+    ]
+    return (
+        f"{dtypes} on {','.join(caps.devices)}; head sizes {heads}; blocks "
+        f"{caps.min_block_size}..{caps.max_block_size}; kv {','.join(caps.kv_cache_dtypes)}; "
+        f"{'+'.join(features) or 'no window/alibi/soft-cap'}; priority {caps.priority}"
+    )
 
 
 def backend_report(spec: AttentionSpec) -> dict[str, list[str]]:

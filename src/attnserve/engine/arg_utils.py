@@ -74,9 +74,13 @@ class EngineArgs:
         return model_config, cache_config, scheduler_config
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """One `--flag-name` per field; `model` is positional and optional."""
-        parser.add_argument("model", nargs="?", default=None, help="HF dir, .gguf, or preset")
+    def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
+        """One `--flag-name` per field; `model` is positional (optional) or `--model`."""
+        model_help = "HF model dir, .gguf file or dummy preset (default: the embedded model)"
+        if positional_model:
+            parser.add_argument("model", nargs="?", default=None, help=model_help)
+        else:
+            parser.add_argument("--model", default=None, help=model_help)
         for f in dataclasses.fields(EngineArgs):
             if f.name == "model":
                 continue
