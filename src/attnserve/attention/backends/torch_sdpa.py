@@ -130,12 +130,21 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
     def _attend_group(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DenseGroup
     ) -> torch.Tensor:
-        group_size = self.num_heads // self.num_kv_heads
-        q_grid = q[group.grid_token].transpose(1, 2)  # [B, H, Q, D]
-        k_grid = self._expand_heads(k_cache[group.key_slots], group_size)  # [B, H, L, D]
-        v_grid = self._expand_heads(v_cache[group.key_slots], group_size)
-        allowed = self._allowed(group)  # [B, 1, Q, L]
+        """Attention of one dense group. The query heads sharing a KV head are folded into
+        that head's query rows ([B, Hkv, G*Q, D]), so K/V are gathered once, never repeated."""
+        batch, rows = group.grid_token.shape
+        kv_heads, dim = self.num_kv_heads, self.head_size
+        group_size = self.num_heads // kv_heads
+        q_grid = q[group.grid_token].view(batch, rows, kv_heads, group_size, dim)
+        q_grid = q_grid.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group_size * rows, dim)
+        k_grid = k_cache[group.key_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        v_grid = v_cache[group.key_slots].transpose(1, 2)
+        length = k_grid.shape[2]
+        allowed = self._allowed(group)[:, :, None].expand(batch, 1, group_size, rows, length)
+        allowed = allowed.reshape(batch, 1, group_size * rows, length)
         bias = self._alibi_bias(group)  # [B, H, Q, L] or None
+        if bias is not None:
+            bias = bias.view(batch, kv_heads, group_size * rows, length)
         if self.logits_soft_cap is not None:
             out = self._soft_capped_attention(
                 q_grid, k_grid, v_grid, allowed, bias, self.logits_soft_cap
@@ -145,15 +154,8 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
             out = F.scaled_dot_product_attention(
                 q_grid, k_grid, v_grid, attn_mask=mask, scale=self.scale
             )
-        rows = out.transpose(1, 2).reshape(-1, self.num_heads, self.head_size)
-        return rows[group.row_of_token]
-
-    @staticmethod
-    def _expand_heads(kv: torch.Tensor, group_size: int) -> torch.Tensor:
-        kv = kv.transpose(1, 2)  # [B, Hkv, L, D]
-        batch, kv_heads, length, dim = kv.shape
-        expanded = kv[:, :, None].expand(batch, kv_heads, group_size, length, dim)
-        return expanded.reshape(batch, kv_heads * group_size, length, dim)
+        out = out.view(batch, kv_heads, group_size, rows, dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(batch * rows, self.num_heads, dim)[group.row_of_token]
 
     def _allowed(self, group: DenseGroup) -> torch.Tensor:
         key_pos = torch.arange(group.key_slots.shape[1], device=group.key_slots.device)
