@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -122,13 +123,25 @@ def build_parser() -> argparse.ArgumentParser:
     backends.add_argument("--block-size", type=int, default=16)
     backends.add_argument("--device", default=None)
     backends.set_defaults(handler=_backends)
-    bench = commands.add_parser("bench", help="benchmarks (GPU)")
-    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    kernels = bench_commands.add_parser("kernels", help="attention kernels' decode/prefill speed")
-    from attnserve.bench.kernels import add_arguments as add_kernel_bench_arguments
-
-    add_kernel_bench_arguments(kernels)
+    _add_bench_commands(commands)
     return parser
+
+
+BENCHMARKS = {
+    "throughput": ("attnserve.bench.throughput", "offline generation throughput vs baselines"),
+    "kernels": ("attnserve.bench.kernels", "attention kernels' decode/prefill speed (GPU)"),
+    "serve": ("attnserve.bench.serve", "a running server's throughput, TTFT, TPOT, ITL, latency"),
+}
+
+
+def _add_bench_commands(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    """`attnserve bench NAME`: each benchmark module adds its own arguments and handler."""
+    bench = commands.add_parser("bench", help="benchmarks")
+    names = bench.add_subparsers(dest="bench_command", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        importlib.import_module(module).add_arguments(names.add_parser(name, help=help_text))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from attnserve.attention import AttentionBackend, backend_names, get_backend_cls
 from examples.one_file_backend import OneFileBackend
+
+# Without a GPU, Triton kernels run on the CPU through Triton's interpreter; it must be switched
+# on before any kernel is decorated, i.e. before a Triton-based backend is imported (the imports
+# above load no backend module).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The documented one-file example backend runs the suite too: it proves the suite is
 # layout-agnostic and that the example in docs/attention.md is right.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 from dataclasses import dataclass
 
@@ -17,6 +18,17 @@ from attnserve.attention import AttentionBackend, AttentionSpec
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 FP8_TOLERANCE = 8e-2
+# Backends whose kernels run on the CPU through Triton's interpreter (TRITON_INTERPRET=1), which
+# is orders of magnitude slower than native code: the suite gives them shorter sequences.
+INTERPRETED_ON_CPU = {"TRITON"}
+
+
+def runs_interpreted(backend: type[AttentionBackend], device: str) -> bool:
+    return (
+        device == "cpu"
+        and os.environ.get("TRITON_INTERPRET") == "1"
+        and backend.get_name() in INTERPRETED_ON_CPU
+    )
 
 
 @dataclass(frozen=True)

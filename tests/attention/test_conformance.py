@@ -22,6 +22,7 @@ from tests.attention.harness import (
     make_sequences,
     num_cache_blocks,
     reference,
+    runs_interpreted,
     with_slot_mapping,
 )
 
@@ -56,9 +57,10 @@ def _cases() -> list[Case]:
 CASES = _cases()
 
 
-def _lengths(rng: random.Random, block_size: int) -> list[tuple[int, int]]:
-    """(context, query) per sequence: prefills, chunked prefills, then decodes."""
-    longest = max(40, 2 * block_size + 5)
+def _lengths(rng: random.Random, block_size: int, short: bool = False) -> list[tuple[int, int]]:
+    """(context, query) per sequence: prefills, chunked prefills, then decodes. `short` (for
+    interpreted backends): the longest sequences span two blocks instead of three."""
+    longest = max(40, block_size + 12 if short else 2 * block_size + 5)
     prefills = [(0, rng.randint(2, longest)) for _ in range(rng.randint(0, 2))]
     chunked = [(rng.randint(1, longest), rng.randint(2, 20)) for _ in range(rng.randint(0, 2))]
     decodes = [(rng.randint(1, longest), 1) for _ in range(rng.randint(1, 4))]
@@ -100,7 +102,8 @@ def _setup(
 ) -> tuple[Runner, list[Sequence]]:
     _skip_unsupported(backend, case, device)
     rng = random.Random(case.seed)
-    seqs = make_sequences(case, _lengths(rng, case.block_size), rng)
+    lengths = _lengths(rng, case.block_size, short=runs_interpreted(backend, device))
+    seqs = make_sequences(case, lengths, rng)
     return Runner(backend, case, num_cache_blocks(seqs), device), seqs
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -101,11 +102,19 @@ def _warm_up(llm: LLM, workload: Workload) -> None:
     run_engine(llm, Workload(prompts, [min(8, n) for n in workload.output_lens[:2]]))
 
 
+def _progress(message: str) -> None:
+    """Stage lines on stderr, so a run cut short by a time limit shows where it was."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     engine_args = EngineArgs.from_cli_args(args)
+    _progress("loading the engine")
     llm = LLM.from_engine_args(engine_args)
     workload = make_workload(args, llm.llm_engine.model_config.vocab_size)
+    _progress(f"warm-up; then {len(workload.prompts)} requests, {workload.output_tokens} tokens")
     _warm_up(llm, workload)
+    _progress("timing attnserve")
     seconds = run_engine(llm, workload)
     result: dict[str, Any] = {
         "model": llm.llm_engine.model_config.model,
@@ -119,6 +128,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.shared_prefix:
         del llm
+        _progress("timing attnserve with prefix caching off")
         no_cache = LLM.from_engine_args(replace(engine_args, enable_prefix_caching=False))
         _warm_up(no_cache, workload)
         off = run_engine(no_cache, workload)
@@ -129,6 +139,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         hf_workload = Workload(
             workload.prompts[: args.hf_num_prompts], workload.output_lens[: args.hf_num_prompts]
         )
+        _progress(f"timing HF transformers on {len(hf_workload.prompts)} requests")
         hf_seconds = run_hf(llm, hf_workload, args.hf_batch_size)
         result["hf_output_tokens_per_s"] = hf_workload.output_tokens / hf_seconds
         result["ratio_to_hf"] = result["output_tokens_per_s"] / result["hf_output_tokens_per_s"]

@@ -230,7 +230,7 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence, eos_token_ids: list[int]) -> str | None:
         params = seq.sampling_params
         token = seq.token_ids[-1]
-        num_output = len(seq.output_token_ids)
+        num_output = seq.num_output_tokens
         if num_output >= params.min_tokens:
             if token in params.stop_token_ids:
                 return "stop"

@@ -54,6 +54,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
@@ -66,7 +70,7 @@ class Sequence:
         seed = self.sampling_params.seed
         if seed is None:
             return None
-        return hash((seed, self.index, len(self.output_token_ids))) & (2**62 - 1)
+        return hash((seed, self.index, self.num_output_tokens)) & (2**62 - 1)
 
     def append(self, token: int, logprobs: TokenLogprobs | None) -> None:
         self.token_ids.append(token)

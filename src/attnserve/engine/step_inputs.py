@@ -13,7 +13,7 @@ from attnserve.worker.batch import ScheduledBatch, SequenceInput
 
 def _banned(item: ScheduledSequence, eos_token_ids: list[int]) -> tuple[int, ...]:
     params = item.seq.sampling_params
-    if len(item.seq.output_token_ids) >= params.min_tokens:
+    if item.seq.num_output_tokens >= params.min_tokens:
         return ()
     eos = [] if params.ignore_eos else eos_token_ids
     return tuple(dict.fromkeys([*params.stop_token_ids, *eos]))
@@ -21,7 +21,7 @@ def _banned(item: ScheduledSequence, eos_token_ids: list[int]) -> tuple[int, ...
 
 def _prompt_logprob_targets(item: ScheduledSequence) -> list[int] | None:
     seq = item.seq
-    if seq.sampling_params.prompt_logprobs is None or seq.output_token_ids or seq.index:
+    if seq.sampling_params.prompt_logprobs is None or seq.num_output_tokens or seq.index:
         return None
     start = seq.num_computed_tokens
     end = min(start + item.num_new_tokens + 1, seq.num_prompt_tokens)

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.llm_engine import LLMEngine
 from attnserve.outputs import RequestOutput
-from attnserve.sampling_params import SamplingParams
+from attnserve.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -68,7 +68,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in input order."""
         prompt_list = _as_prompt_list(prompts)
-        params = _broadcast(sampling_params, len(prompt_list))
+        final_only = RequestOutputKind.FINAL_ONLY  # offline: no intermediate outputs to build
+        params = [
+            dataclasses.replace(p, output_kind=final_only)
+            for p in _broadcast(sampling_params, len(prompt_list))
+        ]
         ids = []
         try:
             for prompt, p in zip(prompt_list, params, strict=True):

@@ -50,7 +50,13 @@ class ModelRunner:
         self.model = load_model(model_config, self.backend, device, cache_config.kv_cache_dtype)
         self.cache_engine = self._allocate_kv_cache()
         bind_kv_caches(self.model, self.cache_engine.kv_caches)
-        self.builder = self.backend.get_builder_cls()(cache_config.block_size, device)
+        self.builder = self.backend.get_builder_cls()(
+            cache_config.block_size,
+            device,
+            num_heads=model_config.num_heads,
+            num_kv_heads=model_config.num_kv_heads,
+            head_size=model_config.head_size,
+        )
         self.sampler = Sampler()
 
     @property

@@ -102,6 +102,8 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
     Sequence i has `context_lens[i]` tokens already cached and `query_lens[i]` new tokens this
     step; its tokens 0 .. context+query-1 live in the blocks of `block_tables[i]`, in order.
+    The model runner also passes the model's `num_heads`, `num_kv_heads` and `head_size` as
+    keyword arguments, for builders that plan with them; others ignore them.
     """
 
     def __init__(self, block_size: int, device: torch.device | str, **kwargs: Any) -> None:

@@ -44,7 +44,12 @@ def _reader(path: str) -> Any:
     """One parsed GGUF file (parsing the metadata of a large vocabulary takes seconds)."""
     from gguf import GGUFReader
 
-    return GGUFReader(path)
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, OSError, KeyError) as error:
+        raise ValueError(
+            f"cannot read GGUF file {path} (truncated or corrupt?): {error}"
+        ) from error
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -159,9 +164,14 @@ def iter_gguf_weights(path: str | Path, hf_config: Any) -> Iterator[tuple[str, t
         if tensor.name == _ROPE_FREQS:
             continue
         name = hf_name(tensor.name)
-        array = dequantize(tensor.data, tensor.tensor_type)
         shape = tuple(reversed([int(d) for d in tensor.shape]))
-        weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+            weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
+        except (ValueError, RuntimeError) as error:
+            raise ValueError(
+                f"GGUF file {path}: tensor {tensor.name} is truncated or corrupt ({error})"
+            ) from error
         projection = name.split(".")[-2]
         if projection in heads:
             weight = unpermute_rows(weight, int(heads[projection]))

@@ -19,7 +19,11 @@ def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]
     if not files:
         raise ValueError(f"no *.safetensors files in {directory}")
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as error:  # safetensors raises its own SafetensorError
+            raise ValueError(f"cannot read {file} (truncated or corrupt?): {error}") from error
+        with handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, handle.get_tensor(name)
 

@@ -1,0 +1,297 @@
+"""FLASHINFER: paged attention through the `flashinfer` package's batch wrappers (CUDA only).
+
+KV layout (FlashInfer's NHD): [num_blocks, 2, block_size, num_kv_heads, head_size]. The builder
+turns the step's block tables into FlashInfer's CSR page metadata (qo_indptr, kv_indptr,
+kv_indices, kv_last_page_len), one set for the prefill sequences and one for the decodes, and
+owns the workspace buffer and the wrappers (BatchPrefillWithPagedKVCacheWrapper,
+BatchDecodeWithPagedKVCacheWrapper). The wrappers are planned once per step, on the first
+layer's call (plan needs the layer's heads, scale, window and soft-cap), and the planned pair
+is cached in the metadata for the step's other layers.
+
+Features, as flashinfer 0.6.1's paged wrappers provide them: sliding window (window_left) and
+logits soft-cap, in fp16/bf16, head sizes 64/128/256. Not ALiBi: the wrappers apply a fixed
+slope table of their own (no per-model slopes) and add the bias before soft-capping, the
+reverse of this project's contract.
+`flashinfer` is imported lazily, so this module imports (and reports itself unavailable)
+without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from attnserve.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    BackendCapabilities,
+)
+from attnserve.attention.backends.layout import StepLayout, build_step_layout
+
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+# (num_heads, num_kv_heads, head_size, scale, window_left, soft_cap, q dtype, kv dtype)
+PlanKey = tuple[int, int, int, float, int, float | None, torch.dtype, torch.dtype]
+
+
+@dataclass(frozen=True)
+class PagedGroup:
+    """FlashInfer's CSR view of some sequences of the step (host int32 tensors)."""
+
+    token_slice: slice  # the group's new tokens in the flat batch
+    qo_indptr: torch.Tensor  # [B + 1] offsets of each sequence's new tokens in the group
+    kv_indptr: torch.Tensor  # [B + 1] offsets of each sequence's pages in kv_indices
+    kv_indices: torch.Tensor  # [sum pages] physical page ids, sequence by sequence
+    kv_last_page_len: torch.Tensor  # [B] tokens in each sequence's last page (1..block_size)
+
+
+class WrapperPool:
+    """One workspace and one (prefill, decode) wrapper pair per plan configuration; lives as
+    long as the builder, so buffers are allocated once, not per step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._workspace: torch.Tensor | None = None
+        self._wrappers: dict[PlanKey, tuple[Any, Any]] = {}
+
+    def get(self, key: PlanKey) -> tuple[Any, Any]:
+        if key not in self._wrappers:
+            import flashinfer
+
+            if self._workspace is None:
+                self._workspace = torch.zeros(
+                    WORKSPACE_BYTES, dtype=torch.uint8, device=self.device
+                )
+            self._wrappers[key] = (
+                flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"),
+                flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD"),
+            )
+        return self._wrappers[key]
+
+
+@dataclass
+class FlashInferMetadata(AttentionMetadata):
+    block_size: int
+    prefill: PagedGroup | None
+    decode: PagedGroup | None
+    pool: WrapperPool
+    planned: dict[PlanKey, tuple[Any, Any]] = field(default_factory=dict)
+    writes: SlotWrites | None = field(default=None, init=False)  # made by the first layer
+
+    def slot_writes(self) -> SlotWrites:
+        """The step's cache-write indices, derived once from `slot_mapping` for all layers."""
+        if self.writes is None:
+            self.writes = SlotWrites.from_slot_mapping(self.slot_mapping, self.block_size)
+        return self.writes
+
+    def wrappers(self, key: PlanKey) -> tuple[Any, Any]:
+        """The (prefill, decode) wrappers planned for this step and configuration."""
+        if key not in self.planned:
+            prefill, decode = self.pool.get(key)
+            if self.prefill is not None:
+                self._plan_prefill(prefill, self.prefill, key)
+            if self.decode is not None:
+                self._plan_decode(decode, self.decode, key)
+            self.planned[key] = (prefill, decode)
+        return self.planned[key]
+
+    def _plan_prefill(self, wrapper: Any, group: PagedGroup, key: PlanKey) -> None:
+        num_heads, num_kv_heads, head_size, scale, window_left, cap, q_dtype, kv_dtype = key
+        wrapper.plan(
+            group.qo_indptr,
+            group.kv_indptr,
+            group.kv_indices,
+            group.kv_last_page_len,
+            num_heads,
+            num_kv_heads,
+            head_size,
+            self.block_size,
+            causal=True,
+            pos_encoding_mode="NONE",
+            sm_scale=scale,
+            window_left=window_left,
+            logits_soft_cap=cap,
+            q_data_type=q_dtype,
+            kv_data_type=kv_dtype,
+        )
+
+    def _plan_decode(self, wrapper: Any, group: PagedGroup, key: PlanKey) -> None:
+        num_heads, num_kv_heads, head_size, scale, window_left, cap, q_dtype, kv_dtype = key
+        wrapper.plan(
+            group.kv_indptr,
+            group.kv_indices,
+            group.kv_last_page_len,
+            num_heads,
+            num_kv_heads,
+            head_size,
+            self.block_size,
+            pos_encoding_mode="NONE",
+            window_left=window_left,
+            logits_soft_cap=cap,
+            q_data_type=q_dtype,
+            kv_data_type=kv_dtype,
+            sm_scale=scale,
+        )
+
+
+def _paged_group(layout: StepLayout, seqs: range, block_size: int) -> PagedGroup | None:
+    if len(seqs) == 0:
+        return None
+    loc = layout.query_start_loc[seqs.start : seqs.stop + 1]
+    seq_lens = layout.seq_lens[seqs.start : seqs.stop]
+    num_pages = -(-seq_lens // block_size)
+    kv_indptr = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    torch.cumsum(num_pages, 0, out=kv_indptr[1:])
+    table = layout.block_table[seqs.start : seqs.stop]
+    used = torch.arange(table.shape[1])[None, :] < num_pages[:, None]
+    return PagedGroup(
+        token_slice=slice(int(loc[0]), int(loc[-1])),
+        qo_indptr=(loc - loc[0]).to(torch.int32),
+        kv_indptr=kv_indptr.to(torch.int32),
+        kv_indices=table[used].to(torch.int32),
+        kv_last_page_len=((seq_lens - 1) % block_size + 1).to(torch.int32),
+    )
+
+
+class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
+    def __init__(self, block_size: int, device: torch.device | str, **kwargs: Any) -> None:
+        super().__init__(block_size, device, **kwargs)
+        self.pool = WrapperPool(self.device)
+
+    def build(
+        self,
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+        query_lens: Sequence[int],
+    ) -> FlashInferMetadata:
+        layout = build_step_layout(block_tables, context_lens, query_lens, self.block_size)
+        return FlashInferMetadata(
+            num_prefills=layout.num_prefills,
+            num_prefill_tokens=layout.num_prefill_tokens,
+            num_decode_tokens=layout.num_decode_tokens,
+            slot_mapping=layout.slot_mapping.to(self.device),
+            block_size=self.block_size,
+            prefill=_paged_group(layout, range(0, layout.num_prefills), self.block_size),
+            decode=_paged_group(
+                layout, range(layout.num_prefills, layout.num_seqs), self.block_size
+            ),
+            pool=self.pool,
+        )
+
+
+@dataclass(frozen=True)
+class SlotWrites:
+    """Where each new token's key/value goes in the NHD cache, with no host sync for slot -1:
+    a padding token rewrites the first real token's slot with that token's own values (when
+    no token is real, everything rewrites slot 0 with its current contents)."""
+
+    source: torch.Tensor  # [T] the token whose key/value is written
+    blocks: torch.Tensor  # [T] target block
+    offsets: torch.Tensor  # [T] target offset in the block
+    keep_old: torch.Tensor  # [T, 1, 1] true only when no token is real
+
+    @classmethod
+    def from_slot_mapping(cls, slot_mapping: torch.Tensor, block_size: int) -> SlotWrites:
+        real = slot_mapping >= 0
+        first_real = torch.argmax(real.to(torch.int32))  # 0 when no token is real
+        tokens = torch.arange(slot_mapping.shape[0], device=real.device)
+        source = torch.where(real, tokens, first_real)
+        slots = slot_mapping[source]
+        target = slots.clamp(min=0)
+        return cls(source, target // block_size, target % block_size, (slots < 0)[:, None, None])
+
+    def write(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        for half, new in ((0, key), (1, value)):
+            rows = new.view(-1, *kv_cache.shape[3:])[self.source].to(kv_cache.dtype)
+            old = kv_cache[self.blocks, half, self.offsets]
+            kv_cache[self.blocks, half, self.offsets] = torch.where(self.keep_old, old, rows)
+
+
+class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.alibi_slopes is not None:
+            raise ValueError("FLASHINFER does not support ALiBi (see the module docstring)")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: FlashInferMetadata,
+    ) -> torch.Tensor:
+        attn_metadata.slot_writes().write(kv_cache, key, value)
+        q = query.view(-1, self.num_heads, self.head_size)
+        out = torch.empty_like(q)
+        prefill, decode = attn_metadata.wrappers(self._plan_key(q.dtype, kv_cache.dtype))
+        for group, wrapper in ((attn_metadata.prefill, prefill), (attn_metadata.decode, decode)):
+            if group is not None:
+                tokens = group.token_slice
+                wrapper.run(q[tokens], kv_cache, out=out[tokens])
+        return out.view(-1, self.num_heads * self.head_size)
+
+    def _plan_key(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> PlanKey:
+        window_left = -1 if self.sliding_window is None else self.sliding_window - 1
+        return (
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            self.scale,
+            window_left,
+            self.logits_soft_cap,
+            q_dtype,
+            kv_dtype,
+        )
+
+
+class FlashInferBackend(AttentionBackend):
+    capabilities = BackendCapabilities(
+        dtypes=(torch.float16, torch.bfloat16),
+        devices=("cuda",),
+        head_sizes=(64, 128, 256),
+        min_block_size=1,
+        max_block_size=256,
+        sliding_window=True,
+        alibi=False,
+        logits_soft_cap=True,
+        priority=5,
+    )
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHINFER"
+
+    @staticmethod
+    def get_impl_cls() -> type[FlashInferImpl]:
+        return FlashInferImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[FlashInferMetadata]:
+        return FlashInferMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[FlashInferMetadataBuilder]:
+        return FlashInferMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_block_dim() -> int:
+        return 0
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if importlib.util.find_spec("flashinfer") is None:
+            return "flashinfer is not installed"
+        return None

@@ -1,0 +1,225 @@
+"""TRITON: attnserve's own Triton kernels, the default backend on NVIDIA GPUs.
+
+KV layout: [num_blocks, 2, num_kv_heads, block_size, head_size]: each block holds its K plane
+then its V plane, and within a plane each KV head's page is one contiguous run, so the decode
+kernel reads a page with wide coalesced loads. The builder turns a step into the few device
+tensors the kernels index (block table, sequence lengths, query start offsets, int32; one copy
+each) plus host integers (longest prefill, the decode split count). The operator writes the new
+K/V (`triton_cache`), runs the prefill kernel over the prefill sequences and the split-KV decode
+kernel over the decodes. With TRITON_INTERPRET=1 the same kernels run on the CPU (for tests;
+the interpreter is never preferred over a native backend).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attnserve.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    BackendCapabilities,
+)
+from attnserve.attention.backends.layout import build_step_layout
+
+try:
+    from attnserve.attention.ops.triton_cache import reshape_and_cache
+    from attnserve.attention.ops.triton_decode import (
+        AttentionParams,
+        choose_num_splits,
+        num_sms,
+        paged_decode,
+    )
+    from attnserve.attention.ops.triton_prefill import paged_prefill
+
+    _TRITON_ERROR: str | None = None
+except ImportError as error:
+    _TRITON_ERROR = f"triton cannot be imported: {error}"
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    """Device tensors cover every sequence of the step (prefills first, then decodes)."""
+
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: context + new tokens
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    max_query_len: int  # longest prefill query (0 without prefills)
+    decode_num_splits: int  # key splits per decode sequence
+
+
+class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
+    """`num_kv_heads` (the model's KV heads per layer) only sizes the decode split plan."""
+
+    def __init__(
+        self, block_size: int, device: torch.device | str, num_kv_heads: int = 8, **kwargs: Any
+    ) -> None:
+        super().__init__(block_size, device, **kwargs)
+        self.num_kv_heads = num_kv_heads
+        self.num_sms = num_sms(self.device) if _TRITON_ERROR is None else 1
+
+    def build(
+        self,
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+        query_lens: Sequence[int],
+    ) -> TritonMetadata:
+        layout = build_step_layout(block_tables, context_lens, query_lens, self.block_size)
+        prefill_lens = layout.query_lens[: layout.num_prefills]
+        decode_lens = layout.seq_lens[layout.num_prefills :]
+        num_splits = choose_num_splits(
+            layout.num_decode_tokens,
+            self.num_kv_heads,
+            int(decode_lens.max()) if decode_lens.numel() else 0,
+            self.num_sms,
+        )
+        return TritonMetadata(
+            num_prefills=layout.num_prefills,
+            num_prefill_tokens=layout.num_prefill_tokens,
+            num_decode_tokens=layout.num_decode_tokens,
+            slot_mapping=layout.slot_mapping.to(self.device),
+            block_table=self._int32(layout.block_table),
+            seq_lens=self._int32(layout.seq_lens),
+            query_start_loc=self._int32(layout.query_start_loc),
+            max_query_len=int(prefill_lens.max()) if prefill_lens.numel() else 0,
+            decode_num_splits=num_splits,
+        )
+
+    def _int32(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(torch.int32).to(self.device, non_blocking=True)
+
+
+class TritonImpl(AttentionImpl[TritonMetadata]):
+    """`k_scale` / `v_scale`: the fp8 cache's per-layer scales (stored = value / scale)."""
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.kv_cache_dtype not in TritonBackend.capabilities.kv_cache_dtypes:
+            raise ValueError(f"TRITON does not support kv_cache_dtype {self.kv_cache_dtype!r}")
+        self._slopes: dict[torch.device, torch.Tensor] = {}
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonMetadata,
+    ) -> torch.Tensor:
+        meta = attn_metadata
+        dim = self.head_size
+        reshape_and_cache(
+            key.view(-1, self.num_kv_heads, dim),
+            value.view(-1, self.num_kv_heads, dim),
+            kv_cache,
+            meta.slot_mapping,
+            self.k_scale,
+            self.v_scale,
+        )
+        q = query.view(-1, self.num_heads, dim)
+        out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
+        params = self._params(query.device)
+        prefill, decode = slice(0, meta.num_prefill_tokens), slice(meta.num_prefill_tokens, None)
+        if meta.num_prefills:
+            paged_prefill(
+                q[prefill],
+                kv_cache,
+                meta.block_table[: meta.num_prefills],
+                meta.seq_lens[: meta.num_prefills],
+                meta.query_start_loc[: meta.num_prefills + 1],
+                meta.max_query_len,
+                out[prefill],
+                params,
+            )
+        if meta.num_decode_tokens:
+            paged_decode(
+                q[decode],
+                kv_cache,
+                meta.block_table[meta.num_prefills :],
+                meta.seq_lens[meta.num_prefills :],
+                out[decode],
+                params,
+                self._num_splits(meta.decode_num_splits),
+            )
+        return out.view(-1, self.num_heads * dim)
+
+    def _num_splits(self, planned: int) -> int:
+        """A sliding window bounds each decode's keys: no more splits than it can fill."""
+        if self.sliding_window is None:
+            return planned
+        return max(1, min(planned, self.sliding_window // 256))
+
+    def _params(self, device: torch.device) -> AttentionParams:
+        slopes = None
+        if self.alibi_slopes is not None:
+            if device not in self._slopes:
+                self._slopes[device] = self.alibi_slopes.to(device)
+            slopes = self._slopes[device]
+        return AttentionParams(
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            alibi_slopes=slopes,
+            soft_cap=self.logits_soft_cap,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
+
+
+class TritonBackend(AttentionBackend):
+    capabilities = BackendCapabilities(
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        devices=("cuda", "cpu") if _INTERPRET else ("cuda",),
+        head_sizes=(64, 80, 96, 128, 256),
+        min_block_size=1,
+        max_block_size=256,
+        kv_cache_dtypes=("auto", "fp8"),
+        sliding_window=True,
+        alibi=True,
+        logits_soft_cap=True,
+        priority=-1 if _INTERPRET else 10,
+    )
+
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON"
+
+    @staticmethod
+    def get_impl_cls() -> type[TritonImpl]:
+        return TritonImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[TritonMetadata]:
+        return TritonMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[TritonMetadataBuilder]:
+        return TritonMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (num_blocks, 2, num_kv_heads, block_size, head_size)
+
+    @staticmethod
+    def get_kv_cache_block_dim() -> int:
+        return 0
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if _TRITON_ERROR is not None:
+            return _TRITON_ERROR
+        if not torch.cuda.is_available() and not _INTERPRET:
+            return "no CUDA GPU here, and the Triton interpreter (TRITON_INTERPRET=1) is off"
+        return None

@@ -1,0 +1,320 @@
+"""Triton paged decode attention (flash-decoding) and the pieces the prefill kernel shares.
+
+One program handles every query head of one KV head (a GQA group) of one sequence over one
+split of its keys, so each KV page is read once per group; the group's query heads are the rows
+of a tensor-core dot (padded to 16). When the batch alone cannot fill the GPU the keys are split
+into `num_splits` parts (chosen from batch size, context length and SM count); each split writes
+a partial output and its log-sum-exp, and a small kernel merges them.
+
+Scores are kept in the log2 domain (exp2 is the fast path): soft-cap first, then ALiBi, then
+masking, as the contract defines. Cache layout: see `triton_cache`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from attnserve.attention.ops.triton_cache import cache_storage
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """What every attention kernel launch needs beyond the tensors."""
+
+    scale: float
+    sliding_window: int | None = None
+    alibi_slopes: torch.Tensor | None = None  # [num_heads] fp32, on the kernel's device
+    soft_cap: float | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch shape of one kernel. block_m (query rows per program) is the
+    prefill kernel's; the decode kernel's rows are one GQA group, padded to 16."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def attend_tile(  # type: ignore[no-untyped-def]
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    slopes,
+    k_pos,
+    valid,
+    cache_ptr,
+    table_ptr,
+    head_offset,
+    dims,
+    dim_mask,
+    window,
+    sm_scale,
+    soft_cap,
+    stride_block,
+    stride_kv,
+    HEAD_SIZE: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASK: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Fold the keys at `k_pos` [N] of one sequence (one KV head) into the online-softmax state
+    (acc [M, D], running max m_i and sum l_i [M], log2 units) of the queries q [M, D] at q_pos.
+
+    MASK: 0 none, 1 only `valid` (keys past the range), 2 causal + `valid` + sliding window.
+    EVEN_D: the head size is a power of two (no padded dims to mask).
+    Scores: soft-cap, then ALiBi, then the mask. Dots are exact fp32 when DOT_FP32 (fp32 models,
+    and the CPU interpreter, whose low-precision dots are unreliable)."""
+    if MASK == 0:  # every key of the tile exists: unpredicated loads
+        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE).to(tl.int64)
+    else:
+        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    rows = blocks * stride_block + head_offset + (k_pos % BLOCK_SIZE) * HEAD_SIZE
+    ptrs = cache_ptr + rows[:, None] + dims[None, :]
+    if MASK == 0 and EVEN_D:
+        k = tl.load(ptrs)
+        v = tl.load(ptrs + stride_kv)
+    else:
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(ptrs, mask=kv_mask, other=0)
+        v = tl.load(ptrs + stride_kv, mask=kv_mask, other=0)
+    if FP8:
+        k = k.to(tl.float8e4nv, bitcast=True)
+        v = v.to(tl.float8e4nv, bitcast=True)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    if DOT_FP32:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    if USE_SOFTCAP:
+        x = qk * (sm_scale / soft_cap)
+        tanh = 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+        s = tanh * (soft_cap * 1.4426950408889634)
+    else:
+        s = qk * (sm_scale * 1.4426950408889634)
+    if USE_ALIBI:
+        distance = (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+        s += (slopes * 1.4426950408889634)[:, None] * distance
+    if MASK == 1:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    if MASK == 2:
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & valid[None, :]
+        if USE_WINDOW:
+            allowed &= q_pos[:, None] - k_pos[None, :] < window
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
+@triton.jit
+def _paged_decode_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    cache_ptr,
+    table_ptr,
+    seq_lens_ptr,
+    slopes_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_q_tok,
+    stride_out_tok,
+    stride_table,
+    stride_block,
+    stride_kv,
+    stride_head,
+    sm_scale,
+    soft_cap,
+    v_scale,
+    window,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+) -> None:
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = tl.maximum(seq_len - window, 0) if USE_WINDOW else 0
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_PAD)
+    dim_mask = dims < HEAD_SIZE
+    row_mask = (rows < GROUP)[:, None] & dim_mask[None, :]
+    q_offsets = seq.to(tl.int64) * stride_q_tok + heads[:, None] * HEAD_SIZE + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_mask, other=0.0)
+    slopes = tl.load(slopes_ptr + heads, mask=rows < GROUP, other=0.0) if USE_ALIBI else None
+    q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (seq_len - 1)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=tl.float32)
+    table = table_ptr + seq.to(tl.int64) * stride_table
+    for tile in range(start, end, BLOCK_N):
+        k_pos = tile + tl.arange(0, BLOCK_N)
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, slopes, k_pos, k_pos < end, cache_ptr, table,
+            kv_head * stride_head, dims, dim_mask, window, sm_scale, soft_cap, stride_block,
+            stride_kv, HEAD_SIZE, HEAD_PAD == HEAD_SIZE, BLOCK_SIZE, 1, USE_WINDOW, USE_ALIBI,
+            USE_SOFTCAP, FP8, DOT_FP32,
+        )  # fmt: skip
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    result = acc * (v_scale / l_safe)[:, None]
+    if NUM_SPLITS == 1:
+        out_offsets = seq.to(tl.int64) * stride_out_tok + heads[:, None] * HEAD_SIZE + dims[None, :]
+        tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        part = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + dims[None, :], result, mask=row_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + part, lse, mask=rows < GROUP)
+
+
+@triton.jit
+def _merge_splits_kernel(  # type: ignore[no-untyped-def]
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_out_tok,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+) -> None:
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_PAD)
+    part = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse_ptr + part, mask=splits < NUM_SPLITS, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    mask = (splits < NUM_SPLITS)[:, None] & (dims < HEAD_SIZE)[None, :]
+    parts = tl.load(part_out_ptr + part[:, None] * HEAD_SIZE + dims[None, :], mask=mask, other=0.0)
+    result = tl.sum(parts * weights[:, None], 0)
+    out_offsets = seq.to(tl.int64) * stride_out_tok + head * HEAD_SIZE + dims
+    tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 stands in for the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int, min_split_len: int = 256
+) -> int:
+    """How many parts to split each decode sequence's keys into: enough programs for about two
+    waves over the SMs, never parts shorter than `min_split_len` tokens, at most 64."""
+    programs = num_seqs * num_kv_heads
+    if programs == 0:
+        return 1
+    wanted = -(-2 * sm_count // programs)
+    return max(1, min(wanted, max_seq_len // min_split_len, 64))
+
+
+def default_decode_config(device: torch.device, head_size: int) -> KernelConfig:
+    if device.type != "cuda":
+        return KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=1)
+    block_n = 32 if head_size > 128 else 64
+    return KernelConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=3)
+
+
+def paged_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    params: AttentionParams,
+    num_splits: int,
+    config: KernelConfig | None = None,
+) -> None:
+    """Decode attention: query/out [B, H, D] (one token per sequence, the last of each),
+    block_table [B, max_blocks] int32, seq_lens [B] int32 (tokens, the new one included)."""
+    num_seqs, num_heads, head_size = query.shape
+    num_kv_heads = kv_cache.shape[2]
+    if num_seqs == 0:
+        return
+    if query.stride()[1:] != (head_size, 1) or out.stride()[1:] != (head_size, 1):
+        raise ValueError("query and out must be contiguous within each token's heads")
+    cfg = config or default_decode_config(query.device, head_size)
+    group = num_heads // num_kv_heads
+    storage = cache_storage(kv_cache)
+    part_out = part_lse = out
+    if num_splits > 1:
+        part_out = torch.empty(
+            num_seqs, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device
+        )
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, storage, block_table, seq_lens,
+        params.alibi_slopes if params.alibi_slopes is not None else query,
+        out, part_out, part_lse,
+        query.stride(0), out.stride(0), block_table.stride(0),
+        storage.stride(0), storage.stride(1), storage.stride(2),
+        params.scale * params.k_scale, params.soft_cap or 1.0, params.v_scale,
+        params.sliding_window or 0,
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_SIZE=head_size, HEAD_PAD=triton.next_power_of_2(head_size),
+        BLOCK_SIZE=kv_cache.shape[3], BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+        USE_WINDOW=params.sliding_window is not None,
+        USE_ALIBI=params.alibi_slopes is not None,
+        USE_SOFTCAP=params.soft_cap is not None,
+        FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        DOT_FP32=query.dtype == torch.float32 or query.device.type == "cpu",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, out.stride(0),
+            NUM_HEADS=num_heads, HEAD_SIZE=head_size,
+            HEAD_PAD=triton.next_power_of_2(head_size), NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )  # fmt: skip

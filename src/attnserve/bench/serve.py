@@ -1,0 +1,218 @@
+"""`attnserve bench serve`: load a running OpenAI-compatible server the way vLLM's serving
+benchmark does, and report its throughput and latencies.
+
+Prompts are random token ids (so their length is exact whatever the tokenizer), of a fixed
+length or spread uniformly by `--range-ratio`; each asks for exactly `--output-len` tokens
+(greedy, `ignore_eos`), streamed. Requests arrive as a Poisson process at `--request-rate`
+per second (`inf`: all at once), at most `--max-concurrency` in flight. Per request: time to
+first token (TTFT), time per output token after the first (TPOT), the gaps between streamed
+tokens (ITL) and end-to-end latency (E2EL); reported as mean / median / p99 in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+API_KEY_ENV = "ATTNSERVE_API_KEY"
+TITLES = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--model", default=None, help="default: the server's only model")
+    parser.add_argument("--api-key", default=None, help=f"default: ${API_KEY_ENV}")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- r); 0: fixed"
+    )
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="per s; inf: burst")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument(
+        "--token-ids", type=int, nargs=2, default=(1000, 10000), metavar=("LOW", "HIGH"),
+        help="prompt token ids are drawn from [LOW, HIGH)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--result-json", default=None, help="also write the summary here")
+    parser.set_defaults(handler=run)
+
+
+def sample_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) per request."""
+    if not 0 <= args.range_ratio < 1:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
+    if args.input_len < 1 or args.output_len < 1 or args.num_prompts < 1:
+        raise ValueError("--input-len, --output-len and --num-prompts must be >= 1")
+    rng = random.Random(args.seed)
+    low, high = args.token_ids
+
+    def length(mean: int) -> int:
+        spread = int(mean * args.range_ratio)
+        return max(1, rng.randint(mean - spread, mean + spread))
+
+    return [
+        ([rng.randrange(low, high) for _ in range(length(args.input_len))], length(args.output_len))
+        for _ in range(args.num_prompts)
+    ]
+
+
+async def send_request(
+    http: Any, url: str, model: str, prompt: list[int], output_len: int
+) -> RequestResult:
+    """One streamed completion, timed at each event that carries tokens."""
+    result = RequestResult(prompt_len=len(prompt))
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = last = time.perf_counter()
+    events = 0
+    async with http.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            return result
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                result.error = str(chunk["error"].get("message"))
+                return result
+            if chunk.get("usage"):
+                result.output_tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                now = time.perf_counter()
+                if events == 0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last, events = now, events + 1
+    result.latency = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or events
+    return result
+
+
+async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    requests = sample_requests(args)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, timeout=None, limits=limits
+    ) as http:
+        model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
+        gate = asyncio.Semaphore(args.max_concurrency or len(requests))
+        rng = random.Random(args.seed + 1)
+
+        async def limited(prompt: list[int], output_len: int) -> RequestResult:
+            async with gate:
+                return await send_request(http, args.endpoint, model, prompt, output_len)
+
+        started = time.perf_counter()
+        tasks = []
+        for prompt, output_len in requests:
+            tasks.append(asyncio.create_task(limited(prompt, output_len)))
+            if math.isfinite(args.request_rate):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - started
+    summary = summarize(results, duration)
+    summary.update(model=model, config={k: v for k, v in vars(args).items() if k != "handler"})
+    return summary
+
+
+def _stats(name: str, values: list[float]) -> dict[str, float]:
+    ms = np.array(values or [math.nan]) * 1000
+    return {
+        f"mean_{name}_ms": float(ms.mean()),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"p99_{name}_ms": float(np.percentile(ms, 99)),
+    }
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    done = [r for r in results if r.error is None]
+    output = sum(r.output_tokens for r in done)
+    prompt = sum(r.prompt_len for r in done)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    summary: dict[str, Any] = {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if r.error is not None})[:5],
+        "duration_s": duration,
+        "total_input_tokens": prompt,
+        "total_output_tokens": output,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output / duration,
+        "total_token_throughput": (prompt + output) / duration,
+    }
+    summary.update(_stats("ttft", [r.ttft for r in done]))
+    summary.update(_stats("tpot", tpots))
+    summary.update(_stats("itl", [gap for r in done for gap in r.itl]))
+    summary.update(_stats("e2el", [r.latency for r in done]))
+    return summary
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    lines = [
+        "============ Serving Benchmark Result ============",
+        f"{'Successful requests:':<40}{summary['completed']:>10}",
+        f"{'Failed requests:':<40}{summary['failed']:>10}",
+        f"{'Benchmark duration (s):':<40}{summary['duration_s']:>10.2f}",
+        f"{'Total input tokens:':<40}{summary['total_input_tokens']:>10}",
+        f"{'Total generated tokens:':<40}{summary['total_output_tokens']:>10}",
+        f"{'Request throughput (req/s):':<40}{summary['request_throughput']:>10.2f}",
+        f"{'Output token throughput (tok/s):':<40}{summary['output_throughput']:>10.2f}",
+        f"{'Total token throughput (tok/s):':<40}{summary['total_token_throughput']:>10.2f}",
+    ]
+    for name, title in TITLES.items():
+        lines.append(f"{'-' * 15}{title:^20}{'-' * 15}")
+        for stat in ("mean", "median", "p99"):
+            value = summary[f"{stat}_{name}_ms"]
+            lines.append(f"{f'{stat.title()} {name.upper()} (ms):':<40}{value:>10.2f}")
+    lines.extend(f"error: {e}" for e in summary["errors"])
+    return "\n".join([*lines, "=" * 50])
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = asyncio.run(benchmark(args))
+    print(format_report(summary))
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            json.dump({**summary, "date": date}, f, indent=1)
+    return 0 if summary["failed"] == 0 else 1

@@ -1,0 +1,168 @@
+"""The OpenAI-compatible HTTP server: `build_app` (the FastAPI app over an `AsyncLLMEngine`) and
+`run_server` (`attnserve serve`: load the engine, then serve it with uvicorn).
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or server-sent events with
+`stream: true`), `GET /v1/models`, `GET /health` (503 once the engine has failed) and
+`GET /metrics` (Prometheus text). Errors are OpenAI-style objects (see `errors`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from attnserve import __version__
+from attnserve.engine.arg_utils import EngineArgs
+from attnserve.engine.async_llm_engine import AsyncLLMEngine
+from attnserve.entrypoints.openai.cli_args import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
+from attnserve.entrypoints.openai.errors import (
+    ApiError,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    error_response,
+    install_error_handlers,
+)
+from attnserve.entrypoints.openai.metrics import ServerMetrics
+from attnserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+)
+from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from attnserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from attnserve.entrypoints.openai.serving_engine import ClientDisconnected
+
+logger = logging.getLogger(__name__)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in [
+        (400, "bad request: not JSON, invalid UTF-8, or refused by the model's limits"),
+        (401, "missing or wrong API key"),
+        (404, "unknown model"),
+        (413, "request body too large"),
+        (422, "the body does not match the schema"),
+        (503, "the engine has failed"),
+    ]
+}
+_SSE_EVENT = {  # each server-sent event, as decoded from the stream
+    "type": "object",
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] last"}},
+    "required": ["data"],
+}
+_STREAM: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the response, or with stream: true its chunks as server-sent events",
+        "content": {"text/event-stream": {"schema": _SSE_EVENT}},
+    }
+}
+
+
+def build_app(
+    engine: AsyncLLMEngine,
+    model_name: str,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
+    metrics = ServerMetrics(engine.stats)
+    completion = OpenAIServingCompletion(engine, model_name, metrics)
+    chat = OpenAIServingChat(engine, model_name, metrics)
+    app = FastAPI(title="attnserve", version=__version__, summary="OpenAI-compatible API")
+    install_error_handlers(app)
+    app.add_exception_handler(ClientDisconnected, _on_disconnect)
+
+    @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503]})
+    async def health() -> HealthResponse:
+        if completion.engine_dead or chat.engine_dead:
+            raise ApiError(503, "the engine has failed")
+        return HealthResponse()
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus_metrics() -> Response:
+        text = await asyncio.to_thread(metrics.render)  # stats() waits for the step in flight
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    async def models() -> ModelList:
+        card = ModelCard(id=model_name, max_model_len=completion.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post(
+        "/v1/completions", response_model=CompletionResponse, responses={**_STREAM, **_ERRORS}
+    )
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        return await completion.create_completion(body, raw)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**_STREAM, **_ERRORS},
+    )
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await chat.create_chat_completion(body, raw)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+async def _on_disconnect(request: Request, exc: Exception) -> Response:
+    logger.info("client went away: %s aborted", request.url.path)
+    return error_response(ApiError(499, "client closed the request"))
+
+
+def served_model_name(args: EngineArgs) -> str:
+    """The name clients pass as `model`: the model argument, or the embedded model's name."""
+    if args.model is not None:
+        return args.model
+    from attnserve.model.default_model import embedded_gguf_path
+
+    return embedded_gguf_path().stem.split(".")[0]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine_args = EngineArgs.from_cli_args(args)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not _is_loopback(args.host) and not api_key:
+        logger.warning(
+            "serving on %s without an API key: anyone who can reach it can use it", args.host
+        )
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    name = args.served_model_name or served_model_name(engine_args)
+    app = build_app(engine, name, api_key, args.max_request_bytes)
+    logger.info("serving %r on http://%s:%d", name, args.host, args.port)
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        engine.shutdown()
+    return 0

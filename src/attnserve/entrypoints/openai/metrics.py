@@ -1,0 +1,101 @@
+"""The server's Prometheus metrics (`GET /metrics`), in a registry of its own.
+
+Gauges read the engine's `stats()` at scrape time: running / waiting / swapped requests, KV cache
+usage (0..1; 0 once idle means no block is leaked), prefix-cache hit rate, preemptions. The
+serving layer records, per request, time to first token, the time per output token (each gap
+between outputs), end-to-end latency, prompt and generated tokens, and finished requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from attnserve.outputs import RequestOutput
+
+PREFIX = "attnserve:"
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+_GAUGES = {
+    "num_running": ("num_requests_running", "requests in the running batch"),
+    "num_waiting": ("num_requests_waiting", "requests waiting to be scheduled"),
+    "num_swapped": ("num_requests_swapped", "requests swapped out to host memory"),
+    "kv_cache_usage": ("kv_cache_usage_perc", "fraction of KV cache blocks in use (0..1)"),
+    "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "fraction of prompt blocks found cached"),
+}
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        for key, (name, doc) in _GAUGES.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=stats[key])
+        yield CounterMetricFamily(
+            PREFIX + "num_preemptions", "preemptions so far", value=stats["num_preemptions"]
+        )
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats))
+        r = self.registry
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "time to first token", buckets=TTFT_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds", "gap between outputs", buckets=TPOT_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "request latency", buckets=E2E_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens", registry=r)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "generated tokens", registry=r
+        )
+        self.finished = Counter(
+            PREFIX + "request_success", "finished requests", ["finished_reason"], registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """One engine request's timings, fed each (delta) output as it arrives."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.perf_counter()
+        self.last: float | None = None
+
+    def observe(self, output: RequestOutput) -> None:
+        now = time.perf_counter()
+        new_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if new_tokens:
+            if self.last is None:
+                self.metrics.ttft.observe(now - self.arrival)
+                self.metrics.prompt_tokens.inc(len(output.prompt_token_ids))
+            else:
+                self.metrics.tpot.observe(now - self.last)
+            self.last = now
+            self.metrics.generation_tokens.inc(new_tokens)
+        if output.finished:
+            self.metrics.e2e.observe(now - self.arrival)
+            reason = output.outputs[0].finish_reason if output.outputs else None
+            self.metrics.finished.labels(reason or "unknown").inc()

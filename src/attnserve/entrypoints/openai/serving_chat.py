@@ -1,0 +1,152 @@
+"""`POST /v1/chat/completions`: the conversation rendered with the tokenizer's chat template,
+n replies, whole or streamed as `chat.completion.chunk` events (a role delta first)."""
+
+from __future__ import annotations
+
+from jinja2 import TemplateError
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from attnserve.entrypoints.openai.errors import ApiError
+from attnserve.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProb,
+    ChatLogProbEntry,
+    ChatLogProbs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+)
+from attnserve.entrypoints.openai.serving_engine import (
+    Delta,
+    OpenAIServing,
+    finite,
+    new_id,
+    until_disconnect,
+    usage,
+)
+from attnserve.outputs import TokenLogprobs
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw: Request
+    ) -> ChatCompletionResponse | StreamingResponse:
+        self.check_model(request.model)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        prompt = self._render(request.messages)
+        k = (request.top_logprobs or 0) if request.logprobs else None
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        params = self.sampling_params(request, len(prompt), max_tokens, k)
+        request_id = new_id("chatcmpl")
+        stream = self.generate([prompt], params, request_id)
+        if request.stream:
+            first = await until_disconnect(raw, anext(stream))
+            chunks = _ChunkRenderer(self, request, request_id, [prompt])
+            events = self.sse(first, stream, chunks.render, chunks.usage_chunk)
+            return StreamingResponse(events, media_type="text/event-stream")
+        choices, tokens = await until_disconnect(raw, self.collect(stream, request.n))
+        return ChatCompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=ChatResponseMessage(content=c.text),
+                    logprobs=self.logprobs(c.token_ids, c.logprobs, k) if k is not None else None,
+                    finish_reason=c.finish_reason,
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage=usage([prompt], tokens),
+        )
+
+    def _render(self, messages: list[ChatMessage]) -> list[int]:
+        """The conversation through the chat template, as prompt token ids."""
+        tokenizer = self.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template: use /v1/completions")
+        conversation = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages
+        ]
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True
+            )
+        except (TemplateError, ValueError) as error:
+            message = f"the chat template refused the messages: {error}"
+            raise ApiError(400, message, "messages") from error
+        ids = self.encode(str(text), "messages")
+        self.check_prompt(ids, "messages")
+        return ids
+
+    def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs], k: int) -> ChatLogProbs:
+        entries = []
+        for token_id, candidates in zip(token_ids, logprobs, strict=True):
+            best = sorted(candidates.items(), key=lambda item: -item[1])[:k]
+            chosen = self._logprob(token_id, candidates.get(token_id))
+            top = [self._logprob(t, lp) for t, lp in best]
+            entries.append(ChatLogProbEntry(**chosen.model_dump(), top_logprobs=top))
+        return ChatLogProbs(content=entries)
+
+    def _logprob(self, token_id: int, logprob: float | None) -> ChatLogProb:
+        text = self.token_text(token_id)
+        return ChatLogProb(token=text, logprob=finite(logprob), bytes=list(text.encode()))
+
+
+class _ChunkRenderer:
+    """Streamed chunks of one request: a role delta before each choice's first content."""
+
+    def __init__(
+        self,
+        serving: OpenAIServingChat,
+        request: ChatCompletionRequest,
+        request_id: str,
+        prompts: list[list[int]],
+    ) -> None:
+        self.serving = serving
+        self.request = request
+        self.request_id = request_id
+        self.prompts = prompts
+        self.started: set[int] = set()
+
+    def _chunk(self, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.request_id, model=self.serving.model_name, choices=choices
+        )
+
+    def render(self, deltas: list[Delta]) -> list[ChatCompletionChunk]:
+        chunks = []
+        for delta in deltas:
+            if delta.index not in self.started:
+                self.started.add(delta.index)
+                role = DeltaMessage(role="assistant", content="")
+                chunks.append(self._chunk([ChatStreamChoice(index=delta.index, delta=role)]))
+            logprobs = None
+            if self.request.logprobs and delta.logprobs is not None:
+                k = self.request.top_logprobs or 0
+                logprobs = self.serving.logprobs(delta.token_ids, delta.logprobs, k)
+            choice = ChatStreamChoice(
+                index=delta.index,
+                delta=DeltaMessage(content=delta.text),
+                logprobs=logprobs,
+                finish_reason=delta.finish_reason,
+            )
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def usage_chunk(self, tokens: int) -> ChatCompletionChunk | None:
+        if not self.request.include_usage:
+            return None
+        return ChatCompletionChunk(
+            id=self.request_id,
+            model=self.serving.model_name,
+            choices=[],
+            usage=usage(self.prompts, tokens),
+        )

@@ -1,0 +1,279 @@
+"""What both endpoints share: the model-name check, prompt checks, `SamplingParams` from a
+request, and the engine requests of one API call run as one stream of `Delta`s.
+
+Prompts are tokenized here, so a prompt longer than the context, or one whose `max_tokens` does
+not fit after it, is refused (400) before the engine sees it. Every engine request is streamed as
+deltas (the non-streaming endpoints add them up) with its metrics recorded; when the caller
+stops reading (the client went away), every engine request of the call is aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from attnserve.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from attnserve.entrypoints.openai.errors import ApiError, error_body
+from attnserve.entrypoints.openai.metrics import ServerMetrics
+from attnserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from attnserve.outputs import RequestOutput, TokenLogprobs
+from attnserve.sampling_params import RequestOutputKind, SamplingParams
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+@dataclass
+class Delta:
+    """What is new in one choice (`index` counts over prompts x n) since its last delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+
+
+@dataclass
+class Choice:
+    """One choice's deltas added up (the non-streaming responses)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+LOGPROB_FLOOR = -9999.0
+
+
+def finite(logprob: float | None) -> float:
+    """A log-probability JSON can carry: -inf, NaN or a missing one become -9999 (as vLLM)."""
+    if logprob is None or not math.isfinite(logprob):
+        return LOGPROB_FLOOR
+    return logprob
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        config = engine.engine.model_config
+        self.max_model_len = config.max_model_len
+        self.vocab_size = config.vocab_size
+        self.engine_dead = False
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist", "model", "model_not_found")
+
+    def encode(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send token ids", param)
+        ids: list[int] = self.tokenizer.encode(text)
+        return ids
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param)
+        if len(ids) >= self.max_model_len:
+            raise ApiError(
+                400,
+                f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens, which must leave room for one generated token",
+                param,
+                "context_length_exceeded",
+            )
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ApiError(400, f"token ids must be in 0..{self.vocab_size - 1}", param)
+
+    def sampling_params(
+        self,
+        request: SamplingRequest,
+        prompt_len: int,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        if max_tokens is not None and max_tokens > room:
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens: the prompt "
+                f"has {prompt_len} and max_tokens asks for {max_tokens}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        try:
+            return SamplingParams(
+                n=request.n,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=request.top_k,
+                min_p=request.min_p,
+                presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
+                seed=request.seed,
+                max_tokens=room if max_tokens is None else max_tokens,
+                min_tokens=request.min_tokens,
+                stop=request.stop,
+                ignore_eos=request.ignore_eos,
+                logprobs=logprobs,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except ValueError as error:
+            raise ApiError(400, str(error)) from error
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        text: str = self.tokenizer.decode([token_id])
+        return text
+
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[list[Delta], None]:
+        """Each engine output of the call's prompts, as deltas; ApiError for a failure."""
+        streams = [
+            self.engine.generate(ids, params, f"{request_id}-{i}") for i, ids in enumerate(prompts)
+        ]
+        try:
+            async with aclosing(_merge(streams, self.metrics)) as merged:
+                async for i, output in merged:
+                    yield [
+                        Delta(
+                            i * params.n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason
+                        )
+                        for c in output.outputs
+                        if c.token_ids or c.text or c.finish_reason
+                    ]
+        except ValueError as error:
+            raise ApiError(400, str(error)) from error
+        except EngineDeadError as error:
+            self.engine_dead = True
+            raise ApiError(503, str(error)) from error
+
+    async def sse(
+        self,
+        first: list[Delta],
+        stream: AsyncGenerator[list[Delta], None],
+        render: Callable[[list[Delta]], Iterable[BaseModel]],
+        final: Callable[[int], BaseModel | None],
+    ) -> AsyncIterator[str]:
+        """Server-sent events: `render`'s chunks for each batch of deltas, `final(tokens)` (the
+        usage chunk, if asked for), an error event if the engine fails, then `[DONE]`."""
+        tokens = 0
+        try:
+            async with aclosing(stream):
+                deltas: list[Delta] | None = first
+                while deltas is not None:
+                    tokens += sum(len(d.token_ids) for d in deltas)
+                    for chunk in render(deltas):
+                        yield _event(chunk.model_dump_json(exclude_none=True))
+                    deltas = await anext(stream, None)
+            tail = final(tokens)
+            if tail is not None:
+                yield _event(tail.model_dump_json(exclude_none=True))
+        except ApiError as error:
+            yield _event(error_body(error.status, error.message, error.param, error.code))
+        yield _event("[DONE]")
+
+    async def collect(
+        self, stream: AsyncIterator[list[Delta]], num_choices: int
+    ) -> tuple[list[Choice], int]:
+        """Every delta of `stream` added up per choice, and the number of generated tokens."""
+        choices = [Choice() for _ in range(num_choices)]
+        async for deltas in stream:
+            for delta in deltas:
+                choices[delta.index].add(delta)
+        return choices, sum(len(c.token_ids) for c in choices)
+
+
+def _event(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+def usage(prompts: list[list[int]], completion_tokens: int) -> UsageInfo:
+    prompt_tokens = sum(len(p) for p in prompts)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+async def _merge(
+    streams: list[AsyncIterator[RequestOutput]], metrics: ServerMetrics
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Interleave the streams as their outputs arrive; leaving early cancels (aborts) them all."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        tracker = metrics.tracker()
+        try:
+            async for output in stream:
+                tracker.observe(output)
+                queue.put_nowait((i, output))
+            queue.put_nowait((i, None))
+        except Exception as error:  # handed to the consumer
+            queue.put_nowait((i, error))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientDisconnected (with `work` cancelled) if the client goes first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise ClientDisconnected
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,136 @@
+"""TRITON kernels beyond the shared suite: split-KV decode, the fp8 cache, head sizes 96/256.
+
+Runs on CUDA when present, else through the Triton interpreter on the CPU (conftest switches it
+on). References are dense fp32 attention over a gathered copy of the paged cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from attnserve.attention import get_backend_cls
+from tests.attention.harness import TOLERANCE, Case, Sequence, reference
+from tests.attention.test_conformance import _setup
+
+BACKEND = get_backend_cls("TRITON")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if BACKEND.unavailable_reason() or DEVICE not in BACKEND.capabilities.devices:
+    pytest.skip("TRITON does not run here", allow_module_level=True)
+
+from attnserve.attention.ops.triton_cache import reshape_and_cache  # noqa: E402
+from attnserve.attention.ops.triton_decode import AttentionParams, paged_decode  # noqa: E402
+
+
+def _paged_cache(
+    seq_lens: list[int], kv_heads: int, head_size: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random cache, a shuffled block table for `seq_lens`, and the dense K/V [B, 2, Hkv, L, D]
+    (zero past each sequence's end)."""
+    per_seq = -(-max(seq_lens) // block_size)
+    gen = torch.Generator().manual_seed(1)
+    num_blocks = len(seq_lens) * per_seq + 3
+    cache = torch.randn(num_blocks, 2, kv_heads, block_size, head_size, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * per_seq]
+    table = order.view(len(seq_lens), per_seq)
+    dense = cache[table].permute(0, 2, 3, 1, 4, 5).flatten(3, 4)
+    return cache, table.to(torch.int32), dense
+
+
+def _decode_reference(
+    q: torch.Tensor, dense: torch.Tensor, seq_lens: list[int], window: int | None
+) -> torch.Tensor:
+    group = q.shape[1] // dense.shape[2]
+    outs = []
+    for i, length in enumerate(seq_lens):
+        lo = 0 if window is None else max(0, length - window)
+        k = dense[i, 0, :, lo:length].repeat_interleave(group, 0)  # [H, L, D]
+        v = dense[i, 1, :, lo:length].repeat_interleave(group, 0)
+        probs = torch.softmax((k @ q[i, :, :, None])[..., 0] / math.sqrt(q.shape[-1]), -1)
+        outs.append((probs[:, None, :] @ v)[:, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize(("num_splits", "window"), [(1, None), (3, None), (4, 50)])
+def test_split_kv_decode_matches_reference(num_splits: int, window: int | None) -> None:
+    seq_lens, kv_heads, group, head_size, block_size = [1, 37, 300, 129], 2, 3, 64, 16
+    cache, table, dense = _paged_cache(seq_lens, kv_heads, head_size, block_size)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_size)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    paged_decode(
+        q.to(DEVICE),
+        cache.to(DEVICE),
+        table.to(DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        out,
+        AttentionParams(scale=1 / math.sqrt(head_size), sliding_window=window),
+        num_splits,
+    )
+    want = _decode_reference(q, dense, seq_lens, window)
+    torch.testing.assert_close(out.cpu(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_fp8_cache_write_scales_saturates_and_skips_padding() -> None:
+    kv_heads, head_size, block_size = 2, 64, 16
+    cache = torch.zeros(4, 2, kv_heads, block_size, head_size, dtype=torch.float8_e4m3fn)
+    cache = cache.to(DEVICE)
+    key = torch.randn(3, kv_heads, head_size) * 100
+    key[0, 0, 0] = 5000.0  # beyond e4m3's range once scaled: saturates at 448
+    value = torch.randn(3, kv_heads, head_size)
+    slots = torch.tensor([5, -1, 3 * block_size + 7])
+    reshape_and_cache(
+        key.to(DEVICE), value.to(DEVICE), cache, slots.to(DEVICE), k_scale=2.0, v_scale=0.5
+    )
+    got = cache.cpu().float()
+    want_k = (key / 2.0).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    want_v = (value / 0.5).to(torch.float8_e4m3fn).float()
+    for token, slot in ((0, 5), (2, 3 * block_size + 7)):
+        block, offset = divmod(slot, block_size)
+        assert torch.equal(got[block, 0, :, offset], want_k[token])
+        assert torch.equal(got[block, 1, :, offset], want_v[token])
+    assert got[0, 0, 0, 5, 0] == 448.0
+    written = {(0, 5), (3, 7)}
+    untouched = [(b, o) for b in range(4) for o in range(block_size) if (b, o) not in written]
+    assert all(not got[b, :, :, o].any() for b, o in untouched)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(num_kv_heads=2, group=2, head_size=96, block_size=16, dtype=torch.bfloat16,
+             kv_cache_dtype="fp8", seed=3),
+        Case(num_kv_heads=1, group=4, head_size=256, block_size=256, dtype=torch.float16,
+             sliding_window=7, seed=4),
+        Case(num_kv_heads=2, group=1, head_size=128, block_size=64, dtype=torch.float16,
+             kv_cache_dtype="fp8", alibi=True, soft_cap=10.0, seed=5),
+    ],
+    ids=str,
+)  # fmt: skip
+def test_backend_cases_beyond_the_shared_grid(case: Case) -> None:
+    """Two steps (context prefill, then mixed) against the dense reference; an fp8 cache is
+    checked at the compute dtype's tolerance against K/V rounded to e4m3 the way torch does."""
+    runner, seqs = _setup(BACKEND, case, DEVICE)
+    refs = [_rounded_to_cache_dtype(s, case.kv_cache_dtype) for s in seqs]
+    tol = TOLERANCE[case.dtype]
+    cached = [i for i, s in enumerate(seqs) if s.context_len > 0]
+    steps = [
+        (cached, lambda s: (0, s.context_len)),
+        (range(len(seqs)), lambda s: (s.context_len, s.length)),
+    ]
+    for members, span in steps:
+        spans = [span(seqs[i]) for i in members]
+        got = runner.step([seqs[i] for i in members], spans)
+        want = torch.cat(
+            [reference(case, refs[i], *ab) for i, ab in zip(members, spans, strict=True)]
+        )
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def _rounded_to_cache_dtype(seq: Sequence, kv_cache_dtype: str) -> Sequence:
+    if kv_cache_dtype != "fp8":
+        return seq
+    k, v = (x.to(torch.float8_e4m3fn).float() for x in (seq.k, seq.v))
+    return dataclasses.replace(seq, k=k, v=v)

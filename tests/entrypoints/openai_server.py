@@ -1,0 +1,125 @@
+"""Helpers for the server tests: a real `attnserve serve` process on a free loopback port, its
+Prometheus metrics parsed, and a tiny random Llama that carries the default model's tokenizer
+(and chat template) so fuzzing runs at full speed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+import attnserve
+
+SRC = Path(attnserve.__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class ServerProcess:
+    """`attnserve serve ARGS` in a subprocess; ready (GET /health 200) when constructed."""
+
+    def __init__(self, args: list[str], api_key: str | None = None, timeout: float = 180) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+        env.setdefault("ATTNSERVE_ATTENTION_BACKEND", "TORCH_SDPA")
+        env.pop("ATTNSERVE_API_KEY", None)
+        command = [sys.executable, "-m", "attnserve.cli", "serve", *args]
+        command += ["--port", str(self.port), "--uvicorn-log-level", "warning"]
+        if api_key:
+            command += ["--api-key", api_key]
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited:\n{self.log_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"the server was not ready in {timeout} s:\n{self.log_text()[-3000:]}")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_text(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def metrics(self) -> dict[str, float]:
+        """`name{labels}` -> value, for every sample of GET /metrics."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def wait_idle(self, timeout: float = 30) -> dict[str, float]:
+        """The metrics once nothing runs or waits (or the last ones seen, at the timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            metrics = self.metrics()
+            busy = (
+                metrics["attnserve:num_requests_running"]
+                + metrics["attnserve:num_requests_waiting"]
+            )
+            if not busy or time.monotonic() > deadline:
+                return metrics
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+def tiny_model_with_tokenizer(path: Path) -> Path:
+    """A 2-layer random Llama over the default model's vocabulary, with its tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from attnserve.model.default_model import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

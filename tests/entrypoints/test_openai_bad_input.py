@@ -1,0 +1,150 @@
+"""Bad input against a real server (a tiny random model with the default model's tokenizer):
+each kind of bad request gets an OpenAI-style error object with the right status, is logged,
+and the server keeps serving; then schemathesis fuzzes the OpenAPI document: no 5xx."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.entrypoints.openai_server import ServerProcess, tiny_model_with_tokenizer
+
+MAX_MODEL_LEN = 64
+MAX_BYTES = 65536
+FUZZ_EXAMPLES = 50  # per generation mode, over all routes
+FUZZ_BUDGET_S = 30  # per generation mode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    model = tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny_chat_model"))
+    args = [str(model), "--device", "cpu", "--served-model-name", "tiny"]
+    args += ["--max-model-len", str(MAX_MODEL_LEN), "--max-request-bytes", str(MAX_BYTES)]
+    process = ServerProcess(args)
+    yield process
+    process.stop()
+
+
+def _post(server: ServerProcess, path: str, content: bytes) -> httpx.Response:
+    headers = {"Content-Type": "application/json"}
+    return httpx.post(server.url + path, content=content, headers=headers, timeout=60)
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
+    # (name, path, body: bytes or JSON-able, status, param)
+    ("malformed JSON", "/v1/completions", b'{"prompt": "hi",', 400, None),
+    ("invalid UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
+    ("prompt of wrong type", "/v1/completions", {"prompt": 3}, 422, "prompt"),
+    ("temperature of wrong type", "/v1/completions", {"prompt": "a", "temperature": "x"}, 422,
+     "temperature"),
+    ("missing messages", "/v1/chat/completions", {"model": "tiny"}, 422, "messages"),
+    ("image content", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, 422,
+     "messages.0.content"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    ("prompt over max_model_len", "/v1/completions",
+     {"prompt": list(range(1, MAX_MODEL_LEN + 1))}, 400, "prompt"),
+    ("max_tokens past the context", "/v1/chat/completions", {**CHAT, "max_tokens": 1000}, 400,
+     "max_tokens"),
+    ("max_tokens of 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 422, "max_tokens"),
+    ("n of 0", "/v1/completions", {"prompt": "hi", "n": 0}, 422, "n"),
+    ("n over the limit", "/v1/chat/completions", {**CHAT, "n": 1000}, 422, "n"),
+    ("token id out of range", "/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("min_tokens over max_tokens", "/v1/completions",
+     {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, None),
+    ("body over the size limit", "/v1/completions", {"prompt": "a " * MAX_BYTES}, 413, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [pytest.param(*case[1:], id=case[0]) for case in BAD_REQUESTS],
+)
+def test_bad_request_gets_an_openai_error(
+    server: ServerProcess, path: str, body: Any, status: int, param: str | None
+) -> None:
+    content = body if isinstance(body, bytes) else httpx.Request("POST", "/", json=body).content
+    response = _post(server, path, content)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert f" {status} " in server.log_text()  # logged
+    good = _post(server, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_streamed_errors_come_before_the_stream(server: ServerProcess) -> None:
+    body = b'{"prompt": "hi", "model": "nope", "stream": true}'
+    response = _post(server, "/v1/completions", body)
+    assert response.status_code == 404
+    assert response.headers["content-type"] == "application/json"
+
+
+def test_unknown_route_and_wrong_method(server: ServerProcess) -> None:
+    assert httpx.get(server.url + "/v1/nothing").json()["error"]["type"] == "not_found_error"
+    wrong_method = httpx.get(server.url + "/v1/completions")
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+
+
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_fuzzed_requests_get_no_server_error(server: ServerProcess, mode: GenerationMode) -> None:
+    """Cases drawn from the OpenAPI document, valid or not: no 5xx, and every response (status,
+    content type, body) as the document says."""
+    api = schemathesis.openapi.from_url(server.url + "/openapi.json")
+
+    @given(case=api.as_strategy(mode))
+    @settings(
+        max_examples=FUZZ_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    def call(case: Any) -> None:
+        if time.monotonic() - started < FUZZ_BUDGET_S:  # a loaded machine stops early
+            case.call_and_validate(checks=CHECKS, timeout=60)
+
+    started = time.monotonic()
+    call()
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_schema_documents_every_route(server: ServerProcess) -> None:
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    assert set(paths) == {
+        "/health",
+        "/metrics",
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+    }
+    responses = paths["/v1/completions"]["post"]["responses"]
+    assert {"200", "400", "401", "404", "413", "422"} <= set(responses)
+    assert "text/event-stream" in responses["200"]["content"]

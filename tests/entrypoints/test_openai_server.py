@@ -1,0 +1,306 @@
+"""The OpenAI-compatible server, driven by the official `openai` client against a real
+`attnserve serve` process (default model, CPU, loopback, an API key): both endpoints, streaming
+and not, n / stop / seed / logprobs / usage, the API key, and the metrics it reports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from attnserve.bench.serve import benchmark, format_report
+from attnserve.cli import build_parser
+from attnserve.model.default_model import default_model_dir
+from tests.entrypoints.openai_server import ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "test-key"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+NO_EOS: dict[str, Any] = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    process = ServerProcess(["--device", "cpu", "--max-model-len", "512"], api_key=KEY)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    (card,) = client.models.list().data
+    assert card.id == MODEL
+    assert card.model_extra == {"max_model_len": 512}
+
+
+def test_completion_whole_and_streamed_agree(client: openai.OpenAI, tokenizer: Any) -> None:
+    prompt = "The capital of France is"
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    (choice,) = whole.choices
+    assert "Paris" in choice.text
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert whole.usage.completion_tokens == len(tokenizer.encode(choice.text)) <= 8
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_whole_and_streamed_agree(client: openai.OpenAI, tokenizer: Any) -> None:
+    whole = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=24, temperature=0
+    )
+    answer = whole.choices[0].message.content or ""
+    assert "Paris" in answer and whole.choices[0].message.role == "assistant"
+    prompt = tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_fixed_length_streams_report_exact_usage(client: openai.OpenAI) -> None:
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=[[1000, 2000, 3000], [4000, 5000]],
+        n=2,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=NO_EOS,
+    )
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens == 5 and usage.completion_tokens == 24
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks[:-1]}
+    assert finished == {0: "length", 1: "length", 2: "length", 3: "length"}
+
+
+def test_batched_prompts_and_n(client: openai.OpenAI) -> None:
+    single = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=6, temperature=0)
+    batch = client.completions.create(
+        model=MODEL, prompt=["Red, green,", "One, two,"], n=2, max_tokens=6, temperature=0
+    )
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[2].text == batch.choices[3].text == single.choices[0].text
+
+
+def test_seed_makes_sampling_repeatable(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> list[str]:
+        out = client.completions.create(
+            model=MODEL, prompt="Once upon a time", n=2, max_tokens=6, seed=seed, temperature=1
+        )
+        return [c.text for c in out.choices]
+
+    first = sample(7)
+    assert sample(7) == first
+    assert sample(8) != first
+    assert first[0] != first[1]  # the two samples differ from one another
+
+
+def test_stop_string_is_cut_whole_and_streamed(client: openai.OpenAI) -> None:
+    free = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0
+    ).choices[0]
+    stop = free.text[4:7]
+    cut = free.text[: free.text.index(stop)]
+    args: dict[str, Any] = {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 12}
+    stopped = client.completions.create(**args, temperature=0, stop=[stop]).choices[0]
+    assert (stopped.text, stopped.finish_reason) == (cut, "stop")
+    chunks = list(client.completions.create(**args, temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=5, temperature=0, logprobs=3
+    ).choices[0]
+    assert out.logprobs is not None and out.logprobs.top_logprobs is not None
+    assert len(out.logprobs.tokens or []) == 5
+    assert "".join(out.logprobs.tokens or []) == out.text
+    for chosen, top in zip(
+        out.logprobs.token_logprobs or [], out.logprobs.top_logprobs, strict=True
+    ):
+        assert len(top) == 3 and chosen == max(top.values())  # greedy takes the best
+        assert all(value <= 0 for value in top.values())
+
+
+def test_chat_top_logprobs(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    ).choices[0]
+    assert out.logprobs is not None and out.logprobs.content is not None
+    entries = out.logprobs.content
+    assert "".join(e.token for e in entries) == out.message.content
+    for entry in entries:
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert entry.logprob == entry.top_logprobs[0].logprob
+        assert bytes(entry.bytes or []) == entry.token.encode()
+
+
+def test_api_key_is_required_on_v1_only(server: ServerProcess) -> None:
+    wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        wrong.models.list()
+    assert caught.value.body["message"] == "a valid API key is required"  # type: ignore[index]
+    body = {"model": MODEL, "prompt": "hi"}
+    missing = httpx.post(server.url + "/v1/completions", json=body)
+    assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+    for open_route in ("/health", "/metrics"):
+        assert httpx.get(server.url + open_route).status_code == 200
+
+
+def test_metrics_count_a_request(client: openai.OpenAI, server: ServerProcess) -> None:
+    before = server.wait_idle()
+    client.completions.create(
+        model=MODEL, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0, extra_body=NO_EOS
+    )
+    after = server.wait_idle()
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("attnserve:generation_tokens_total") == 5
+    assert grew("attnserve:prompt_tokens_total") == 4
+    assert grew("attnserve:time_to_first_token_seconds_count") == 1
+    assert grew("attnserve:time_per_output_token_seconds_count") == 4
+    assert grew('attnserve:request_success_total{finished_reason="length"}') == 1
+    assert after["attnserve:kv_cache_usage_perc"] == 0
+    assert after["attnserve:prefix_cache_hit_rate"] >= 0
+
+
+def test_64_concurrent_streams_all_complete_and_free_their_blocks(server: ServerProcess) -> None:
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    common: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": NO_EOS,
+    }
+
+    async def one(i: int) -> tuple[int, int]:
+        if i % 2:
+            chat = [{"role": "user", "content": f"Count to {i}."}]
+            stream: Any = await client.chat.completions.create(messages=chat, **common)
+        else:
+            stream = await client.completions.create(prompt=f"{i} bottles of", **common)
+        chunks = [chunk async for chunk in stream]
+        deltas = sum(1 for c in chunks if c.choices and c.choices[0].finish_reason is None)
+        return deltas, chunks[-1].usage.completion_tokens
+
+    async def run() -> list[tuple[int, int]]:
+        async with client:
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), 150)
+
+    started = time.monotonic()
+    results = asyncio.run(run())
+    assert [usage for _, usage in results] == [8] * 64
+    assert all(deltas >= 7 for deltas, _ in results)  # tokens arrive one event at a time
+    idle = server.wait_idle()
+    assert idle["attnserve:kv_cache_usage_perc"] == 0
+    print(f"64 streams x 8 tokens: {time.monotonic() - started:.1f} s")
+
+
+async def _open_streams(server: ServerProcess, count: int) -> None:
+    """`count` long streams: read each one's first event, then drop every connection."""
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 400, "stream": True}
+    body.update(NO_EOS)
+    drop = asyncio.Event()
+
+    async def one(http: httpx.AsyncClient) -> None:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            await drop.wait()
+
+    async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=60) as http:
+        streams = asyncio.gather(*(one(http) for _ in range(count)))
+        while (await asyncio.to_thread(server.metrics))["attnserve:num_requests_running"] < count:
+            await asyncio.sleep(0.1)
+        assert (await asyncio.to_thread(server.metrics))["attnserve:kv_cache_usage_perc"] > 0
+        drop.set()
+        await streams
+
+
+def test_a_burst_of_disconnects_frees_every_block(server: ServerProcess) -> None:
+    asyncio.run(_open_streams(server, 32))
+    dropped = time.monotonic()
+    idle = server.wait_idle(timeout=20)
+    assert idle["attnserve:num_requests_running"] == 0
+    assert idle["attnserve:kv_cache_usage_perc"] == 0
+    assert time.monotonic() - dropped < 10  # 32 x 400 tokens would take minutes
+
+
+def test_a_dropped_non_streaming_request_is_aborted(server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 400, **NO_EOS}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers) as http:
+            request = asyncio.create_task(http.post("/v1/completions", json=body, timeout=60))
+            while (await asyncio.to_thread(server.metrics))["attnserve:num_requests_running"] < 1:
+                await asyncio.sleep(0.05)
+            request.cancel()  # closes the connection mid-generation
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+
+    asyncio.run(run())
+    idle = server.wait_idle(timeout=20)
+    assert idle["attnserve:num_requests_running"] == 0
+    assert idle["attnserve:kv_cache_usage_perc"] == 0
+
+
+@pytest.mark.parametrize("pacing", [[], ["--request-rate", "20", "--max-concurrency", "2"]])
+def test_bench_serve_reports_what_the_server_counted(
+    server: ServerProcess, pacing: list[str]
+) -> None:
+    command = ["bench", "serve", "--base-url", server.url, "--api-key", KEY, "--num-prompts", "6"]
+    args = build_parser().parse_args([*command, "--input-len", "16", "--output-len", "5", *pacing])
+    before = server.wait_idle()
+    summary = asyncio.run(benchmark(args))
+    after = server.wait_idle()
+    assert (summary["completed"], summary["failed"]) == (6, 0)
+    assert summary["total_input_tokens"] == 96 and summary["total_output_tokens"] == 30
+    counted = (
+        after["attnserve:generation_tokens_total"] - before["attnserve:generation_tokens_total"]
+    )
+    assert counted == 30
+    assert 0 < summary["median_ttft_ms"] <= summary["p99_ttft_ms"] <= summary["p99_e2el_ms"]
+    assert summary["mean_tpot_ms"] > 0 and summary["mean_itl_ms"] > 0
+    assert summary["output_throughput"] == pytest.approx(30 / summary["duration_s"])
+    assert "Output token throughput" in format_report(summary)
