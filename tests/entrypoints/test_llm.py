@@ -33,7 +33,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 ENGINE_SETUPS = {
     "one-batch": {},
+    "chunk-1": {"max_num_batched_tokens": 1},
     "chunked-prefill": {"max_num_batched_tokens": 16},
+    "chunk-512": {"max_num_batched_tokens": 512, "block_size": 1},
     "recompute-preemption": {"kv_cache_memory_bytes": 14 * 4096, "block_size": 4},
     "swap-preemption": {
         "kv_cache_memory_bytes": 14 * 4096,
