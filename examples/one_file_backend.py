@@ -92,6 +92,11 @@ class OneFileImpl(AttentionImpl[OneFileMetadata]):
 
 
 class OneFileBackend(AttentionBackend):
+    name = "ONE_FILE"
+    impl_cls = OneFileImpl
+    metadata_cls = OneFileMetadata
+    builder_cls = OneFileBuilder
+    kv_cache_block_dim = 0
     capabilities = BackendCapabilities(
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         devices=("cpu", "cuda"),
@@ -100,27 +105,7 @@ class OneFileBackend(AttentionBackend):
     )
 
     @staticmethod
-    def get_name() -> str:
-        return "ONE_FILE"
-
-    @staticmethod
-    def get_impl_cls() -> type[OneFileImpl]:
-        return OneFileImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type[OneFileMetadata]:
-        return OneFileMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type[OneFileBuilder]:
-        return OneFileBuilder
-
-    @staticmethod
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_block_dim() -> int:
-        return 0

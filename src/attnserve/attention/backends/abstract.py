@@ -171,38 +171,46 @@ class AttentionImpl(ABC, Generic[M]):
 class AttentionBackend(ABC):
     """Static facts about one backend, and its dispatch to Impl, Metadata and Builder.
 
-    The default `swap_blocks` / `copy_blocks` move whole blocks along the cache's block axis
-    (`get_kv_cache_block_dim`); a backend whose layout needs more overrides them.
+    A backend declares its classes and facts as class attributes (`name`, `impl_cls`,
+    `metadata_cls`, `builder_cls`, `kv_cache_block_dim`, `capabilities`) and implements
+    `get_kv_cache_shape`; the `get_*` accessors read the attributes (a backend may override them
+    instead). The default `swap_blocks` / `copy_blocks` move whole blocks along the cache's block
+    axis; a backend whose layout needs more overrides them.
     """
 
+    name: ClassVar[str]
+    impl_cls: ClassVar[type[AttentionImpl[Any]]]
+    metadata_cls: ClassVar[type[AttentionMetadata]]
+    builder_cls: ClassVar[type[AttentionMetadataBuilder[Any]]]
+    kv_cache_block_dim: ClassVar[int]
     capabilities: ClassVar[BackendCapabilities]
 
-    @staticmethod
-    @abstractmethod
-    def get_name() -> str: ...
+    @classmethod
+    def get_name(cls) -> str:
+        return cls.name
 
-    @staticmethod
-    @abstractmethod
-    def get_impl_cls() -> type[AttentionImpl[Any]]: ...
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl[Any]]:
+        return cls.impl_cls
 
-    @staticmethod
-    @abstractmethod
-    def get_metadata_cls() -> type[AttentionMetadata]: ...
+    @classmethod
+    def get_metadata_cls(cls) -> type[AttentionMetadata]:
+        return cls.metadata_cls
 
-    @staticmethod
-    @abstractmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder[Any]]: ...
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder[Any]]:
+        return cls.builder_cls
+
+    @classmethod
+    def get_kv_cache_block_dim(cls) -> int:
+        """The axis of the KV-cache tensor that indexes blocks."""
+        return cls.kv_cache_block_dim
 
     @staticmethod
     @abstractmethod
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]: ...
-
-    @staticmethod
-    @abstractmethod
-    def get_kv_cache_block_dim() -> int:
-        """The axis of the KV-cache tensor that indexes blocks."""
 
     @classmethod
     def get_kv_cache_torch_dtype(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

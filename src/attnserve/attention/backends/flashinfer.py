@@ -252,6 +252,11 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
 
 
 class FlashInferBackend(AttentionBackend):
+    name = "FLASHINFER"
+    impl_cls = FlashInferImpl
+    metadata_cls = FlashInferMetadata
+    builder_cls = FlashInferMetadataBuilder
+    kv_cache_block_dim = 0
     capabilities = BackendCapabilities(
         dtypes=(torch.float16, torch.bfloat16),
         devices=("cuda",),
@@ -265,30 +270,10 @@ class FlashInferBackend(AttentionBackend):
     )
 
     @staticmethod
-    def get_name() -> str:
-        return "FLASHINFER"
-
-    @staticmethod
-    def get_impl_cls() -> type[FlashInferImpl]:
-        return FlashInferImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type[FlashInferMetadata]:
-        return FlashInferMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type[FlashInferMetadataBuilder]:
-        return FlashInferMetadataBuilder
-
-    @staticmethod
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_block_dim() -> int:
-        return 0
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

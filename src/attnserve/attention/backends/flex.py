@@ -286,6 +286,11 @@ class FlexImpl(AttentionImpl[FlexMetadata]):
 
 
 class FlexAttentionBackend(AttentionBackend):
+    name = "FLEX_ATTENTION"
+    impl_cls = FlexImpl
+    metadata_cls = FlexMetadata
+    builder_cls = FlexMetadataBuilder
+    kv_cache_block_dim = 1
     capabilities = BackendCapabilities(
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         devices=("cuda",),
@@ -301,27 +306,7 @@ class FlexAttentionBackend(AttentionBackend):
     )
 
     @staticmethod
-    def get_name() -> str:
-        return "FLEX_ATTENTION"
-
-    @staticmethod
-    def get_impl_cls() -> type[FlexImpl]:
-        return FlexImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type[FlexMetadata]:
-        return FlexMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type[FlexMetadataBuilder]:
-        return FlexMetadataBuilder
-
-    @staticmethod
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_block_dim() -> int:
-        return 1

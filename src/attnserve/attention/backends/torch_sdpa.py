@@ -191,6 +191,11 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
 
 
 class TorchSDPABackend(AttentionBackend):
+    name = "TORCH_SDPA"
+    impl_cls = TorchSDPAImpl
+    metadata_cls = TorchSDPAMetadata
+    builder_cls = TorchSDPAMetadataBuilder
+    kv_cache_block_dim = 1
     capabilities = BackendCapabilities(
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         devices=("cpu", "cuda"),
@@ -204,27 +209,7 @@ class TorchSDPABackend(AttentionBackend):
     )
 
     @staticmethod
-    def get_name() -> str:
-        return "TORCH_SDPA"
-
-    @staticmethod
-    def get_impl_cls() -> type[TorchSDPAImpl]:
-        return TorchSDPAImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type[TorchSDPAMetadata]:
-        return TorchSDPAMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type[TorchSDPAMetadataBuilder]:
-        return TorchSDPAMetadataBuilder
-
-    @staticmethod
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_block_dim() -> int:
-        return 1

@@ -177,6 +177,11 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
 
 
 class TritonBackend(AttentionBackend):
+    name = "TRITON"
+    impl_cls = TritonImpl
+    metadata_cls = TritonMetadata
+    builder_cls = TritonMetadataBuilder
+    kv_cache_block_dim = 0
     capabilities = BackendCapabilities(
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         devices=("cuda", "cpu") if _INTERPRET else ("cuda",),
@@ -191,30 +196,10 @@ class TritonBackend(AttentionBackend):
     )
 
     @staticmethod
-    def get_name() -> str:
-        return "TRITON"
-
-    @staticmethod
-    def get_impl_cls() -> type[TritonImpl]:
-        return TritonImpl
-
-    @staticmethod
-    def get_metadata_cls() -> type[TritonMetadata]:
-        return TritonMetadata
-
-    @staticmethod
-    def get_builder_cls() -> type[TritonMetadataBuilder]:
-        return TritonMetadataBuilder
-
-    @staticmethod
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
         return (num_blocks, 2, num_kv_heads, block_size, head_size)
-
-    @staticmethod
-    def get_kv_cache_block_dim() -> int:
-        return 0
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
