@@ -33,7 +33,7 @@ from attnserve.attention.backends.abstract import (
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout, build_step_layout
+from attnserve.attention.backends.layout import StepLayout, build_step_layout, write_to_slots
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import FlexKernelOptions
@@ -240,26 +240,13 @@ class FlexImpl(AttentionImpl[FlexMetadata]):
     ) -> torch.Tensor:
         k_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)  # [slots, Hkv, D]
         v_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
-        self._write_cache(key, value, k_cache, v_cache, attn_metadata.slot_mapping)
+        write_to_slots(key, value, k_cache, v_cache, attn_metadata.slot_mapping)
         q = query.view(-1, self.num_heads, self.head_size)
         out = torch.empty_like(q)
         for group in (attn_metadata.prefill, attn_metadata.decode):
             if group is not None:
                 out[group.token_slice] = self._attend(q, k_cache, v_cache, group)
         return out.view(-1, self.num_heads * self.head_size)
-
-    def _write_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        written = slot_mapping >= 0
-        slots = slot_mapping[written]
-        k_cache[slots] = key.view(-1, self.num_kv_heads, self.head_size)[written]
-        v_cache[slots] = value.view(-1, self.num_kv_heads, self.head_size)[written]
 
     def _attend(
         self,

@@ -2,7 +2,8 @@
 
 Builders differ in what they hand their kernels; they all need the same facts first: which
 sequence and position each new token has, its cache slot, and the padded block table. This
-module computes them with a handful of tensor ops (no Python loop over tokens).
+module computes them with a handful of tensor ops (no Python loop over tokens). It also holds
+the plain-torch slot write shared by layouts whose K and V planes flatten to [slots, Hkv, D].
 """
 
 from __future__ import annotations
@@ -98,3 +99,18 @@ def build_step_layout(
         token_pos=token_pos,
         slot_mapping=token_blocks * block_size + token_pos % block_size,
     )
+
+
+def write_to_slots(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each new token's K/V ([T, Hkv*D]) into its slot of the flat [slots, Hkv, D] caches,
+    skipping padding (slot -1)."""
+    written = slot_mapping >= 0
+    slots = slot_mapping[written]
+    k_cache[slots] = key.view(-1, *k_cache.shape[1:])[written]
+    v_cache[slots] = value.view(-1, *v_cache.shape[1:])[written]

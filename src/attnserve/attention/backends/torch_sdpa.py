@@ -23,7 +23,7 @@ from attnserve.attention.backends.abstract import (
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout, build_step_layout
+from attnserve.attention.backends.layout import StepLayout, build_step_layout, write_to_slots
 
 
 @dataclass(frozen=True)
@@ -106,26 +106,13 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
         k_cache = kv_cache[0].view(num_slots, self.num_kv_heads, self.head_size)
         v_cache = kv_cache[1].view(num_slots, self.num_kv_heads, self.head_size)
-        self._write_cache(key, value, k_cache, v_cache, attn_metadata.slot_mapping)
+        write_to_slots(key, value, k_cache, v_cache, attn_metadata.slot_mapping)
         q = query.view(-1, self.num_heads, self.head_size)
         out = torch.empty_like(q)
         for group in (attn_metadata.prefill, attn_metadata.decode):
             if group is not None:
                 out[group.token_slice] = self._attend_group(q, k_cache, v_cache, group)
         return out.view(-1, self.num_heads * self.head_size)
-
-    def _write_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        written = slot_mapping >= 0
-        slots = slot_mapping[written]
-        k_cache[slots] = key.view(-1, self.num_kv_heads, self.head_size)[written]
-        v_cache[slots] = value.view(-1, self.num_kv_heads, self.head_size)[written]
 
     def _attend_group(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DenseGroup
