@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from attnserve.engine.arg_utils import EngineArgs
-from attnserve.engine.async_llm_engine import AsyncLLMEngine
+from attnserve.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.conftest import hf_greedy
 
@@ -97,3 +97,25 @@ def test_bad_request_raises_and_engine_keeps_serving(engine: AsyncLLMEngine) -> 
 
     assert asyncio.run(run()) <= 3
     assert _all_free(engine)
+
+
+def test_a_failing_engine_fails_requests_instead_of_hanging(tiny_llama_dir: Path) -> None:
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(str(tiny_llama_dir), device="cpu"))
+
+    def broken_step() -> list[object]:
+        raise RuntimeError("device lost")
+
+    engine.engine.step = broken_step  # type: ignore[method-assign,assignment]
+
+    async def run() -> None:
+        with pytest.raises(EngineDeadError, match="device lost"):
+            async for _ in engine.generate([1, 2], SamplingParams(max_tokens=3), "a"):
+                pass
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate([1, 2], SamplingParams(max_tokens=3), "b"):
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), timeout=30))
+    finally:
+        engine.shutdown()
