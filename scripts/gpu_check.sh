@@ -4,11 +4,16 @@
 #      into /tmp/site;
 #   2. runs the attention conformance suite (tests/attention) on cuda, every registered backend;
 #   3. runs `attnserve bench kernels`;
-#   4. runs `attnserve bench throughput` (the standard offline workload, dummy weights) per backend.
+#   4. runs `attnserve bench throughput` (the standard offline workload, dummy weights) per backend;
+#   5. runs scripts/gpu_parity.py (engine vs HF greedy tokens per backend, graphs on and off).
 # Logs go to $OUT (conformance.log, bench.log, bench.json, env.log); the exit status is non-zero
 # if a stage failed.
 #
 # Knobs (environment):
+#   STAGES              which stages run (default "conformance kernels throughput parity").
+#   CONFORMANCE_WORKERS pytest-xdist workers for stage 2 (default 1): FlashInfer and flex
+#                       variants then compile in parallel.
+#   PARITY_ARGS         arguments of scripts/gpu_parity.py (default: its defaults).
 #   CONFORMANCE_SELECT  extended regex over collected test ids; only matching tests run. The
 #                       default fits one 10-minute call: every cuda test of TORCH_SDPA, TRITON
 #                       and the ONE_FILE example; FLASHINFER's bf16 head-size-128 cases; three
@@ -46,19 +51,24 @@ fi
 cat "$OUT/env.log"
 
 status=0
+stages=" ${STAGES:-conformance kernels throughput parity} "
 default_select='(TORCH_SDPA|TRITON|ONE_FILE)-cuda'
 default_select+='|FLASHINFER-cuda(\]|-block|-Case\(.*head_size=128, block_size=[0-9]+, dtype=torch.bfloat16)'
 default_select+='|FLEX_ATTENTION-cuda(\]|-block|-Case\(.*seed=(9|25|34)\))'
 select_re="${CONFORMANCE_SELECT:-$default_select}"
+if [[ $stages == *" conformance "* ]]; then
 mapfile -t tests < <(python3 -m pytest --collect-only -q -o addopts= -p no:cacheprovider tests/attention \
     2>/dev/null | grep -E '::' | grep -E -- "$select_re")
 echo "== conformance on cuda: ${#tests[@]} tests (select: $select_re)"
 start=$SECONDS
 timeout "${CONFORMANCE_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -rfE \
-    --durations=15 "${tests[@]}" >"$OUT/conformance.log" 2>&1 || status=1
+    -n "${CONFORMANCE_WORKERS:-1}" --durations=15 "${tests[@]}" >"$OUT/conformance.log" 2>&1 \
+    || status=1
 echo "conformance: rc=$status in $((SECONDS - start)) s"
 grep -E "passed|failed|error" "$OUT/conformance.log" | tail -n 5
+fi
 
+if [[ $stages == *" kernels "* ]]; then
 echo "== bench kernels"
 start=$SECONDS
 bench_args=(--json "$OUT/bench.json")
@@ -67,7 +77,9 @@ timeout "${BENCH_TIMEOUT:-160}" python3 -m attnserve.cli bench kernels "${bench_
     >"$OUT/bench.log" 2>&1 || status=1
 echo "bench: in $((SECONDS - start)) s"
 cat "$OUT/bench.log"
+fi
 
+[[ $stages == *" throughput "* ]] || THROUGHPUT_BACKENDS=""
 for backend in ${THROUGHPUT_BACKENDS-TRITON}; do
     echo "== bench throughput ($backend)"
     start=$SECONDS
@@ -80,4 +92,14 @@ for backend in ${THROUGHPUT_BACKENDS-TRITON}; do
     echo "throughput ($backend): in $((SECONDS - start)) s"
     tail -n 20 "$OUT/throughput-$backend.log"
 done
+
+if [[ $stages == *" parity "* ]]; then
+    echo "== engine vs HF greedy parity"
+    start=$SECONDS
+    # shellcheck disable=SC2086  # PARITY_ARGS is a list of words
+    timeout "${PARITY_TIMEOUT:-300}" python3 scripts/gpu_parity.py ${PARITY_ARGS-} \
+        --json "$OUT/parity.json" >"$OUT/parity.log" 2>&1 || status=1
+    echo "parity: in $((SECONDS - start)) s"
+    grep -v "^\[" "$OUT/parity.log" | tail -n 30
+fi
 exit $status

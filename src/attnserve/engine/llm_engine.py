@@ -33,7 +33,12 @@ class LLMEngine:
             load_tokenizer(self.model_config) if self.model_config.tokenizer else None
         )
         self.runner = ModelRunner(
-            self.model_config, cache_config, args.resolved_device(), args.attention_backend
+            self.model_config,
+            cache_config,
+            args.resolved_device(),
+            args.attention_backend,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            enforce_eager=args.enforce_eager,
         )
         self.block_size = cache_config.block_size
         self.allocator = BlockAllocator(self.runner.num_blocks, cache_config.enable_prefix_caching)

@@ -2,7 +2,8 @@
 
 It selects the attention backend once, loads the model with it, sizes and binds the KV cache,
 and each step asks that backend's metadata builder for the attention metadata. It never looks at
-the metadata or the cache layout itself.
+the metadata or the cache layout itself. On CUDA, unless `enforce_eager`, decode-only steps
+replay captured graphs (`CUDAGraphRunner`) when the backend declares support for them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from attnserve.worker.cache_engine import (
     gpu_kv_cache_budget,
     num_blocks_for_budget,
 )
+from attnserve.worker.cuda_graph import CUDAGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ class ModelRunner:
         cache_config: CacheConfig,
         device: torch.device,
         attention_backend: str | None = None,
+        max_num_seqs: int = 256,
+        enforce_eager: bool = False,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -58,6 +62,7 @@ class ModelRunner:
             head_size=model_config.head_size,
         )
         self.sampler = Sampler()
+        self.cuda_graphs = None if enforce_eager else self._capture_cuda_graphs(max_num_seqs)
 
     @property
     def num_blocks(self) -> int:
@@ -66,6 +71,17 @@ class ModelRunner:
     @property
     def num_swap_blocks(self) -> int:
         return self.cache_engine.num_swap_blocks
+
+    def _capture_cuda_graphs(self, max_num_seqs: int) -> CUDAGraphRunner | None:
+        if self.device.type != "cuda":
+            return None
+        if not self.backend.capabilities.cuda_graphs:
+            logger.info("no CUDA graphs: backend %s does not support them", self.backend.get_name())
+            return None
+        max_blocks = -(-self.model_config.max_model_len // self.cache_config.block_size)
+        runner = CUDAGraphRunner(self.model, self.builder, max_num_seqs, max_blocks, self.device)
+        runner.capture()
+        return runner
 
     def _allocate_kv_cache(self) -> CacheEngine:
         mc, cc = self.model_config, self.cache_config
@@ -131,14 +147,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[SampleOutput | None]:
         """Run one step; return each sequence's draws (None where nothing is drawn)."""
         self._move_blocks(batch)
-        token_ids, positions = self._prepare_inputs(batch)
-        metadata = self.builder.build(
-            [s.block_table for s in batch.seqs],
-            [s.context_len for s in batch.seqs],
-            [len(s.token_ids) for s in batch.seqs],
-        )
-        with set_forward_context(metadata):
-            hidden = self.model(token_ids, positions)
+        hidden = self._forward(batch)
         starts = torch.cumsum(torch.tensor([len(s.token_ids) for s in batch.seqs]), 0).tolist()
         starts = [0, *starts]
         results: list[SampleOutput | None] = [None] * len(batch.seqs)
@@ -151,6 +160,30 @@ class ModelRunner:
                 results[row] = result
         self._add_prompt_logprobs(batch, hidden, starts, results)
         return results
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Final hidden states of the step's new tokens, from a graph when one fits."""
+        seqs = batch.seqs
+        graphs = self.cuda_graphs
+        if (
+            graphs is not None
+            and len(seqs) <= graphs.max_num_seqs
+            and all(len(s.token_ids) == 1 and s.context_len > 0 for s in seqs)
+        ):
+            return graphs.run(
+                [s.token_ids[0] for s in seqs],
+                [s.block_table for s in seqs],
+                [s.context_len for s in seqs],
+            )
+        token_ids, positions = self._prepare_inputs(batch)
+        metadata = self.builder.build(
+            [s.block_table for s in seqs],
+            [s.context_len for s in seqs],
+            [len(s.token_ids) for s in seqs],
+        )
+        with set_forward_context(metadata):
+            hidden: torch.Tensor = self.model(token_ids, positions)
+        return hidden
 
     def _add_prompt_logprobs(
         self,

@@ -43,6 +43,7 @@ class BackendCapabilities:
     sliding_window: bool = False
     alibi: bool = False
     logits_soft_cap: bool = False
+    cuda_graphs: bool = False
     priority: int = 0
 
     def unsupported_reasons(self, spec: AttentionSpec) -> list[str]:
@@ -120,6 +121,29 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         query_lens: Sequence[int],
     ) -> M:
         """Return the metadata for one step."""
+
+    def init_cuda_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        """Allocate the persistent device buffers that captured decode steps read; called once,
+        before any `build_for_cuda_graph`. Only backends whose capabilities declare
+        `cuda_graphs` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def build_for_cuda_graph(
+        self,
+        num_padded_seqs: int,
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+    ) -> M:
+        """Metadata for a decode-only step padded to `num_padded_seqs` sequences (a capture
+        bucket), written into the persistent buffers in place.
+
+        Every call for the same bucket must return metadata whose tensors are the same buffers
+        and whose host values (and so the kernels' launch shapes) are the same, so a graph
+        captured with one call replays correctly after another. The real decodes come first
+        (one new token each, at position `context_lens[i]`); padding sequences write nothing
+        (slot -1) and their outputs are ignored.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
 
 class AttentionImpl(ABC, Generic[M]):

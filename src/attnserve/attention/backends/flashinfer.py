@@ -6,7 +6,8 @@ kv_indices, kv_last_page_len), one set for the prefill sequences and one for the
 owns the workspace buffer and the wrappers (BatchPrefillWithPagedKVCacheWrapper,
 BatchDecodeWithPagedKVCacheWrapper). The wrappers are planned once per step, on the first
 layer's call (plan needs the layer's heads, scale, window and soft-cap), and the planned pair
-is cached in the metadata for the step's other layers.
+is cached in the metadata for the step's other layers. Captured decode steps use the
+decode wrapper's CUDA-graph mode (see `WrapperPool`).
 
 Features, as flashinfer 0.6.1's paged wrappers provide them: sliding window (window_left) and
 logits soft-cap, in fp16/bf16, head sizes 64/128/256. Not ALiBi: the wrappers apply a fixed
@@ -32,7 +33,7 @@ from attnserve.attention.backends.abstract import (
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout, build_step_layout
+from attnserve.attention.backends.layout import StepLayout, build_step_layout, pad_decode_step
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -53,26 +54,50 @@ class PagedGroup:
 
 class WrapperPool:
     """One workspace and one (prefill, decode) wrapper pair per plan configuration; lives as
-    long as the builder, so buffers are allocated once, not per step."""
+    long as the builder, so buffers are allocated once, not per step.
+
+    Captured decode steps get their own decode wrappers in FlashInfer's CUDA-graph mode, one
+    per (configuration, bucket size), whose page metadata lives in fixed device buffers that
+    `plan` refills before each replay; `graph_keys` remembers which configurations each
+    bucket's graph runs, so they can be planned before the replay."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict[PlanKey, tuple[Any, Any]] = {}
+        self._graph_wrappers: dict[tuple[PlanKey, int], Any] = {}
+        self.graph_kv_indices: torch.Tensor | None = None
+        self.graph_keys: dict[int, set[PlanKey]] = {}
 
-    def get(self, key: PlanKey) -> tuple[Any, Any]:
+    def workspace(self) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    def get(self, key: PlanKey, graph_size: int | None = None) -> tuple[Any, Any]:
+        import flashinfer
+
         if key not in self._wrappers:
-            import flashinfer
-
-            if self._workspace is None:
-                self._workspace = torch.zeros(
-                    WORKSPACE_BYTES, dtype=torch.uint8, device=self.device
-                )
             self._wrappers[key] = (
-                flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"),
-                flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD"),
+                flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace(), "NHD"),
+                flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace(), "NHD"),
             )
-        return self._wrappers[key]
+        if graph_size is None:
+            return self._wrappers[key]
+        if (key, graph_size) not in self._graph_wrappers:
+            self._graph_wrappers[key, graph_size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace(),
+                "NHD",
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=self._int32_buffer(graph_size + 1),
+                paged_kv_indices_buffer=self.graph_kv_indices,
+                paged_kv_last_page_len_buffer=self._int32_buffer(graph_size),
+            )
+            self.graph_keys.setdefault(graph_size, set()).add(key)
+        return self._wrappers[key][0], self._graph_wrappers[key, graph_size]
+
+    def _int32_buffer(self, size: int) -> torch.Tensor:
+        return torch.zeros(size, dtype=torch.int32, device=self.device)
 
 
 @dataclass
@@ -81,6 +106,7 @@ class FlashInferMetadata(AttentionMetadata):
     prefill: PagedGroup | None
     decode: PagedGroup | None
     pool: WrapperPool
+    graph_size: int | None = None  # the capture bucket of a graph-ready decode step
     planned: dict[PlanKey, tuple[Any, Any]] = field(default_factory=dict)
     writes: SlotWrites | None = field(default=None, init=False)  # made by the first layer
 
@@ -93,7 +119,7 @@ class FlashInferMetadata(AttentionMetadata):
     def wrappers(self, key: PlanKey) -> tuple[Any, Any]:
         """The (prefill, decode) wrappers planned for this step and configuration."""
         if key not in self.planned:
-            prefill, decode = self.pool.get(key)
+            prefill, decode = self.pool.get(key, self.graph_size)
             if self.prefill is not None:
                 self._plan_prefill(prefill, self.prefill, key)
             if self.decode is not None:
@@ -144,15 +170,30 @@ def _paged_group(layout: StepLayout, seqs: range, block_size: int) -> PagedGroup
     if len(seqs) == 0:
         return None
     loc = layout.query_start_loc[seqs.start : seqs.stop + 1]
-    seq_lens = layout.seq_lens[seqs.start : seqs.stop]
+    return _csr(
+        slice(int(loc[0]), int(loc[-1])),
+        loc - loc[0],
+        layout.block_table[seqs.start : seqs.stop],
+        layout.seq_lens[seqs.start : seqs.stop],
+        block_size,
+    )
+
+
+def _csr(
+    token_slice: slice,
+    qo_indptr: torch.Tensor,
+    table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+) -> PagedGroup:
+    """FlashInfer's page metadata of sequences with block table rows `table` [B, W]."""
     num_pages = -(-seq_lens // block_size)
-    kv_indptr = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
     torch.cumsum(num_pages, 0, out=kv_indptr[1:])
-    table = layout.block_table[seqs.start : seqs.stop]
     used = torch.arange(table.shape[1])[None, :] < num_pages[:, None]
     return PagedGroup(
-        token_slice=slice(int(loc[0]), int(loc[-1])),
-        qo_indptr=(loc - loc[0]).to(torch.int32),
+        token_slice=token_slice,
+        qo_indptr=qo_indptr.to(torch.int32),
         kv_indptr=kv_indptr.to(torch.int32),
         kv_indices=table[used].to(torch.int32),
         kv_last_page_len=((seq_lens - 1) % block_size + 1).to(torch.int32),
@@ -183,6 +224,46 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             ),
             pool=self.pool,
         )
+
+    def init_cuda_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        self.graph_slot_mapping = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        self.pool.graph_kv_indices = torch.zeros(
+            max_num_seqs * max_blocks_per_seq, dtype=torch.int32, device=self.device
+        )
+
+    def build_for_cuda_graph(
+        self,
+        num_padded_seqs: int,
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+    ) -> FlashInferMetadata:
+        """Padded decode metadata; re-plans (into the bucket's fixed buffers) every
+        configuration that this bucket's graph was captured with."""
+        if self.pool.graph_kv_indices is None:
+            raise RuntimeError("call init_cuda_graph_buffers before build_for_cuda_graph")
+        step = pad_decode_step(block_tables, context_lens, num_padded_seqs, self.block_size)
+        slot_mapping = self.graph_slot_mapping[:num_padded_seqs]
+        slot_mapping.copy_(step.slot_mapping)
+        metadata = FlashInferMetadata(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decode_tokens=num_padded_seqs,
+            slot_mapping=slot_mapping,
+            block_size=self.block_size,
+            prefill=None,
+            decode=_csr(
+                slice(0, num_padded_seqs),
+                torch.arange(num_padded_seqs + 1),
+                step.block_table,
+                step.seq_lens,
+                self.block_size,
+            ),
+            pool=self.pool,
+            graph_size=num_padded_seqs,
+        )
+        for key in self.pool.graph_keys.get(num_padded_seqs, ()):
+            metadata.wrappers(key)
+        return metadata
 
 
 @dataclass(frozen=True)
@@ -266,6 +347,7 @@ class FlashInferBackend(AttentionBackend):
         sliding_window=True,
         alibi=False,
         logits_soft_cap=True,
+        cuda_graphs=True,
         priority=5,
     )
 

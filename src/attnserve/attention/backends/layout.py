@@ -101,6 +101,45 @@ def build_step_layout(
     )
 
 
+@dataclass(frozen=True)
+class PaddedDecodeStep:
+    """Host (CPU) int64 tensors of a decode-only step padded to a capture bucket of S sequences:
+    the real decodes first, then padding sequences of one token in block 0 that write nothing."""
+
+    block_table: torch.Tensor  # [S, max_blocks], padded with 0
+    seq_lens: torch.Tensor  # [S]: context + 1 (1 for padding)
+    slot_mapping: torch.Tensor  # [S]: the new token's slot (-1 for padding)
+
+
+def pad_decode_step(
+    block_tables: Sequence[Sequence[int]],
+    context_lens: Sequence[int],
+    num_padded_seqs: int,
+    block_size: int,
+) -> PaddedDecodeStep:
+    """Validate a decode-only step (each sequence adds one token after its cached context) and
+    pad it to `num_padded_seqs` sequences."""
+    num_seqs = len(block_tables)
+    if num_seqs != len(context_lens) or not 0 < num_seqs <= num_padded_seqs:
+        raise ValueError(
+            f"{num_seqs} block tables and {len(context_lens)} context lengths for a step padded "
+            f"to {num_padded_seqs} sequences"
+        )
+    width = max(map(len, block_tables))
+    table = torch.zeros(num_padded_seqs, width, dtype=torch.int64)
+    table[:num_seqs] = torch.tensor([[*t, *[0] * (width - len(t))] for t in block_tables])
+    pairs = zip(block_tables, context_lens, strict=True)
+    if any(c < 1 or c // block_size >= len(t) for t, c in pairs):
+        raise ValueError("every decode needs a cached context and a block for its new token")
+    ctx = torch.tensor(list(context_lens), dtype=torch.int64)
+    seq_lens = torch.ones(num_padded_seqs, dtype=torch.int64)
+    seq_lens[:num_seqs] = ctx + 1
+    slots = torch.full((num_padded_seqs,), -1, dtype=torch.int64)
+    rows = torch.arange(num_seqs)
+    slots[:num_seqs] = table[rows, ctx // block_size] * block_size + ctx % block_size
+    return PaddedDecodeStep(table, seq_lens, slots)
+
+
 def write_to_slots(
     key: torch.Tensor,
     value: torch.Tensor,

@@ -26,7 +26,7 @@ from attnserve.attention.backends.abstract import (
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import build_step_layout
+from attnserve.attention.backends.layout import build_step_layout, pad_decode_step
 
 try:
     from attnserve.attention.ops.triton_cache import reshape_and_cache
@@ -56,8 +56,21 @@ class TritonMetadata(AttentionMetadata):
     decode_num_splits: int  # key splits per decode sequence
 
 
+@dataclass(frozen=True)
+class _GraphBuffers:
+    """The device tensors captured decode steps read, sized for the largest bucket."""
+
+    block_table: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32
+    slot_mapping: torch.Tensor  # [S] int64
+    query_start_loc: torch.Tensor  # [S + 1] int32: 0, 1, 2, ... (one token per sequence)
+    max_seq_len: int  # plans the split count: captured graphs must serve any context
+
+
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     """`num_kv_heads` (the model's KV heads per layer) only sizes the decode split plan."""
+
+    _graph: _GraphBuffers | None = None
 
     def __init__(
         self, block_size: int, device: torch.device | str, num_kv_heads: int = 8, **kwargs: Any
@@ -91,6 +104,46 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             query_start_loc=self._int32(layout.query_start_loc),
             max_query_len=int(prefill_lens.max()) if prefill_lens.numel() else 0,
             decode_num_splits=num_splits,
+        )
+
+    def init_cuda_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+        self._graph = _GraphBuffers(
+            block_table=zeros(max_num_seqs, max_blocks_per_seq),
+            seq_lens=zeros(max_num_seqs),
+            slot_mapping=zeros(max_num_seqs, dtype=torch.int64),
+            query_start_loc=torch.arange(max_num_seqs + 1, dtype=torch.int32, device=self.device),
+            max_seq_len=max_blocks_per_seq * self.block_size,
+        )
+
+    def build_for_cuda_graph(
+        self,
+        num_padded_seqs: int,
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+    ) -> TritonMetadata:
+        buffers = self._graph
+        if buffers is None:
+            raise RuntimeError("call init_cuda_graph_buffers before build_for_cuda_graph")
+        step = pad_decode_step(block_tables, context_lens, num_padded_seqs, self.block_size)
+        rows = slice(0, num_padded_seqs)
+        buffers.block_table[rows, : step.block_table.shape[1]].copy_(step.block_table)
+        buffers.seq_lens[rows].copy_(step.seq_lens)
+        buffers.slot_mapping[rows].copy_(step.slot_mapping)
+        return TritonMetadata(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decode_tokens=num_padded_seqs,
+            slot_mapping=buffers.slot_mapping[rows],
+            block_table=buffers.block_table[rows],
+            seq_lens=buffers.seq_lens[rows],
+            query_start_loc=buffers.query_start_loc[: num_padded_seqs + 1],
+            max_query_len=0,
+            decode_num_splits=choose_num_splits(
+                num_padded_seqs, self.num_kv_heads, buffers.max_seq_len, self.num_sms
+            ),
         )
 
     def _int32(self, host: torch.Tensor) -> torch.Tensor:
@@ -192,6 +245,7 @@ class TritonBackend(AttentionBackend):
         sliding_window=True,
         alibi=True,
         logits_soft_cap=True,
+        cuda_graphs=True,
         priority=-1 if _INTERPRET else 10,
     )
 

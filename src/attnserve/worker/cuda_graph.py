@@ -1,0 +1,103 @@
+"""`CUDAGraphRunner`: decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step launches hundreds of small kernels; replaying them as one captured graph removes
+the per-launch host cost. Graphs are captured once at start-up for buckets 1, 2, 4, 8, 16, 24,
+... up to `max_num_seqs` (largest first, all in one memory pool). A step of n decodes runs the
+smallest bucket >= n: its token ids and positions go into static input buffers (padding rows
+get token 0 at position 0), the backend's builder writes the step into its persistent metadata
+buffers (`build_for_cuda_graph`), the graph replays, and the first n rows of the captured final
+hidden states are the step's (the LM head runs outside the graph, on those rows only, so the
+graphs hold no vocabulary-sized buffers). Only backends whose capabilities declare
+`cuda_graphs` are captured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from attnserve.attention import AttentionMetadataBuilder, set_forward_context
+
+logger = logging.getLogger(__name__)
+
+
+class CausalLM(Protocol):
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Bucket sizes: 1, 2, 4, then every multiple of 8, up to and including max_num_seqs."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
+    sizes += list(range(8, max_num_seqs, 8))
+    return [*sizes, max_num_seqs]
+
+
+class CUDAGraphRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        builder: AttentionMetadataBuilder[Any],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.builder = builder
+        self.sizes = capture_sizes(max_num_seqs)
+        self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        builder.init_cuda_graph_buffers(max_num_seqs, max_blocks_per_seq)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.sizes[-1]
+
+    def capture(self) -> None:
+        """Capture every bucket. The dummy steps write only block 0 (slot -1 elsewhere)."""
+        started = time.perf_counter()
+        pool = None
+        for size in reversed(self.sizes):
+            pool = self._capture_one(size, pool)
+        torch.cuda.synchronize()
+        logger.info(
+            "captured %d CUDA graphs (decode batches up to %d) in %.1f s",
+            len(self.sizes),
+            self.max_num_seqs,
+            time.perf_counter() - started,
+        )
+
+    def _capture_one(self, size: int, pool: Any) -> Any:
+        # Context 1 in block 0: the new token's slot is in block 0, whatever the block size.
+        metadata = self.builder.build_for_cuda_graph(size, [[0]] * size, [1] * size)
+        ids, positions = self.input_ids[:size], self.positions[:size]
+        with set_forward_context(metadata):
+            self.model(ids, positions)  # compiles the kernels before capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(ids, positions)
+        self.graphs[size] = (graph, hidden)
+        return graph.pool()
+
+    def run(
+        self,
+        token_ids: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+    ) -> torch.Tensor:
+        """Final hidden states [n, hidden_size] of a decode-only step of n <= max_num_seqs."""
+        num_seqs = len(token_ids)
+        size = next(s for s in self.sizes if s >= num_seqs)
+        self.builder.build_for_cuda_graph(size, block_tables, context_lens)
+        padding = [0] * (size - num_seqs)
+        host = torch.tensor([[*token_ids, *padding], [*context_lens, *padding]])
+        self.input_ids[:size].copy_(host[0], non_blocking=True)
+        self.positions[:size].copy_(host[1], non_blocking=True)
+        graph, hidden = self.graphs[size]
+        graph.replay()
+        return hidden[:num_seqs]
