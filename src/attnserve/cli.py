@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 BENCHMARKS = {
     "throughput": ("attnserve.bench.throughput", "offline generation throughput vs baselines"),
+    "latency": ("attnserve.bench.latency", "one batch's prefill time, time per output token"),
     "kernels": ("attnserve.bench.kernels", "attention kernels' decode/prefill speed (GPU)"),
     "serve": ("attnserve.bench.serve", "a running server's throughput, TTFT, TPOT, ITL, latency"),
 }

@@ -13,6 +13,7 @@ from torch import nn
 from attnserve.attention.backends.abstract import AttentionBackend, AttentionMetadata
 from attnserve.attention.forward_context import get_attn_metadata
 from attnserve.attention.selector import get_attn_backend
+from attnserve.profiling import ATTENTION_RANGE
 
 
 class Attention(nn.Module):
@@ -65,7 +66,8 @@ class Attention(nn.Module):
         if self.kv_cache.numel() == 0:
             raise RuntimeError("no KV cache bound to this attention layer (bind_kv_caches)")
         metadata = attn_metadata if attn_metadata is not None else get_attn_metadata()
-        return self.impl.forward(query, key, value, self.kv_cache, metadata)
+        with torch.profiler.record_function(ATTENTION_RANGE):
+            return self.impl.forward(query, key, value, self.kv_cache, metadata)
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

@@ -16,6 +16,7 @@ import datetime
 import json
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -48,28 +49,42 @@ class Row:
     error: str | None = None
 
 
-def median_us(fn: Callable[[], object], calls: int = 10, repeats: int = 10) -> float:
-    """Median over `repeats` batches of the mean time of `calls` back-to-back calls, in µs."""
+def median_us(
+    fn: Callable[[], object], calls: int = 10, repeats: int = 10, device: str = DEVICE
+) -> float:
+    """Median over `repeats` batches of the mean time of `calls` back-to-back calls, in µs
+    (CUDA events on a GPU, the host clock elsewhere)."""
     for _ in range(3):
         fn()
+    timer = _cuda_batch_us if torch.device(device).type == "cuda" else _host_batch_us
+    return statistics.median(timer(fn, calls) for _ in range(repeats))
+
+
+def _cuda_batch_us(fn: Callable[[], object], calls: int) -> float:
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls)
-    return statistics.median(times)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / calls
 
 
-def copy_bandwidth_tbs(num_bytes: int = 2 << 30) -> float:
+def _host_batch_us(fn: Callable[[], object], calls: int) -> float:
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - started) * 1e6 / calls
+
+
+def copy_bandwidth_tbs(
+    num_bytes: int = 2 << 30, device: str = DEVICE, calls: int = 10, repeats: int = 10
+) -> float:
     """Device-to-device copy speed, counting bytes read plus bytes written."""
-    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=DEVICE)
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    us = median_us(lambda: dst.copy_(src))
+    us = median_us(lambda: dst.copy_(src), calls, repeats, device)
     return 2 * num_bytes / us / 1e6
 
 

@@ -1,64 +1,62 @@
-"""`attnserve bench throughput`: offline generation throughput, baselines measured in the same run.
+"""`attnserve bench throughput`: offline generation throughput, its bound and where the time
+goes, with baselines measured in the same run.
 
 Workloads: N requests of random token ids with fixed input/output lengths, or lengths uniform in
 [min, max] (nano-vllm's offline benchmark: 256 requests, 100..1024, seed 0), `ignore_eos`, all
-submitted at once, after one warm-up. Optional baselines in the same run: HF transformers
-`generate` on exactly the same weights (static batches), and, with `--shared-prefix`, the same
-engine with prefix caching off.
+submitted at once, after one warm-up. Also reported: the workload's bound from the model's shape
+at the copy bandwidth and matmul rate measured first in the same run (bench/bound.py) and the
+fraction of it reached; the step-time breakdown of `--profile-steps` profiled decode steps
+(bench/breakdown.py; on a GPU the engine is then rebuilt with `enforce_eager`, since CUDA graphs
+hide kernels). Optional: HF transformers `generate` on the same weights (static batches); with
+`--shared-prefix`, the same engine with prefix caching off; `--batch-sizes 16,64,256`, the
+workload again with that many requests (fresh prompts, same length distribution, each point
+against its own bound); `--plot FILE.png`, the breakdown and the sweep.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import gc
 import random
-import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from attnserve.bench.bound import ModelShape, Rates, measure_rates, workload_bound
+from attnserve.bench.breakdown import Breakdown, format_breakdown, profile_engine
+from attnserve.bench.common import (
+    Workload,
+    print_scalars,
+    progress,
+    run_engine,
+    sync,
+    write_json,
+)
+from attnserve.bench.plot import plot_throughput, require_matplotlib
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.entrypoints.llm import LLM
-from attnserve.sampling_params import SamplingParams
+
+BOUND_RULE = "all requests at once; a step takes max(bytes / copy rate, FLOPs / matmul rate)"
 
 
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
-    """Random prompts (a shared prefix first, when asked) and output lengths, seeded."""
-    rng = random.Random(args.seed)
+def make_workload(
+    args: argparse.Namespace, vocab_size: int, num_prompts: int | None = None, seed: int = 0
+) -> Workload:
+    """Random prompts (a shared prefix first, when asked) and output lengths, seeded by
+    `args.seed` + `seed`."""
+    rng = random.Random(args.seed + seed)
 
     def length(fixed: int | None) -> int:
         return fixed if fixed is not None else rng.randint(args.min_len, args.max_len)
 
     prefix = [rng.randrange(vocab_size) for _ in range(args.shared_prefix)]
     prompts, outputs = [], []
-    for _ in range(args.num_prompts):
+    for _ in range(num_prompts or args.num_prompts):
         prompts.append(prefix + [rng.randrange(vocab_size) for _ in range(length(args.input_len))])
         outputs.append(length(args.output_len))
     return Workload(prompts, outputs)
-
-
-def run_engine(llm: LLM, workload: Workload) -> float:
-    """Seconds for one `generate` of the whole workload (greedy, ignore_eos)."""
-    params = [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
-    ]
-    _sync()
-    started = time.perf_counter()
-    llm.generate(workload.prompts, params, use_tqdm=False)
-    _sync()
-    return time.perf_counter() - started
 
 
 def run_hf(llm: LLM, workload: Workload, batch_size: int) -> float:
@@ -68,7 +66,7 @@ def run_hf(llm: LLM, workload: Workload, batch_size: int) -> float:
     engine = llm.llm_engine
     hf = to_hf_model(engine.runner.model, engine.model_config)
     hf.generation_config.eos_token_id = None
-    _sync()
+    sync()
     started = time.perf_counter()
     for start in range(0, len(workload.prompts), batch_size):
         batch = workload.prompts[start : start + batch_size]
@@ -85,13 +83,8 @@ def run_hf(llm: LLM, workload: Workload, batch_size: int) -> float:
                 do_sample=False,
                 pad_token_id=0,
             )
-    _sync()
+    sync()
     return time.perf_counter() - started
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _warm_up(llm: LLM, workload: Workload) -> None:
@@ -102,48 +95,139 @@ def _warm_up(llm: LLM, workload: Workload) -> None:
     run_engine(llm, Workload(prompts, [min(8, n) for n in workload.output_lens[:2]]))
 
 
-def _progress(message: str) -> None:
-    """Stage lines on stderr, so a run cut short by a time limit shows where it was."""
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+def _against_bound(
+    seconds: float, workload: Workload, shape: ModelShape, rates: Rates
+) -> dict[str, float]:
+    bound = workload_bound(shape, workload.input_lens, workload.output_lens, rates)
+    measured = workload.output_tokens / seconds
+    return {
+        "output_tokens_per_s": measured,
+        "bound_tokens_per_s": bound.tokens_per_s,
+        "fraction_of_bound": measured / bound.tokens_per_s,
+        "bound_memory_bound_step_share": bound.memory_bound_steps / max(bound.decode_steps, 1),
+    }
 
 
-def benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    engine_args = EngineArgs.from_cli_args(args)
-    _progress("loading the engine")
-    llm = LLM.from_engine_args(engine_args)
-    workload = make_workload(args, llm.llm_engine.model_config.vocab_size)
-    _progress(f"warm-up; then {len(workload.prompts)} requests, {workload.output_tokens} tokens")
+def _sweep(
+    llm: LLM, args: argparse.Namespace, shape: ModelShape, rates: Rates
+) -> list[dict[str, float]]:
+    """The workload with each of `args.batch_sizes` requests (fresh prompts), vs its bound."""
+    vocab = llm.llm_engine.model_config.vocab_size
+    rows = []
+    for size in args.batch_sizes:
+        workload = make_workload(args, vocab, num_prompts=size, seed=size)
+        progress(f"sweep: {size} requests, {workload.output_tokens} tokens")
+        figures = _against_bound(run_engine(llm, workload), workload, shape, rates)
+        rows.append({"batch_size": size} | figures)
+    return rows
+
+
+def _eager_engine(engine_args: EngineArgs, workload: Workload) -> LLM:
+    """A warmed-up engine without CUDA graphs (they hide kernels from the profiler)."""
+    progress("rebuilding the engine with enforce_eager for the profile")
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM.from_engine_args(replace(engine_args, enforce_eager=True))
     _warm_up(llm, workload)
-    _progress("timing attnserve")
+    return llm
+
+
+def _no_prefix_cache(
+    engine_args: EngineArgs, workload: Workload, seconds: float
+) -> tuple[LLM, dict[str, float]]:
+    """The workload timed with prefix caching off: that engine, and the comparison."""
+    progress("timing attnserve with prefix caching off")
+    llm = LLM.from_engine_args(replace(engine_args, enable_prefix_caching=False))
+    _warm_up(llm, workload)
+    off = run_engine(llm, workload)
+    return llm, {
+        "no_prefix_cache_tokens_per_s": workload.output_tokens / off,
+        "prefix_cache_speedup": off / seconds,
+    }
+
+
+def _hf_figures(llm: LLM, args: argparse.Namespace, workload: Workload) -> dict[str, float]:
+    count = args.hf_num_prompts
+    hf_workload = Workload(workload.prompts[:count], workload.output_lens[:count])
+    progress(f"timing HF transformers on {len(hf_workload.prompts)} requests")
+    hf_seconds = run_hf(llm, hf_workload, args.hf_batch_size)
+    return {"hf_output_tokens_per_s": hf_workload.output_tokens / hf_seconds}
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if not 1 <= args.min_len <= args.max_len:
+        raise ValueError(f"need 1 <= --min-len <= --max-len, got {args.min_len}, {args.max_len}")
+    if args.profile_steps < 0:
+        raise ValueError(f"--profile-steps must be >= 0, got {args.profile_steps}")
+    if args.plot and not (args.profile_steps or args.batch_sizes):
+        raise ValueError(
+            "--plot draws the breakdown or the sweep: use --profile-steps or --batch-sizes"
+        )
+    too_many = [b for b in args.batch_sizes if b > args.max_num_seqs]
+    if too_many:
+        raise ValueError(f"--batch-sizes {too_many} exceed --max-num-seqs {args.max_num_seqs}")
+
+
+def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | None]:
+    """The figures (see the module docstring) and the breakdown, if profiled."""
+    _check(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    model_config = engine_args.create_configs()[0]
+    device = engine_args.resolved_device()
+    progress(f"measuring copy bandwidth and {model_config.dtype} matmul rate on {device}")
+    rates = measure_rates(device, model_config.dtype)
+    shape = ModelShape.from_config(model_config, engine_args.kv_cache_dtype)
+    progress("loading the engine")
+    llm = LLM.from_engine_args(engine_args)
+    workload = make_workload(args, model_config.vocab_size)
+    progress(f"warm-up; then {len(workload.prompts)} requests, {workload.output_tokens} tokens")
+    _warm_up(llm, workload)
+    progress("timing attnserve")
     seconds = run_engine(llm, workload)
     result: dict[str, Any] = {
-        "model": llm.llm_engine.model_config.model,
-        "device": str(llm.llm_engine.runner.device),
+        "model": model_config.model,
+        "device": str(device),
         "backend": llm.llm_engine.runner.backend.get_name(),
         "requests": len(workload.prompts),
         "output_tokens": workload.output_tokens,
         "seconds": seconds,
-        "output_tokens_per_s": workload.output_tokens / seconds,
+    }
+    result |= _against_bound(seconds, workload, shape, rates)
+    result |= {
+        "bound_rule": BOUND_RULE,
+        "copy_tb_per_s": rates.copy_bytes_per_s / 1e12,
+        "matmul_tflop_per_s": rates.matmul_flops_per_s / 1e12,
         "prefix_cache_hit_rate": llm.llm_engine.allocator.prefix_hit_rate,
     }
+    if args.batch_sizes:
+        result["sweep"] = _sweep(llm, args, shape, rates)
     if args.shared_prefix:
         del llm
-        _progress("timing attnserve with prefix caching off")
-        no_cache = LLM.from_engine_args(replace(engine_args, enable_prefix_caching=False))
-        _warm_up(no_cache, workload)
-        off = run_engine(no_cache, workload)
-        result["no_prefix_cache_tokens_per_s"] = workload.output_tokens / off
-        result["prefix_cache_speedup"] = off / seconds
-        llm = no_cache
+        llm, figures = _no_prefix_cache(engine_args, workload, seconds)
+        result |= figures
     if args.hf_baseline:
-        hf_workload = Workload(
-            workload.prompts[: args.hf_num_prompts], workload.output_lens[: args.hf_num_prompts]
-        )
-        _progress(f"timing HF transformers on {len(hf_workload.prompts)} requests")
-        hf_seconds = run_hf(llm, hf_workload, args.hf_batch_size)
-        result["hf_output_tokens_per_s"] = hf_workload.output_tokens / hf_seconds
+        result |= _hf_figures(llm, args, workload)
         result["ratio_to_hf"] = result["output_tokens_per_s"] / result["hf_output_tokens_per_s"]
-    return result
+    if not args.profile_steps:
+        return result, None
+    if llm.llm_engine.runner.device.type == "cuda" and not engine_args.enforce_eager:
+        del llm
+        llm = _eager_engine(engine_args, workload)
+    progress(f"profiling {args.profile_steps} decode steps")
+    breakdown = profile_engine(llm.llm_engine, workload, args.profile_steps)
+    return result | {"breakdown": breakdown.as_dict()}, breakdown
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 16,64,256: {text!r}")
+    return sizes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,22 +241,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-baseline", action="store_true", help="also time HF generate")
     parser.add_argument("--hf-num-prompts", type=int, default=None, help="HF's share of prompts")
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--profile-steps", type=int, default=8, help="decode steps to profile; 0: no breakdown"
+    )
+    parser.add_argument(
+        "--batch-sizes", type=_batch_sizes, default=[], metavar="B1,B2,...",
+        help="also run the workload with each many requests, against its bound",
+    )  # fmt: skip
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the figures")
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.set_defaults(handler=main)
 
 
+def _print_sweep(rows: list[dict[str, float]]) -> None:
+    print(f"{'requests':>8} {'tokens/s':>12} {'bound':>12} {'fraction':>8}")
+    for row in rows:
+        print(
+            f"{row['batch_size']:>8} {row['output_tokens_per_s']:>12,.1f} "
+            f"{row['bound_tokens_per_s']:>12,.1f} {row['fraction_of_bound']:>8.1%}"
+        )
+
+
 def main(args: argparse.Namespace) -> int:
-    result = benchmark(args)
-    width = max(map(len, result))
-    for key, value in result.items():
-        shown = f"{value:,.3f}" if isinstance(value, float) else value
-        print(f"{key:<{width}}  {shown}")
+    if args.plot:
+        require_matplotlib()  # fail before the run, not after it
+    result, breakdown = benchmark(args)
+    print_scalars(result)
+    if breakdown is not None:
+        print(format_breakdown(breakdown))
+    if result.get("sweep"):
+        _print_sweep(result["sweep"])
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(
-                result | {"args": {k: v for k, v in vars(args).items() if k != "handler"}},
-                handle,
-                indent=2,
-                default=str,
-            )
+        write_json(args.json, result, args)
+    if args.plot:
+        title = f"{result['model']} on {result['device']} ({result['backend']})"
+        plot_throughput(args.plot, title, breakdown, result.get("sweep", []))
     return 0

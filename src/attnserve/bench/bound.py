@@ -1,0 +1,180 @@
+"""The throughput bound of an offline workload, from the model's shape and two rates measured in
+the same run: device copy bandwidth (bytes read + written, `bench kernels`' copy) and a large
+square matmul in the model's dtype.
+
+The bound assumes every request runs at once (one prefill of all prompts, then decode steps with
+every unfinished request) and perfect overlap of memory traffic and arithmetic:
+
+- prefill: all prompt tokens at the matmul rate: 2 × decoder matmul weights × prompt tokens +
+  2 × lm_head weights per request (logits of the last token only) + causal attention
+  (4 × heads × head size per attended query-key pair per layer);
+- decode step k (k = 1 .. max output − 1; prefill drew each request's first token): the requests
+  with more than k output tokens each attend to input + k keys; the step reads every weight once
+  plus the K and V of every attended key in every layer, and does 2 × matmul weights per token
+  plus the attention FLOPs; its time is max(bytes / copy rate, FLOPs / matmul rate) (max, not
+  sum: a roofline, so the bound is optimistic and a real upper bound);
+- bound tokens/s = output tokens / (prefill time + the sum of the decode step times).
+
+Weight bytes are the decoder's matmul and norm weights and lm_head, in the model dtype; an untied
+input embedding is not counted (a step gathers only its tokens' rows). Keys beyond a sliding
+window are not counted (the model's widest window caps every layer: fewer bytes, still a bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attnserve.bench.kernels import copy_bandwidth_tbs, median_us
+from attnserve.model.config import ModelConfig
+
+# (copy buffer bytes, matmul size, calls per timing, timings): large on a GPU, small elsewhere
+_CUDA_PROBE = (2 << 30, 8192, 10, 10)
+_HOST_PROBE = (64 << 20, 1024, 1, 3)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int
+    kv_dtype_bytes: int
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, kv_cache_dtype: str = "auto") -> ModelShape:
+        dtype_bytes = config.dtype.itemsize
+        return cls(
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_size=config.head_size,
+            intermediate_size=int(config.hf_config.intermediate_size),
+            vocab_size=config.vocab_size,
+            dtype_bytes=dtype_bytes,
+            kv_dtype_bytes=1 if kv_cache_dtype == "fp8" else dtype_bytes,
+            sliding_window=config.sliding_window,
+        )
+
+    @property
+    def decoder_matmul_params(self) -> int:
+        """q, k, v, o and the gated MLP's three projections, over all layers."""
+        qkv_o = self.hidden_size * self.head_size * (2 * self.num_heads + 2 * self.num_kv_heads)
+        return self.num_layers * (qkv_o + 3 * self.hidden_size * self.intermediate_size)
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes one forward pass reads of the weights (see the module docstring)."""
+        norms = (2 * self.num_layers + 1) * self.hidden_size
+        return (self.decoder_matmul_params + norms + self.lm_head_params) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * self.kv_dtype_bytes
+
+    @property
+    def attention_flops_per_pair(self) -> int:
+        """Q·K and P·V for one query-key pair, all heads and layers."""
+        return 4 * self.num_layers * self.num_heads * self.head_size
+
+
+@dataclass(frozen=True)
+class Rates:
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+
+
+@dataclass(frozen=True)
+class Bound:
+    output_tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    memory_bound_steps: int
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def _check_lengths(input_lens: list[int], output_lens: list[int]) -> None:
+    if not input_lens or len(input_lens) != len(output_lens):
+        raise ValueError("the bound needs one input and one output length per request")
+    if min(input_lens) < 1 or min(output_lens) < 1:
+        raise ValueError("input and output lengths must be >= 1")
+
+
+def causal_pairs(length: int, window: int | None) -> int:
+    """Query-key pairs of one causal prompt: query i attends to min(i, window) keys (1-based)."""
+    if window is None or length <= window:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def prefill_flops(shape: ModelShape, input_lens: list[int]) -> int:
+    """Every prompt at once: its matmuls, one lm_head row per request, causal attention."""
+    pairs = sum(causal_pairs(n, shape.sliding_window) for n in input_lens)
+    matmuls = 2 * (shape.decoder_matmul_params * sum(input_lens))
+    logits = 2 * shape.lm_head_params * len(input_lens)
+    return matmuls + logits + shape.attention_flops_per_pair * pairs
+
+
+def workload_bound(
+    shape: ModelShape, input_lens: list[int], output_lens: list[int], rates: Rates
+) -> Bound:
+    """The bound of the module docstring for requests with these lengths."""
+    _check_lengths(input_lens, output_lens)
+    inputs = np.asarray(input_lens, dtype=np.float64)
+    outputs = np.asarray(output_lens)
+    params = shape.decoder_matmul_params + shape.lm_head_params
+    decode_s, memory_bound = 0.0, 0
+    steps = int(outputs.max()) - 1
+    for k in range(1, steps + 1):
+        keys = inputs[outputs > k] + k
+        if shape.sliding_window:
+            keys = np.minimum(keys, shape.sliding_window)
+        step_bytes = shape.weight_bytes + shape.kv_bytes_per_token * keys.sum()
+        flops = 2 * params * len(keys) + shape.attention_flops_per_pair * keys.sum()
+        memory_s, compute_s = step_bytes / rates.copy_bytes_per_s, flops / rates.matmul_flops_per_s
+        decode_s += max(memory_s, compute_s)
+        memory_bound += int(memory_s >= compute_s)
+    prefill_s = prefill_flops(shape, input_lens) / rates.matmul_flops_per_s
+    return Bound(int(outputs.sum()), prefill_s, float(decode_s), steps, memory_bound)
+
+
+def matmul_flops_per_s(
+    size: int, dtype: torch.dtype, device: str, calls: int = 10, repeats: int = 10
+) -> float:
+    """Rate of a `size`³ matmul in `dtype` on `device`."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    out = torch.empty_like(a)
+    us = median_us(lambda: torch.mm(a, b, out=out), calls, repeats, device)
+    return 2 * size**3 / us * 1e6
+
+
+def measure_rates(device: torch.device, dtype: torch.dtype) -> Rates:
+    """Copy bandwidth and matmul rate on `device` (before the engine takes its memory)."""
+    copy_bytes, size, calls, repeats = _CUDA_PROBE if device.type == "cuda" else _HOST_PROBE
+    name = str(device)
+    copy = copy_bandwidth_tbs(copy_bytes, name, calls, repeats) * 1e12
+    rates = Rates(copy, matmul_flops_per_s(size, dtype, name, calls, repeats))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rates

@@ -1,0 +1,73 @@
+"""Helpers the offline benchmarks share: workloads of random token ids, timing `generate`, stage
+lines on stderr, and printing / writing a result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attnserve.entrypoints.llm import LLM
+from attnserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def input_lens(self) -> list[int]:
+        return [len(p) for p in self.prompts]
+
+
+def sampling_params(workload: Workload) -> list[SamplingParams]:
+    """Greedy, `ignore_eos`, exactly each request's output length."""
+    return [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+    ]
+
+
+def run_engine(llm: LLM, workload: Workload) -> float:
+    """Seconds for one `generate` of the whole workload (greedy, ignore_eos)."""
+    params = sampling_params(workload)
+    sync()
+    started = time.perf_counter()
+    llm.generate(workload.prompts, params, use_tqdm=False)
+    sync()
+    return time.perf_counter() - started
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def progress(message: str) -> None:
+    """Stage lines on stderr, so a run cut short by a time limit shows where it was."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def print_scalars(result: dict[str, Any]) -> None:
+    """One `key  value` line per scalar entry (nested entries are printed by their owners)."""
+    scalars = {k: v for k, v in result.items() if not isinstance(v, dict | list)}
+    width = max(map(len, scalars))
+    for key, value in scalars.items():
+        shown = f"{value:,.3f}" if isinstance(value, float) else value
+        print(f"{key:<{width}}  {shown}")
+
+
+def write_json(path: str, result: dict[str, Any], args: argparse.Namespace) -> None:
+    """The result plus the command's arguments."""
+    arguments = {k: v for k, v in vars(args).items() if k != "handler"}
+    with open(path, "w") as handle:
+        json.dump(result | {"args": arguments}, handle, indent=2, default=str)

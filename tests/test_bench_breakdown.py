@@ -1,0 +1,91 @@
+"""The step-time breakdown: the classifier on synthetic and real profiles, and on engine steps
+(through the attention and sampling ranges the engine marks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from attnserve.bench.breakdown import (
+    CATEGORIES,
+    OpRecord,
+    attribute,
+    category,
+    format_breakdown,
+    op_records,
+    profile_engine,
+)
+from attnserve.bench.common import Workload
+from attnserve.profiling import ATTENTION_RANGE, SAMPLING_RANGE
+
+RECORDS = [
+    OpRecord("aten::bmm", (ATTENTION_RANGE, "LlamaAttention"), 300.0),  # the range wins
+    OpRecord("aten::mm", ("aten::matmul", "aten::linear"), 500.0),
+    OpRecord("aten::t", ("aten::linear",), 100.0),  # part of a matmul op
+    OpRecord("aten::argmax", (SAMPLING_RANGE,), 200.0),
+    OpRecord("aten::add", ("LlamaModel",), 400.0),
+]
+
+
+def test_category_follows_ranges_then_matmul_ops() -> None:
+    assert [category(r) for r in RECORDS] == [
+        "attention",
+        "matmul",
+        "matmul",
+        "sampling",
+        "other",
+    ]
+
+
+def test_attribute_sums_to_the_step_time() -> None:
+    breakdown = attribute(RECORDS, steps=2, wall_ms=1.0, source="test")
+    assert breakdown.ms == {
+        "attention": 0.15,
+        "matmul": 0.3,
+        "sampling": 0.1,
+        "other": 0.2,
+        "host": pytest.approx(0.25),
+    }
+    assert breakdown.step_ms == pytest.approx(1.0)
+    assert sum(breakdown.share(c) for c in CATEGORIES) == pytest.approx(1.0)
+    assert "attention" in format_breakdown(breakdown)
+
+
+def test_host_overhead_is_never_negative() -> None:
+    breakdown = attribute(RECORDS, steps=1, wall_ms=0.5, source="test")
+    assert breakdown.ms["host"] == 0.0
+    assert breakdown.step_ms == pytest.approx(1.5)
+
+
+def test_attribute_needs_a_step() -> None:
+    with pytest.raises(ValueError, match="at least one step"):
+        attribute(RECORDS, steps=0, wall_ms=1.0, source="test")
+
+
+def test_op_records_of_a_real_profile() -> None:
+    a = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function(ATTENTION_RANGE):
+            torch.softmax(a @ a, dim=-1)
+        torch.nn.functional.linear(a, a)
+        with record_function(SAMPLING_RANGE):
+            torch.argmax(a, dim=-1)
+        torch.relu(a)
+    records = op_records(prof.events(), on_device=False)
+    assert all(r.name not in (ATTENTION_RANGE, SAMPLING_RANGE) for r in records)
+    found = {category(r) for r in records}
+    assert found == {"attention", "matmul", "sampling", "other"}
+
+
+def test_engine_steps_have_attention_and_sampling() -> None:
+    from attnserve.entrypoints.llm import LLM
+
+    llm = LLM("llama-tiny", load_format="dummy", device="cpu", kv_cache_memory_bytes=8 << 20)
+    workload = Workload([[5] * 20, [7] * 9, [9] * 33], [12, 12, 12])
+    breakdown = profile_engine(llm.llm_engine, workload, steps=3)
+    assert breakdown.steps == 3
+    assert sum(breakdown.ms.values()) == pytest.approx(breakdown.step_ms)
+    for name in ("attention", "matmul", "sampling"):
+        assert breakdown.ms[name] > 0, name
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -1,0 +1,75 @@
+"""`attnserve bench latency` and `bench throughput` end to end on the tiny dummy preset, in
+process (the command's `main`), with a small KV cache so the engine starts fast."""
+
+from __future__ import annotations
+
+import builtins
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from attnserve.bench.plot import INSTALL_HINT, require_matplotlib
+from attnserve.cli import main
+
+TINY = ["--model", "llama-tiny", "--load-format", "dummy", "--device", "cpu"]
+TINY += ["--kv-cache-memory-bytes", str(8 << 20)]
+
+
+def test_latency_prints_the_figures_and_writes_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "latency.json"
+    sizes = ["--batch-size", "2", "--input-len", "8", "--output-len", "4", "--num-iters", "2"]
+    assert main(["bench", "latency", *TINY, *sizes, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for field in ("mean_prefill_ms", "mean_tpot_ms", "median_e2e_latency_ms", "p99_e2e_latency_ms"):
+        assert field in printed
+    report = json.loads(out.read_text())
+    assert report["batch_size"] == 2 and len(report["e2e_latencies_s"]) == 2
+    assert report["mean_e2e_latency_ms"] > report["mean_prefill_ms"] > 0
+
+
+def test_latency_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "latency", *TINY, "--output-len", "0"]) == 2
+    assert "--output-len must be >= 1" in capsys.readouterr().err
+
+
+def test_throughput_bound_breakdown_sweep_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "throughput.json", tmp_path / "throughput.png"
+    workload = ["--num-prompts", "4", "--min-len", "8", "--max-len", "16", "--profile-steps", "3"]
+    extras = ["--batch-sizes", "2,4", "--json", str(out), "--plot", str(png)]
+    assert main(["bench", "throughput", *TINY, *workload, *extras]) == 0
+    printed = capsys.readouterr().out
+    for field in ("output_tokens_per_s", "bound_tokens_per_s", "fraction_of_bound", "host"):
+        assert field in printed
+    report = json.loads(out.read_text())
+    assert 0 < report["fraction_of_bound"] < 1
+    assert [row["batch_size"] for row in report["sweep"]] == [2, 4]
+    assert report["breakdown"]["steps"] == 3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_throughput_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "throughput", *TINY, "--profile-steps", "-1"]) == 2
+    assert "--profile-steps must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "throughput", *TINY, "--batch-sizes", "4,x"])
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ValueError, match="matplotlib") as error:
+        require_matplotlib()
+    assert str(error.value) == INSTALL_HINT
