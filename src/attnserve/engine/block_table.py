@@ -76,6 +76,8 @@ class BlockTable:
         """Make tokens start..end-1 writable: copy shared blocks they fall in (copy-on-write)
         and grow to hold them. Returns the (src, dst) block copies the worker must make first.
         All or nothing: OutOfBlocksError leaves the table as it was."""
+        if self._writes_in_place(start, end):
+            return []  # the common decode: one token into a block already held, unshared
         first, last = start // self.block_size, min(end - 1, self.capacity - 1) // self.block_size
         shared = [i for i in range(first, last + 1) if self.allocator.ref_count(self.blocks[i]) > 1]
         if not self.allocator.can_allocate(len(shared) + self.extra_blocks_for(end)):
@@ -87,6 +89,15 @@ class BlockTable:
             self.blocks[index] = new
         self.ensure_capacity(end)
         return copies
+
+    def _writes_in_place(self, start: int, end: int) -> bool:
+        """Whether tokens start..end-1 all fall in one held block that no other table shares."""
+        index = start // self.block_size
+        return (
+            (end - 1) // self.block_size == index
+            and index < len(self.blocks)
+            and self.allocator.ref_count(self.blocks[index]) == 1
+        )
 
     def slot(self, position: int) -> int:
         """The flat cache slot of token `position`."""

@@ -119,7 +119,8 @@ class LLMEngine:
             request = self.requests[seq.request_id]
             if request.observe(seq) and not seq.is_finished:
                 self.scheduler.finish(seq, "stop")  # the text is already cut at the stop
-            advanced[seq.request_id] = request
+            if seq.is_finished or not request.final_only:  # else it has nothing to say yet
+                advanced[seq.request_id] = request
         outputs = []
         for request_id, request in advanced.items():
             output = request.output()

@@ -29,7 +29,7 @@ from attnserve.worker.batch import BlockPairs, SampleOutput, TokenLogprobs
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: one is built per scheduled sequence per step, and frozen costs 3x
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
@@ -204,7 +204,8 @@ class Scheduler:
             seq.block_table.register_full_blocks(seq.token_ids, seq.num_computed_tokens)
             if result is None:
                 continue
-            seq.prompt_logprobs += result.prompt_logprobs or []
+            if result.prompt_logprobs:
+                seq.prompt_logprobs += result.prompt_logprobs
             if result.token_ids:
                 touched += self._accept(seq, result)
         for seq in touched:
@@ -214,15 +215,16 @@ class Scheduler:
         return touched
 
     def _accept(self, seq: Sequence, result: SampleOutput) -> list[Sequence]:
-        logprobs: list[TokenLogprobs | None] = (
-            list(result.logprobs) if result.logprobs else [None] * len(result.token_ids)
-        )
+        tokens = result.token_ids
+        logprobs: list[TokenLogprobs] | list[None] = result.logprobs or [None] * len(tokens)
+        seq.num_forks_pending = 0
+        seq.append(tokens[0], logprobs[0])
+        if len(tokens) == 1:
+            return [seq]
         forks = [
             seq.fork(seq.index + i, token, lp)
-            for i, (token, lp) in enumerate(zip(result.token_ids[1:], logprobs[1:], strict=True), 1)
+            for i, (token, lp) in enumerate(zip(tokens[1:], logprobs[1:], strict=True), 1)
         ]
-        seq.num_forks_pending = 0
-        seq.append(result.token_ids[0], logprobs[0])
         position = self.running.index(seq) + 1
         self.running[position:position] = forks
         return [seq, *forks]

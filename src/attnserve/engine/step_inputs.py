@@ -13,7 +13,7 @@ from attnserve.worker.batch import ScheduledBatch, SequenceInput
 
 def _banned(item: ScheduledSequence, eos_token_ids: list[int]) -> tuple[int, ...]:
     params = item.seq.sampling_params
-    if item.seq.num_output_tokens >= params.min_tokens:
+    if not params.min_tokens or item.seq.num_output_tokens >= params.min_tokens:
         return ()
     eos = [] if params.ignore_eos else eos_token_ids
     return tuple(dict.fromkeys([*params.stop_token_ids, *eos]))
@@ -31,15 +31,16 @@ def _prompt_logprob_targets(item: ScheduledSequence) -> list[int] | None:
 def _sequence_input(item: ScheduledSequence, eos_token_ids: list[int]) -> SequenceInput:
     seq, start = item.seq, item.seq.num_computed_tokens
     params = seq.sampling_params
-    penalties = item.samples and params.has_penalties
+    samples = item.samples
+    penalties = samples and params.has_penalties
     return SequenceInput(
         token_ids=seq.token_ids[start : start + item.num_new_tokens],
         context_len=start,
         block_table=list(seq.block_table.blocks),
-        sampling=params if item.samples else None,
-        sample_seed=seq.sample_seed() if item.samples else None,
-        num_samples=1 + seq.num_forks_pending if item.samples else 1,
-        banned_token_ids=_banned(item, eos_token_ids) if item.samples else (),
+        sampling=params if samples else None,
+        sample_seed=seq.sample_seed() if samples else None,
+        num_samples=1 + seq.num_forks_pending if samples else 1,
+        banned_token_ids=_banned(item, eos_token_ids) if samples else (),
         prompt_token_ids=seq.prompt_token_ids if penalties else None,
         output_token_ids=seq.output_token_ids if penalties else None,
         prompt_logprob_targets=_prompt_logprob_targets(item),

@@ -44,9 +44,11 @@ class Sampler:
         if len(params) != len(inputs):
             raise ValueError("every input given to the sampler must carry sampling params")
         logits = self._apply_penalties(self._ban(logits, inputs), inputs)
-        counts = torch.tensor([s.num_samples for s in inputs], device=logits.device)
-        draws = logits.repeat_interleave(counts, dim=0) if int(counts.max()) > 1 else logits
-        draw_params = [p for s, p in zip(inputs, params, strict=True) for _ in range(s.num_samples)]
+        counts = [s.num_samples for s in inputs]
+        draws = logits
+        if max(counts) > 1:
+            draws = logits.repeat_interleave(torch.tensor(counts, device=logits.device), dim=0)
+        draw_params = [p for p, n in zip(params, counts, strict=True) for _ in range(n)]
         seeds = [
             None if s.sample_seed is None else s.sample_seed + d
             for s in inputs
@@ -54,12 +56,20 @@ class Sampler:
         ]
         tokens = self.sample(draws, draw_params, seeds)
         logprobs = self._logprobs(draws, tokens, draw_params)
-        flat_tokens = tokens.tolist()
+        return self._split(tokens.tolist(), logprobs, counts)
+
+    @staticmethod
+    def _split(
+        tokens: list[int], logprobs: list[TokenLogprobs] | None, counts: list[int]
+    ) -> list[SampleOutput]:
+        """Per input, its `count` draws (and their log-probabilities)."""
+        if logprobs is None and len(tokens) == len(counts):
+            return [SampleOutput([token]) for token in tokens]
         results, start = [], 0
-        for s in inputs:
-            end = start + s.num_samples
+        for count in counts:
+            end = start + count
             chunk = None if logprobs is None else logprobs[start:end]
-            results.append(SampleOutput(flat_tokens[start:end], chunk))
+            results.append(SampleOutput(tokens[start:end], chunk))
             start = end
         return results
 

@@ -5,6 +5,10 @@ Per sequence: its new token ids, how many of its tokens are already cached, its 
 how to sample (None when the step ends inside a prompt chunk, so nothing is drawn). Prefills come
 first, decodes after, as the attention metadata builders require. Block moves (copy-on-write
 copies, swaps to and from host memory) are done before the forward pass.
+
+The per-sequence records (`SequenceInput`, `SampleOutput`) are built for every sequence every
+step, so they are plain dataclasses, not frozen ones (whose `__init__` costs about three times
+as much); nothing changes them once built.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from attnserve.sampling_params import SamplingParams
 BlockPairs = list[tuple[int, int]]
 
 
-@dataclass(frozen=True)
+@dataclass
 class SequenceInput:
     token_ids: list[int]
     context_len: int
@@ -50,7 +54,7 @@ class ScheduledBatch:
 TokenLogprobs = dict[int, float]
 
 
-@dataclass(frozen=True)
+@dataclass
 class SampleOutput:
     """One sequence's result: a token per draw, and log-probabilities where asked for."""
 

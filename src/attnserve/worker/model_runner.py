@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from itertools import accumulate, chain
 
+import numpy as np
 import torch
 
 from attnserve.attention import bind_kv_caches, get_attn_backend, set_forward_context
@@ -18,6 +20,7 @@ from attnserve.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
 from attnserve.model.config import ModelConfig
 from attnserve.model.loader import load_model
 from attnserve.model.sampler import Sampler, top_logprobs
+from attnserve.profiling import SAMPLING_RANGE
 from attnserve.worker.batch import SampleOutput, ScheduledBatch
 from attnserve.worker.cache_engine import (
     CacheEngine,
@@ -125,13 +128,18 @@ class ModelRunner:
 
     def _prepare_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat token ids and positions of the step's new tokens (built on the host, one copy)."""
-        query_lens = torch.tensor([len(s.token_ids) for s in batch.seqs])
-        context_lens = torch.tensor([s.context_len for s in batch.seqs])
-        starts = torch.cumsum(query_lens, 0) - query_lens
-        owner = torch.repeat_interleave(torch.arange(len(batch.seqs)), query_lens)
-        positions = torch.arange(int(query_lens.sum())) - starts[owner] + context_lens[owner]
-        token_ids = torch.tensor([t for s in batch.seqs for t in s.token_ids], dtype=torch.int64)
-        return token_ids.to(self.device), positions.to(self.device)
+        seqs = batch.seqs
+        query_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, len(seqs))
+        context_lens = np.fromiter((s.context_len for s in seqs), np.int64, len(seqs))
+        num_tokens = int(query_lens.sum())
+        flat = chain.from_iterable(s.token_ids for s in seqs)
+        token_ids = np.fromiter(flat, np.int64, num_tokens)
+        starts = np.cumsum(query_lens) - query_lens
+        positions = np.arange(num_tokens) + np.repeat(context_lens - starts, query_lens)
+        return (
+            torch.from_numpy(token_ids).to(self.device),
+            torch.from_numpy(positions).to(self.device),
+        )
 
     def _move_blocks(self, batch: ScheduledBatch) -> None:
         """Swaps and copy-on-write copies, before the forward pass that may reuse the blocks."""
@@ -148,18 +156,26 @@ class ModelRunner:
         """Run one step; return each sequence's draws (None where nothing is drawn)."""
         self._move_blocks(batch)
         hidden = self._forward(batch)
-        starts = torch.cumsum(torch.tensor([len(s.token_ids) for s in batch.seqs]), 0).tolist()
-        starts = [0, *starts]
+        starts = [0, *accumulate(len(s.token_ids) for s in batch.seqs)]
         results: list[SampleOutput | None] = [None] * len(batch.seqs)
         rows = [i for i, s in enumerate(batch.seqs) if s.sampling is not None]
         if rows:
-            last = torch.tensor([starts[i + 1] - 1 for i in rows], device=self.device)
-            logits = self.model.compute_logits(hidden[last])
-            drawn = self.sampler(logits, [batch.seqs[i] for i in rows])
+            logits = self.model.compute_logits(self._last_hidden(hidden, starts, rows))
+            with torch.profiler.record_function(SAMPLING_RANGE):
+                drawn = self.sampler(logits, [batch.seqs[i] for i in rows])
             for row, result in zip(rows, drawn, strict=True):
                 results[row] = result
         self._add_prompt_logprobs(batch, hidden, starts, results)
         return results
+
+    def _last_hidden(
+        self, hidden: torch.Tensor, starts: list[int], rows: list[int]
+    ) -> torch.Tensor:
+        """The hidden states of the last new token of each sequence in `rows`."""
+        if len(rows) == len(hidden):  # one token per sequence, each sampling (a decode step)
+            return hidden
+        last = torch.tensor([starts[i + 1] - 1 for i in rows], device=self.device)
+        return hidden[last]
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Final hidden states of the step's new tokens, from a graph when one fits."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -35,33 +37,41 @@ class StepLayout:
         return int(self.seq_lens.numel())
 
 
-def _validate(
-    block_tables: Sequence[Sequence[int]],
-    context_lens: Sequence[int],
-    query_lens: Sequence[int],
-    block_size: int,
-) -> int:
-    """Check the inputs and return the number of prefill sequences."""
-    if not len(block_tables) == len(context_lens) == len(query_lens):
+def _int64s(values: Sequence[int]) -> np.ndarray:
+    return np.fromiter(values, dtype=np.int64, count=len(values))
+
+
+def _padded_table(
+    block_tables: Sequence[Sequence[int]], lens: np.ndarray, num_rows: int, width: int
+) -> torch.Tensor:
+    """The tables as one [num_rows, width] int64 tensor, padded with 0 (and with zero rows past
+    the tables), built from one flat array rather than a tensor per table."""
+    flat = np.fromiter(chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum()))
+    table = np.zeros((num_rows, width), dtype=np.int64)
+    table[: len(lens)][np.arange(width) < lens[:, None]] = flat
+    return torch.from_numpy(table)
+
+
+def _validate(lens: np.ndarray, ctx: np.ndarray, qry: np.ndarray, block_size: int) -> int:
+    """Check each sequence (the first bad one is reported) and return the number of prefill
+    sequences, which must lead the batch."""
+    is_prefill = (qry > 1) | (ctx == 0)
+    num_prefills = len(is_prefill) if is_prefill.all() else int(np.argmin(is_prefill))
+    needed = -(-(ctx + qry) // block_size)
+    bad_lens, short = (qry < 1) | (ctx < 0), lens < needed
+    late = is_prefill & (np.arange(len(is_prefill)) > num_prefills)
+    bad = np.flatnonzero(bad_lens | short | late)
+    if not len(bad):
+        return num_prefills
+    i = int(bad[0])
+    if bad_lens[i]:
+        raise ValueError(f"sequence {i}: query_len must be >= 1 and context_len >= 0")
+    if short[i]:
         raise ValueError(
-            f"block_tables ({len(block_tables)}), context_lens ({len(context_lens)}) and "
-            f"query_lens ({len(query_lens)}) must have one entry per sequence"
+            f"sequence {i}: {ctx[i] + qry[i]} tokens need {needed[i]} blocks of {block_size}, "
+            f"block table has {lens[i]}"
         )
-    num_prefills = 0
-    for i, (table, ctx, q) in enumerate(zip(block_tables, context_lens, query_lens, strict=True)):
-        if q < 1 or ctx < 0:
-            raise ValueError(f"sequence {i}: query_len must be >= 1 and context_len >= 0")
-        needed = -(-(ctx + q) // block_size)
-        if len(table) < needed:
-            raise ValueError(
-                f"sequence {i}: {ctx + q} tokens need {needed} blocks of {block_size}, "
-                f"block table has {len(table)}"
-            )
-        is_prefill = q > 1 or ctx == 0
-        if is_prefill and num_prefills != i:
-            raise ValueError(f"sequence {i} is a prefill after a decode: prefills must come first")
-        num_prefills += is_prefill
-    return num_prefills
+    raise ValueError(f"sequence {i} is a prefill after a decode: prefills must come first")
 
 
 def build_step_layout(
@@ -71,15 +81,19 @@ def build_step_layout(
     block_size: int,
 ) -> StepLayout:
     """Validate one step's batch and compute its token positions, slots and block table."""
-    num_prefills = _validate(block_tables, context_lens, query_lens, block_size)
-    ctx = torch.tensor(list(context_lens), dtype=torch.int64)
-    qry = torch.tensor(list(query_lens), dtype=torch.int64)
-    max_blocks = max((len(t) for t in block_tables), default=0)
-    table = torch.zeros(len(block_tables), max(max_blocks, 1), dtype=torch.int64)
-    for row, ids in enumerate(block_tables):
-        table[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.int64)
+    if not len(block_tables) == len(context_lens) == len(query_lens):
+        raise ValueError(
+            f"block_tables ({len(block_tables)}), context_lens ({len(context_lens)}) and "
+            f"query_lens ({len(query_lens)}) must have one entry per sequence"
+        )
+    lens = _int64s([len(t) for t in block_tables])
+    ctx_np, qry_np = _int64s(context_lens), _int64s(query_lens)
+    num_prefills = _validate(lens, ctx_np, qry_np, block_size)
+    width = max(int(lens.max(initial=0)), 1)
+    table = _padded_table(block_tables, lens, len(block_tables), width)
     if table.numel() and int(table.min()) < 0:
         raise ValueError("block ids must be >= 0")
+    ctx, qry = torch.from_numpy(ctx_np), torch.from_numpy(qry_np)
     start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
     torch.cumsum(qry, 0, out=start_loc[1:])
     token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), qry)
@@ -125,13 +139,11 @@ def pad_decode_step(
             f"{num_seqs} block tables and {len(context_lens)} context lengths for a step padded "
             f"to {num_padded_seqs} sequences"
         )
-    width = max(map(len, block_tables))
-    table = torch.zeros(num_padded_seqs, width, dtype=torch.int64)
-    table[:num_seqs] = torch.tensor([[*t, *[0] * (width - len(t))] for t in block_tables])
-    pairs = zip(block_tables, context_lens, strict=True)
-    if any(c < 1 or c // block_size >= len(t) for t, c in pairs):
+    lens, ctx_np = _int64s([len(t) for t in block_tables]), _int64s(context_lens)
+    if (ctx_np < 1).any() or (ctx_np // block_size >= lens).any():
         raise ValueError("every decode needs a cached context and a block for its new token")
-    ctx = torch.tensor(list(context_lens), dtype=torch.int64)
+    table = _padded_table(block_tables, lens, num_padded_seqs, int(lens.max()))
+    ctx = torch.from_numpy(ctx_np)
     seq_lens = torch.ones(num_padded_seqs, dtype=torch.int64)
     seq_lens[:num_seqs] = ctx + 1
     slots = torch.full((num_padded_seqs,), -1, dtype=torch.int64)
