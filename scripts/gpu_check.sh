@@ -34,8 +34,10 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
+    if [ ! -d /tmp/site/flashinfer ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || exit 1
+    fi
     export PYTHONPATH="/tmp/site:src:."
 else
     export PYTHONPATH="src:."
