@@ -39,6 +39,7 @@ class EngineArgs:
     swap_space_bytes: int = 1 << 30
     seed: int = 0
     enforce_eager: bool = False
+    async_scheduling: bool = True
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

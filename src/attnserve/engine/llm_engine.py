@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -12,15 +13,28 @@ from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.block_allocator import BlockAllocator
 from attnserve.engine.block_table import BlockTable
 from attnserve.engine.request import Request
-from attnserve.engine.scheduler import Scheduler
+from attnserve.engine.scheduler import Scheduler, SchedulerOutput
 from attnserve.engine.sequence import Sequence
 from attnserve.engine.step_inputs import build_batch
 from attnserve.model.tokenizer import load_tokenizer
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
 from attnserve.worker.model_runner import ModelRunner
+from attnserve.worker.step_future import StepFuture
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _LaunchedStep:
+    scheduled: SchedulerOutput
+    future: StepFuture
+    draw_index: dict[int, int]  # id(sequence) -> its (first) draw's index among the step's draws
+
+
+def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
+    """Whether a step needs every drawn token on the host first (penalties read the outputs)."""
+    return any(i.samples and i.seq.sampling_params.has_penalties for i in scheduled.scheduled)
 
 
 class LLMEngine:
@@ -51,6 +65,7 @@ class LLMEngine:
         )
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self._in_flight: _LaunchedStep | None = None
         logger.info("engine ready in %.1f s", time.perf_counter() - started)
 
     @classmethod
@@ -108,12 +123,51 @@ class LLMEngine:
         return len(self.requests)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute and update once; outputs for every request that advanced."""
+        """Schedule and launch one step; outputs for every request that advanced.
+
+        With async scheduling the step launched here is read back during the next call (its
+        tokens meanwhile feed the next step on the device), so the host's work for one step
+        overlaps the device's work for the previous one; each call returns the outputs of the
+        step launched by the call before.
+        """
         scheduled = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and _needs_host_tokens(scheduled):
+            outputs += self._finish(self._in_flight)
+            self._in_flight = None
+            scheduled.scheduled = [i for i in scheduled.scheduled if not i.seq.is_finished]
         if not scheduled.scheduled:
-            return []
-        results = self.runner.execute(build_batch(scheduled, self.eos_token_ids))
-        touched = self.scheduler.update(scheduled, results, self.eos_token_ids)
+            if self._in_flight is not None:
+                outputs += self._finish(self._in_flight)
+                self._in_flight = None
+            return outputs
+        launched = self._launch(scheduled)
+        if self._in_flight is not None:
+            outputs += self._finish(self._in_flight)
+        self.scheduler.advance(scheduled)
+        self._in_flight = launched
+        if not self.args.async_scheduling:
+            outputs += self._finish(launched)
+            self._in_flight = None
+        return outputs
+
+    def _launch(self, scheduled: SchedulerOutput) -> _LaunchedStep:
+        draws = self._in_flight.draw_index if self._in_flight is not None else {}
+        carried = [
+            (row, draws[id(item.seq)])
+            for row, item in enumerate(scheduled.scheduled)
+            if item.samples and item.seq.has_pending_token
+        ]
+        batch = build_batch(scheduled, self.eos_token_ids, carried)
+        sampling = (item.seq for item in scheduled.scheduled if item.samples)
+        draw_index = {id(seq): j for j, seq in enumerate(sampling)}
+        return _LaunchedStep(scheduled, self.runner.execute_async(batch), draw_index)
+
+    def _finish(self, launched: _LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's draws back and turn them into outputs."""
+        touched = self.scheduler.resolve(
+            launched.scheduled, launched.future.result(), self.eos_token_ids
+        )
         advanced: dict[str, Request] = {}
         for seq in touched:
             request = self.requests[seq.request_id]

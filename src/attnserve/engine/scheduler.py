@@ -193,16 +193,33 @@ class Scheduler:
     def update(
         self, out: SchedulerOutput, results: list[SampleOutput | None], eos_token_ids: list[int]
     ) -> list[Sequence]:
-        """Record one step's results (forking where a prompt drew several tokens); return the
-        sequences that got a token, finished ones included."""
+        """Record one step's results at once: `advance`, then `resolve`."""
+        self.advance(out)
+        return self.resolve(out, results, eos_token_ids)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step's new tokens are in the cache (or on their way there): count them, register
+        newly full blocks, and hold a place for each draw (resolved by `resolve`)."""
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.is_finished:  # aborted, or finished by the previous step's results
+                continue
+            samples = item.samples
+            seq.num_computed_tokens += item.num_new_tokens
+            seq.block_table.register_full_blocks(seq.token_ids, seq.num_computed_tokens)
+            if samples:
+                seq.append_pending()
+                seq.num_forks_pending = 0  # this step's draws include the forks' first tokens
+
+    def resolve(
+        self, out: SchedulerOutput, results: list[SampleOutput | None], eos_token_ids: list[int]
+    ) -> list[Sequence]:
+        """Put an advanced step's draws in place (forking where a prompt drew several tokens);
+        return the sequences that got a token, finished ones included."""
         touched = []
         for item, result in zip(out.scheduled, results, strict=True):
             seq = item.seq
-            if seq.is_finished:  # aborted while the step ran
-                continue
-            seq.num_computed_tokens += item.num_new_tokens
-            seq.block_table.register_full_blocks(seq.token_ids, seq.num_computed_tokens)
-            if result is None:
+            if seq.is_finished or result is None:
                 continue
             if result.prompt_logprobs:
                 seq.prompt_logprobs += result.prompt_logprobs
@@ -217,8 +234,7 @@ class Scheduler:
     def _accept(self, seq: Sequence, result: SampleOutput) -> list[Sequence]:
         tokens = result.token_ids
         logprobs: list[TokenLogprobs] | list[None] = result.logprobs or [None] * len(tokens)
-        seq.num_forks_pending = 0
-        seq.append(tokens[0], logprobs[0])
+        seq.resolve_pending(tokens[0], logprobs[0])
         if len(tokens) == 1:
             return [seq]
         forks = [

@@ -13,6 +13,11 @@ from attnserve.engine.block_table import BlockTable
 from attnserve.sampling_params import SamplingParams
 from attnserve.worker.batch import TokenLogprobs
 
+# Stands for a drawn token that is still on the device: with async scheduling, a step is
+# scheduled while the previous step's draws are in flight (the model runner feeds them forward on
+# the device); `resolve_pending` puts the real token in its place.
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -72,8 +77,23 @@ class Sequence:
             return None
         return hash((seed, self.index, self.num_output_tokens)) & (2**62 - 1)
 
+    @property
+    def has_pending_token(self) -> bool:
+        return self.token_ids[-1] == PENDING_TOKEN
+
+    def append_pending(self) -> None:
+        """Hold the place of the token this step draws (see PENDING_TOKEN)."""
+        self.token_ids.append(PENDING_TOKEN)
+
+    def resolve_pending(self, token: int, logprobs: TokenLogprobs | None) -> None:
+        self.token_ids[-1] = token
+        self._add_logprobs(token, logprobs)
+
     def append(self, token: int, logprobs: TokenLogprobs | None) -> None:
         self.token_ids.append(token)
+        self._add_logprobs(token, logprobs)
+
+    def _add_logprobs(self, token: int, logprobs: TokenLogprobs | None) -> None:
         if logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token]

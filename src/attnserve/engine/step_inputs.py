@@ -48,10 +48,15 @@ def _sequence_input(item: ScheduledSequence, eos_token_ids: list[int]) -> Sequen
     )
 
 
-def build_batch(out: SchedulerOutput, eos_token_ids: list[int]) -> ScheduledBatch:
+def build_batch(
+    out: SchedulerOutput,
+    eos_token_ids: list[int],
+    carried_tokens: list[tuple[int, int]] | None = None,
+) -> ScheduledBatch:
     return ScheduledBatch(
         seqs=[_sequence_input(item, eos_token_ids) for item in out.scheduled],
         blocks_to_swap_in=out.swap_in,
         blocks_to_swap_out=out.swap_out,
         blocks_to_copy=out.copies,
+        carried_tokens=carried_tokens or [],
     )

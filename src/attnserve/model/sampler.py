@@ -40,6 +40,14 @@ def top_logprobs(
 class Sampler:
     def __call__(self, logits: torch.Tensor, inputs: list[SequenceInput]) -> list[SampleOutput]:
         """logits [N, V] float32, one row per input that samples -> one result per input."""
+        tokens, logprobs, counts = self.draw(logits, inputs)
+        return self.split(tokens.tolist(), logprobs, counts)
+
+    def draw(
+        self, logits: torch.Tensor, inputs: list[SequenceInput]
+    ) -> tuple[torch.Tensor, list[TokenLogprobs] | None, list[int]]:
+        """The draws on the device ([sum of counts] int64, each input's draws in a run), their
+        log-probabilities where asked for (on the host), and each input's number of draws."""
         params = [s.sampling for s in inputs if s.sampling is not None]
         if len(params) != len(inputs):
             raise ValueError("every input given to the sampler must carry sampling params")
@@ -55,11 +63,10 @@ class Sampler:
             for d in range(s.num_samples)
         ]
         tokens = self.sample(draws, draw_params, seeds)
-        logprobs = self._logprobs(draws, tokens, draw_params)
-        return self._split(tokens.tolist(), logprobs, counts)
+        return tokens, self._logprobs(draws, tokens, draw_params), counts
 
     @staticmethod
-    def _split(
+    def split(
         tokens: list[int], logprobs: list[TokenLogprobs] | None, counts: list[int]
     ) -> list[SampleOutput]:
         """Per input, its `count` draws (and their log-probabilities)."""

@@ -45,6 +45,9 @@ class ScheduledBatch:
     blocks_to_swap_in: BlockPairs = field(default_factory=list)
     blocks_to_swap_out: BlockPairs = field(default_factory=list)
     blocks_to_copy: BlockPairs = field(default_factory=list)
+    # (row, draw): the last new token of sequence `row` is still on the device, as the
+    # `draw`-th token drawn by the previous step (async scheduling); its id here is a placeholder
+    carried_tokens: BlockPairs = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

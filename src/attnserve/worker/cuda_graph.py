@@ -89,8 +89,10 @@ class CUDAGraphRunner:
         token_ids: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         context_lens: Sequence[int],
+        carried: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [n, hidden_size] of a decode-only step of n <= max_num_seqs."""
+        """Final hidden states [n, hidden_size] of a decode-only step of n <= max_num_seqs.
+        `carried` (rows, token ids on the device) overrides those rows' token ids."""
         num_seqs = len(token_ids)
         size = next(s for s in self.sizes if s >= num_seqs)
         self.builder.build_for_cuda_graph(size, block_tables, context_lens)
@@ -98,6 +100,8 @@ class CUDAGraphRunner:
         host = torch.tensor([[*token_ids, *padding], [*context_lens, *padding]])
         self.input_ids[:size].copy_(host[0], non_blocking=True)
         self.positions[:size].copy_(host[1], non_blocking=True)
+        if carried is not None:
+            self.input_ids[carried[0]] = carried[1]
         graph, hidden = self.graphs[size]
         graph.replay()
         return hidden[:num_seqs]

@@ -4,6 +4,8 @@ It selects the attention backend once, loads the model with it, sizes and binds 
 and each step asks that backend's metadata builder for the attention metadata. It never looks at
 the metadata or the cache layout itself. On CUDA, unless `enforce_eager`, decode-only steps
 replay captured graphs (`CUDAGraphRunner`) when the backend declares support for them.
+`execute_async` returns without waiting for the step's draws (a `StepFuture`); the next step
+may take tokens still on the device from them (`ScheduledBatch.carried_tokens`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from attnserve.worker.cache_engine import (
     num_blocks_for_budget,
 )
 from attnserve.worker.cuda_graph import CUDAGraphRunner
+from attnserve.worker.step_future import StepFuture, StepResults
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ class ModelRunner:
             head_size=model_config.head_size,
         )
         self.sampler = Sampler()
+        self._last_tokens: torch.Tensor | None = None  # the last step's first draw per row
         self.cuda_graphs = None if enforce_eager else self._capture_cuda_graphs(max_num_seqs)
 
     @property
@@ -151,22 +155,48 @@ class ModelRunner:
             if pairs:
                 move(torch.tensor(pairs, dtype=torch.int64))
 
-    @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[SampleOutput | None]:
+    def execute(self, batch: ScheduledBatch) -> StepResults:
         """Run one step; return each sequence's draws (None where nothing is drawn)."""
+        return self.execute_async(batch).result()
+
+    @torch.inference_mode()
+    def execute_async(self, batch: ScheduledBatch) -> StepFuture:
+        """Launch one step; its draws stay on the device until the future's `result()`."""
         self._move_blocks(batch)
         hidden = self._forward(batch)
         starts = [0, *accumulate(len(s.token_ids) for s in batch.seqs)]
-        results: list[SampleOutput | None] = [None] * len(batch.seqs)
+        num_seqs = len(batch.seqs)
         rows = [i for i, s in enumerate(batch.seqs) if s.sampling is not None]
-        if rows:
-            logits = self.model.compute_logits(self._last_hidden(hidden, starts, rows))
-            with torch.profiler.record_function(SAMPLING_RANGE):
-                drawn = self.sampler(logits, [batch.seqs[i] for i in rows])
-            for row, result in zip(rows, drawn, strict=True):
-                results[row] = result
+        if not rows:
+            results: StepResults = [None] * num_seqs
+            self._add_prompt_logprobs(batch, hidden, starts, results)
+            return StepFuture(num_seqs, ready=results)
+        logits = self.model.compute_logits(self._last_hidden(hidden, starts, rows))
+        with torch.profiler.record_function(SAMPLING_RANGE):
+            tokens, logprobs, counts = self.sampler.draw(logits, [batch.seqs[i] for i in rows])
+        one_draw_each = len(tokens) == len(rows)
+        self._last_tokens = tokens if one_draw_each else tokens[self._first_draws(counts)]
+        needs_host = logprobs is not None or any(s.prompt_logprob_targets for s in batch.seqs)
+        if one_draw_each and not needs_host:
+            return StepFuture(num_seqs, rows, tokens)
+        results = [None] * num_seqs
+        drawn = self.sampler.split(tokens.tolist(), logprobs, counts)
+        for row, result in zip(rows, drawn, strict=True):
+            results[row] = result
         self._add_prompt_logprobs(batch, hidden, starts, results)
-        return results
+        return StepFuture(num_seqs, ready=results)
+
+    def _first_draws(self, counts: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *accumulate(counts)][:-1], device=self.device)
+
+    def _carried(self, batch: ScheduledBatch, last_token: list[int]) -> tuple[torch.Tensor, ...]:
+        """Where the batch's carried tokens go in the flat token ids (`last_token[row]` is the
+        index of row's last new token), and their values, taken from the last step's draws."""
+        if self._last_tokens is None:
+            raise RuntimeError("carried tokens, but no step has drawn tokens yet")
+        pairs = torch.tensor(batch.carried_tokens).T
+        index = torch.tensor(last_token)[pairs[0]].to(self.device)
+        return index, self._last_tokens[pairs[1].to(self.device)]
 
     def _last_hidden(
         self, hidden: torch.Tensor, starts: list[int], rows: list[int]
@@ -186,12 +216,20 @@ class ModelRunner:
             and len(seqs) <= graphs.max_num_seqs
             and all(len(s.token_ids) == 1 and s.context_len > 0 for s in seqs)
         ):
+            carried = None
+            if batch.carried_tokens:
+                carried = self._carried(batch, list(range(len(seqs))))
             return graphs.run(
                 [s.token_ids[0] for s in seqs],
                 [s.block_table for s in seqs],
                 [s.context_len for s in seqs],
+                carried,
             )
         token_ids, positions = self._prepare_inputs(batch)
+        if batch.carried_tokens:
+            last = list(accumulate(len(s.token_ids) for s in seqs))
+            index, values = self._carried(batch, [end - 1 for end in last])
+            token_ids[index] = values
         metadata = self.builder.build(
             [s.block_table for s in seqs],
             [s.context_len for s in seqs],
