@@ -15,10 +15,12 @@ from attnserve.engine.request import Request
 from attnserve.engine.scheduler import Scheduler
 from attnserve.engine.sequence import Sequence
 from attnserve.engine.step_inputs import build_batch
+from attnserve.executor import get_executor_class
 from attnserve.model.tokenizer import load_tokenizer
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
 from attnserve.worker.model_runner import ModelRunner
+from attnserve.worker.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -27,17 +29,19 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         started = time.perf_counter()
         self.args = args
-        self.model_config, cache_config, scheduler_config = args.create_configs()
+        self.model_config, cache_config, scheduler_config, parallel_config = args.create_configs()
         torch.manual_seed(args.seed)
         self.tokenizer: PreTrainedTokenizerBase | None = (
             load_tokenizer(self.model_config) if self.model_config.tokenizer else None
         )
-        self.runner = ModelRunner(
-            self.model_config, cache_config, args.resolved_device(), args.attention_backend
+        worker_config = WorkerConfig(
+            self.model_config, cache_config, parallel_config, args.attention_backend, args.seed
         )
+        self.executor = get_executor_class(parallel_config)(worker_config, args.resolved_device())
         self.block_size = cache_config.block_size
-        self.allocator = BlockAllocator(self.runner.num_blocks, cache_config.enable_prefix_caching)
-        swap_blocks = self.runner.num_swap_blocks
+        num_blocks = self.executor.num_blocks
+        self.allocator = BlockAllocator(num_blocks, cache_config.enable_prefix_caching)
+        swap_blocks = self.executor.num_swap_blocks
         self.scheduler = Scheduler(
             scheduler_config,
             self.allocator,
@@ -51,6 +55,15 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's model runner (in this process unless the executor is Ray)."""
+        return self.executor.driver_runner
+
+    def shutdown(self) -> None:
+        """Stop the executor's ranks (worker processes, Ray actors); idempotent."""
+        self.executor.shutdown()
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -107,7 +120,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
-        results = self.runner.execute(build_batch(scheduled, self.eos_token_ids))
+        results = self.executor.execute_model(build_batch(scheduled, self.eos_token_ids))
         touched = self.scheduler.update(scheduled, results, self.eos_token_ids)
         advanced: dict[str, Request] = {}
         for seq in touched:
