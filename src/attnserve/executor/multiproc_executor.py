@@ -83,7 +83,6 @@ class MultiprocExecutor(ExecutorBase):
                 continue
             if not ready:
                 raise RuntimeError(f"tensor-parallel worker rank {rank} did not start in time")
-            process.join(SHUTDOWN_TIMEOUT_S)
             self._failure = _death_message(rank, process)
             raise RuntimeError(self._failure)
 
@@ -160,6 +159,7 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def _death_message(rank: int, process: BaseProcess) -> str:
+    process.join(SHUTDOWN_TIMEOUT_S)  # reap it, for its exit code
     return (
         f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
         f"{process.exitcode}"
