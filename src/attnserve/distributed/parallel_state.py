@@ -2,8 +2,9 @@
 
 attnserve has one kind of parallelism, tensor parallelism, so the TP group is the whole world.
 Model collectives run on the world group (NCCL on CUDA, gloo on CPU); step inputs and other
-Python objects are broadcast on a gloo group (the world itself on CPU). Without an initialised
-group every getter answers as for one rank, so the single-process path needs no set-up.
+Python objects are broadcast on a separate gloo group, whose long timeout lets workers wait for
+the next step while the engine is idle. Without an initialised group every getter answers as
+for one rank, so the single-process path needs no set-up.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# Workers wait in a broadcast for the next step however long the engine stays idle.
+# Joining, and a model collective, fail after this (a rank is gone); but workers wait in a
+# CPU-group broadcast for the next step however long the engine stays idle.
+_WORLD_TIMEOUT = datetime.timedelta(minutes=10)
 _CPU_GROUP_TIMEOUT = datetime.timedelta(days=365)
 
 _WORLD_SIZE = 1
@@ -46,13 +49,9 @@ def init_distributed_environment(
         init_method=distributed_init_method,
         world_size=world_size,
         rank=rank,
-        timeout=_CPU_GROUP_TIMEOUT if backend == "gloo" else None,
+        timeout=_WORLD_TIMEOUT,
     )
-    _CPU_GROUP = (
-        dist.new_group(backend="gloo", timeout=_CPU_GROUP_TIMEOUT)
-        if backend == "nccl"
-        else dist.group.WORLD
-    )
+    _CPU_GROUP = dist.new_group(backend="gloo", timeout=_CPU_GROUP_TIMEOUT)
     _WORLD_SIZE, _RANK = world_size, rank
     logger.info("rank %d of %d joined the %s group", rank, world_size, backend)
 

@@ -47,6 +47,7 @@ class MultiprocExecutor(ExecutorBase):
         self._closing = threading.Event()  # set: worker deaths are expected, not failures
         self._broken = False  # a rank failed or a step raised: the group is unusable
         self._shut_down = False
+        self._terminating = threading.Lock()  # the monitor and shutdown both stop the workers
         init_method = get_distributed_init_method("127.0.0.1", get_open_port())
         context = multiprocessing.get_context("spawn")
         self.processes: list[BaseProcess] = []
@@ -89,7 +90,7 @@ class MultiprocExecutor(ExecutorBase):
     def _fail(self, error: BaseException, details: str = "") -> NoReturn:
         """Shut everything down after `error`; re-raise it, or the dead worker's story."""
         self._broken = True
-        failure = self._wait_for_failure()
+        failure = self._wait_for_failure() if isinstance(error, Exception) else self._failure
         self.shutdown()
         if failure is None:
             raise error
@@ -107,7 +108,8 @@ class MultiprocExecutor(ExecutorBase):
         logger.error("%s; shutting the other ranks down", self._failure)
         if self.device.type == "cuda":
             abort_distributed_environment()  # a blocked NCCL collective would never return
-        _terminate(self.processes)
+        with self._terminating:
+            self._finalizer()
 
     @property
     def driver_runner(self) -> ModelRunner:
@@ -122,6 +124,8 @@ class MultiprocExecutor(ExecutorBase):
         return self.driver.runner.num_swap_blocks
 
     def check_health(self) -> None:
+        if self._shut_down and not self._broken:
+            raise RuntimeError("the tensor-parallel executor is shut down")
         if self._failure is not None:
             raise RuntimeError(self._failure)
         if self._broken:
@@ -131,7 +135,7 @@ class MultiprocExecutor(ExecutorBase):
         self.check_health()
         try:
             return self.driver.execute_model(batch)
-        except Exception as error:
+        except BaseException as error:  # even an interrupt leaves the ranks out of step
             self._fail(error)
 
     def _wait_for_failure(self) -> str | None:
@@ -150,7 +154,8 @@ class MultiprocExecutor(ExecutorBase):
             self.driver.stop_remote_loops()
             for process in self.processes:
                 process.join(SHUTDOWN_TIMEOUT_S)
-        self._finalizer()  # terminates what is left, once
+        with self._terminating:
+            self._finalizer()  # terminates what is left, once
         self.driver.shutdown()
 
 
