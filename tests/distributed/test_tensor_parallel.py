@@ -4,7 +4,7 @@ Greedy tokens at TP=2 equal TP=1's on a dummy model (chunked prefill, log-probab
 equal HF transformers' on a sharded safetensors checkpoint, and TP=3 equals TP=1 on the embedded
 default model (9 query / 3 KV heads: 3 is the smallest degree > 1 that divides them; TP=2 is a
 ValueError). A worker killed mid-run makes the engine raise a RuntimeError naming it, quickly,
-and leaves no process behind.
+and leaves no process behind; workers exit when the engine process dies.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -102,3 +104,35 @@ def test_a_dead_worker_fails_the_engine_cleanly() -> None:
     assert multiprocessing.active_children() == []
     with pytest.raises(RuntimeError, match="worker rank 1"):
         executor.check_health()
+
+
+DRIVER_SCRIPT = """
+import os, signal
+from attnserve import LLM
+if __name__ == "__main__":
+    llm = LLM("llama-tiny", load_format="dummy", device="cpu", tensor_parallel_size=2)
+    print(llm.llm_engine.executor.processes[0].pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return "State:\tZ" in Path(f"/proc/{pid}/status").read_text()  # a zombie is dead
+    except FileNotFoundError:
+        return True
+
+
+def test_workers_exit_when_the_engine_process_dies(tmp_path: Path) -> None:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", ".", *sys.path])}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    worker_pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 15
+    while not _gone(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(worker_pid)
