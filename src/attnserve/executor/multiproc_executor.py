@@ -149,8 +149,9 @@ class MultiprocExecutor(ExecutorBase):
         if self._shut_down:
             return
         self._shut_down = True
+        exiting = self._closing.is_set()  # at interpreter exit the workers are already stopping
         self._closing.set()
-        if not self._broken and self.driver.model_runner is not None:
+        if not (self._broken or exiting) and self.driver.model_runner is not None:
             self.driver.stop_remote_loops()
             for process in self.processes:
                 process.join(SHUTDOWN_TIMEOUT_S)

@@ -77,7 +77,15 @@ class RayExecutor(ExecutorBase):
         if self._owns_ray:
             ray.init(include_dashboard=False)
         world_size = config.parallel_config.world_size
-        resource = {"GPU": 1} if device.type == "cuda" else {"CPU": 1}
+        kind = "GPU" if device.type == "cuda" else "CPU"
+        if ray.cluster_resources().get(kind, 0) < world_size:
+            if self._owns_ray:
+                ray.shutdown()
+            raise ValueError(
+                f"tensor_parallel_size {world_size} needs {world_size} {kind}s in the Ray "
+                f"cluster; it has {ray.cluster_resources().get(kind, 0):g}"
+            )
+        resource = {kind: 1}
         self.placement_group = placement_group([dict(resource)] * world_size, strategy="PACK")
         self.actors: list[Any] = []
         self._loops: list[Any] = []
