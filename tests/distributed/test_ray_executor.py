@@ -42,3 +42,8 @@ def test_ray_tp2_matches_one_rank(local_ray: None) -> None:
     while ray.available_resources().get("CPU") != 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU") == 2
+
+
+def test_too_few_cluster_resources_is_a_value_error(local_ray: None) -> None:
+    with pytest.raises(ValueError, match="needs 4 CPUs in the Ray cluster; it has 2"):
+        LLM(**ENGINE, tensor_parallel_size=4, distributed_executor_backend="ray")
