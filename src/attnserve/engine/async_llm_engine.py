@@ -171,3 +171,5 @@ class AsyncLLMEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():  # mid-step ranks are left to the exit-time cleanup
+            self.engine.shutdown()

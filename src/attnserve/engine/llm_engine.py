@@ -16,11 +16,13 @@ from attnserve.engine.request import Request
 from attnserve.engine.scheduler import Scheduler, SchedulerOutput
 from attnserve.engine.sequence import Sequence
 from attnserve.engine.step_inputs import build_batch
+from attnserve.executor import get_executor_class
 from attnserve.model.tokenizer import load_tokenizer
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
 from attnserve.worker.model_runner import ModelRunner
 from attnserve.worker.step_future import StepFuture
+from attnserve.worker.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,22 +43,25 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         started = time.perf_counter()
         self.args = args
-        self.model_config, cache_config, scheduler_config = args.create_configs()
+        self.model_config, cache_config, scheduler_config, parallel_config = args.create_configs()
         torch.manual_seed(args.seed)
         self.tokenizer: PreTrainedTokenizerBase | None = (
             load_tokenizer(self.model_config) if self.model_config.tokenizer else None
         )
-        self.runner = ModelRunner(
+        worker_config = WorkerConfig(
             self.model_config,
             cache_config,
-            args.resolved_device(),
+            parallel_config,
             args.attention_backend,
+            args.seed,
             max_num_seqs=scheduler_config.max_num_seqs,
             enforce_eager=args.enforce_eager,
         )
+        self.executor = get_executor_class(parallel_config)(worker_config, args.resolved_device())
         self.block_size = cache_config.block_size
-        self.allocator = BlockAllocator(self.runner.num_blocks, cache_config.enable_prefix_caching)
-        swap_blocks = self.runner.num_swap_blocks
+        num_blocks = self.executor.num_blocks
+        self.allocator = BlockAllocator(num_blocks, cache_config.enable_prefix_caching)
+        swap_blocks = self.executor.num_swap_blocks
         self.scheduler = Scheduler(
             scheduler_config,
             self.allocator,
@@ -66,11 +71,22 @@ class LLMEngine:
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._in_flight: _LaunchedStep | None = None
+        # Several ranks run each step synchronously: nothing to overlap, so no lookahead.
+        self.async_scheduling = args.async_scheduling and parallel_config.world_size == 1
         logger.info("engine ready in %.1f s", time.perf_counter() - started)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's model runner (in this process unless the executor is Ray)."""
+        return self.executor.driver_runner
+
+    def shutdown(self) -> None:
+        """Stop the executor's ranks (worker processes, Ray actors); idempotent."""
+        self.executor.shutdown()
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -146,7 +162,7 @@ class LLMEngine:
             outputs += self._finish(self._in_flight)
         self.scheduler.advance(scheduled)
         self._in_flight = launched
-        if not self.args.async_scheduling:
+        if not self.async_scheduling:
             outputs += self._finish(launched)
             self._in_flight = None
         return outputs
@@ -161,7 +177,7 @@ class LLMEngine:
         batch = build_batch(scheduled, self.eos_token_ids, carried)
         sampling = (item.seq for item in scheduled.scheduled if item.samples)
         draw_index = {id(seq): j for j, seq in enumerate(sampling)}
-        return _LaunchedStep(scheduled, self.runner.execute_async(batch), draw_index)
+        return _LaunchedStep(scheduled, self.executor.execute_model_async(batch), draw_index)
 
     def _finish(self, launched: _LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's draws back and turn them into outputs."""

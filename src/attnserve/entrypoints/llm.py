@@ -20,7 +20,8 @@ Message = dict[str, str]
 
 class LLM:
     """An engine for offline batched generation. Keyword arguments are `EngineArgs` fields
-    (block_size, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, ...)."""
+    (block_size, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization,
+    tensor_parallel_size, distributed_executor_backend, ...)."""
 
     def __init__(
         self,
@@ -56,6 +57,15 @@ class LLM:
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
         return cls(**fields)
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes or Ray actors (also done when `LLM` is deleted)."""
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

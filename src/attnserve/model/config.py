@@ -102,6 +102,31 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
+    def get_num_attention_heads(self, tensor_parallel_size: int = 1) -> int:
+        """Query heads per rank."""
+        return self.num_heads // tensor_parallel_size
+
+    def get_num_kv_heads(self, tensor_parallel_size: int = 1) -> int:
+        """KV heads per rank: at least one (a KV head is replicated when fewer than ranks)."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+    def verify_with_parallel_config(self, tensor_parallel_size: int) -> None:
+        """ValueError unless the heads and the MLP split evenly over the ranks."""
+        tp = tensor_parallel_size
+        kv = self.num_kv_heads
+        problems = []
+        if self.num_heads % tp:
+            problems.append(f"its {self.num_heads} attention heads")
+        if kv % tp and tp % kv:
+            problems.append(f"its {kv} KV heads (nor is {tp} a multiple of them)")
+        if int(self.hf_config.intermediate_size) % tp:
+            problems.append(f"its MLP intermediate size {self.hf_config.intermediate_size}")
+        if problems:
+            raise ValueError(
+                f"tensor_parallel_size {tp} does not divide {' and '.join(problems)} of model "
+                f"{self.model}"
+            )
+
     @cached_property
     def sliding_window(self) -> int | None:
         windows = [w for w in layer_sliding_windows(self.hf_config) if w is not None]

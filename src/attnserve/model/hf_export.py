@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from attnserve.model.config import ModelConfig
-from attnserve.model.layers.linear import MergedLinear
+from attnserve.model.layers.linear import MergedColumnParallelLinear
 from attnserve.model.models.llama import STACKED_PARAMS
 
 
@@ -18,7 +18,7 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     parts = {(merged, shard): part for merged, part, shard in STACKED_PARAMS}
     state: dict[str, torch.Tensor] = {}
     for module_name, module in model.named_modules():
-        if isinstance(module, MergedLinear):
+        if isinstance(module, MergedColumnParallelLinear):
             prefix, merged = module_name.rsplit(".", 1)
             for shard, (start, size) in module.shards.items():
                 for kind in ("weight", "bias"):
@@ -29,7 +29,7 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     merged_names = {
         f"{n}.{k}"
         for n, m in model.named_modules()
-        if isinstance(m, MergedLinear)
+        if isinstance(m, MergedColumnParallelLinear)
         for k in ("weight", "bias")
     }
     for name, tensor in model.state_dict().items():

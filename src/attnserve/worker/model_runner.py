@@ -19,6 +19,8 @@ import torch
 
 from attnserve.attention import bind_kv_caches, get_attn_backend, set_forward_context
 from attnserve.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
+from attnserve.distributed import get_tensor_model_parallel_world_size
+from attnserve.distributed.communication import tensor_model_parallel_all_reduce_min
 from attnserve.model.config import ModelConfig
 from attnserve.model.loader import load_model
 from attnserve.model.sampler import Sampler, top_logprobs
@@ -48,6 +50,9 @@ class ModelRunner:
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = device
+        tp_size = get_tensor_model_parallel_world_size()  # this rank's share of the heads
+        self.num_heads = model_config.get_num_attention_heads(tp_size)
+        self.num_kv_heads = model_config.get_num_kv_heads(tp_size)
         self.backend = get_attn_backend(
             model_config.head_size,
             model_config.dtype,
@@ -63,8 +68,8 @@ class ModelRunner:
         self.builder = self.backend.get_builder_cls()(
             cache_config.block_size,
             device,
-            num_heads=model_config.num_heads,
-            num_kv_heads=model_config.num_kv_heads,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
             head_size=model_config.head_size,
         )
         self.sampler = Sampler()
@@ -95,7 +100,7 @@ class ModelRunner:
         per_block = CacheEngine.bytes_per_block(
             self.backend,
             mc.num_layers,
-            mc.num_kv_heads,
+            self.num_kv_heads,
             mc.head_size,
             cc.block_size,
             mc.dtype,
@@ -107,7 +112,8 @@ class ModelRunner:
             budget = gpu_kv_cache_budget(cc.gpu_memory_utilization, self.device)
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = num_blocks_for_budget(budget, per_block)
+        # every rank must hold the same blocks: the smallest count any rank can afford
+        num_blocks = tensor_model_parallel_all_reduce_min(num_blocks_for_budget(budget, per_block))
         num_swap_blocks = cc.swap_space_bytes // per_block
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, backend %s), up to %d tokens",
@@ -120,7 +126,7 @@ class ModelRunner:
         return CacheEngine(
             self.backend,
             mc.num_layers,
-            mc.num_kv_heads,
+            self.num_kv_heads,
             mc.head_size,
             cc.block_size,
             num_blocks,

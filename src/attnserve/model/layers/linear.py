@@ -1,20 +1,45 @@
-"""`Linear`: a thin, uninitialised linear layer, and merged (stacked) projections.
+"""Linear layers, replicated or tensor-parallel (vLLM's names and sharding).
 
 Parameters start uninitialised (the loader fills them), so building a large model costs no
-random init. A merged layer stacks several logical projections (q/k/v, gate/up) along the
-output dimension so they run as one matmul; `load_shard` copies one HF projection into its rows.
+random init. A column-parallel layer keeps a slice of the output rows on each rank, a
+row-parallel layer a slice of the input columns (its partial outputs are summed by an
+all-reduce). A merged layer stacks several projections of the same input (gate/up, q/k/v) so
+they run as one matmul; each rank stacks its own rows of each. `QKVParallelLinear` splits the
+query heads across ranks and the KV heads too, replicating them when there are fewer KV heads
+than ranks. Every sharded parameter has a `weight_loader` taking the FULL checkpoint weight (or
+one named part of a merged one) and copying only this rank's shard.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnserve.distributed import (
+    divide,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from attnserve.model.layers.weight_utils import (
+    LoadedWeight,
+    copy_checked,
+    default_weight_loader,
+    full_shape,
+    narrow_weight,
+    set_weight_attrs,
+    weight_shape,
+)
+
 
 class Linear(nn.Module):
+    """A linear layer whose weights every rank holds whole (vLLM's ReplicatedLinear)."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features = in_features
@@ -26,29 +51,166 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class MergedLinear(Linear):
-    """Several projections of the same input, stacked on the output dimension."""
+def _check_full_size(param: nn.Parameter, loaded: LoadedWeight, dim: int, expected: int) -> None:
+    if weight_shape(loaded)[dim] != expected:
+        raise ValueError(
+            f"checkpoint shape {weight_shape(loaded)} does not match the full weight "
+            f"{full_shape(param)} (dimension {dim} should be {expected})"
+        )
+
+
+class ColumnParallelLinear(Linear):
+    """Y = X A^T with A's output rows split across ranks; each rank returns its slice of Y
+    (or, with `gather_output`, all of it)."""
 
     def __init__(
-        self, in_features: int, shard_sizes: Sequence[int], shard_names: Sequence[str], bias: bool
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        output_size_per_partition: int | None = None,
     ) -> None:
-        if len(shard_sizes) != len(shard_names):
-            raise ValueError("one name per shard size")
-        super().__init__(in_features, sum(shard_sizes), bias)
-        starts = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
-        self.shards = {
-            name: (start, size)
-            for name, start, size in zip(shard_names, starts, shard_sizes, strict=True)
-        }
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        local = output_size_per_partition or divide(output_size, self.tp_size)
+        super().__init__(input_size, local, bias)
+        self.gather_output = gather_output
+        set_weight_attrs(self.weight, self.weight_loader, (output_size, input_size))
+        if self.bias is not None:
+            set_weight_attrs(self.bias, self.weight_loader, (output_size,))
 
-    def load_shard(self, param: nn.Parameter, shard: str, loaded: torch.Tensor) -> None:
-        """Copy one projection's weight (or bias) into its rows of the merged `param`."""
-        if shard not in self.shards:
-            raise ValueError(f"unknown shard {shard!r}; this layer has {list(self.shards)}")
-        start, size = self.shards[shard]
-        target = param.data.narrow(0, start, size)
-        if target.shape != loaded.shape:
-            raise ValueError(
-                f"shard {shard!r}: checkpoint shape {tuple(loaded.shape)} != {tuple(target.shape)}"
+    def weight_loader(
+        self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str | None = None
+    ) -> None:
+        if self.tp_size == 1:
+            default_weight_loader(param, loaded, "column-parallel weight")
+            return
+        _check_full_size(param, loaded, 0, full_shape(param)[0])
+        size = param.shape[0]
+        shard = narrow_weight(loaded, 0, self.tp_rank * size, size)
+        copy_checked(param.data, shard, "column-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return tensor_model_parallel_all_gather(out) if self.gather_output else out
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where one projection of a merged layer lives, in the full and in this rank's weight."""
+
+    full_offset: int  # first row of the projection in the full merged weight
+    full_size: int  # rows of the whole projection
+    local_offset: int  # first row of this rank's part in its merged weight
+    local_size: int  # rows this rank keeps
+    rank_start: int  # first row this rank keeps, within the projection
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input, stacked (e.g. gate and up)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        shard_names: Sequence[str],
+        bias: bool = False,
+        local_sizes: Sequence[int] | None = None,
+        rank_starts: Sequence[int] | None = None,
+    ) -> None:
+        if len(output_sizes) != len(shard_names):
+            raise ValueError("one name per output size")
+        tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        local = list(local_sizes or [divide(size, tp_size) for size in output_sizes])
+        starts = list(rank_starts or [tp_rank * size for size in local])
+        super().__init__(input_size, sum(output_sizes), bias, output_size_per_partition=sum(local))
+        self.specs: dict[str, ShardSpec] = {}
+        for i, name in enumerate(shard_names):
+            full_offset, local_offset = sum(output_sizes[:i]), sum(local[:i])
+            self.specs[name] = ShardSpec(
+                full_offset, output_sizes[i], local_offset, local[i], starts[i]
             )
-        target.copy_(loaded)
+        self.shards = {name: (s.local_offset, s.local_size) for name, s in self.specs.items()}
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str | None = None
+    ) -> None:
+        """`shard_id` None: `loaded` is the whole merged weight; else one projection of it."""
+        if shard_id is None:
+            if self.tp_size == 1:
+                default_weight_loader(param, loaded, "merged weight")
+                return
+            _check_full_size(param, loaded, 0, full_shape(param)[0])
+            for spec in self.specs.values():
+                self._load_rows(param, loaded, spec, spec.full_offset)
+            return
+        if shard_id not in self.specs:
+            raise ValueError(f"unknown shard {shard_id!r}; this layer has {list(self.specs)}")
+        spec = self.specs[shard_id]
+        _check_full_size(param, loaded, 0, spec.full_size)
+        self._load_rows(param, loaded, spec, 0)
+
+    @staticmethod
+    def _load_rows(param: nn.Parameter, loaded: LoadedWeight, spec: ShardSpec, base: int) -> None:
+        rows = narrow_weight(loaded, 0, base + spec.rank_start, spec.local_size)
+        target = param.data.narrow(0, spec.local_offset, spec.local_size)
+        copy_checked(target, rows, "merged shard")
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v of the attention heads, merged; each rank computes its own heads. With fewer
+    KV heads than ranks, each KV head is replicated on tp_size / num_kv_heads ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+    ) -> None:
+        tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads, replicas = 1, divide(tp_size, total_num_kv_heads)
+        else:
+            self.num_kv_heads, replicas = divide(total_num_kv_heads, tp_size), 1
+        q_size, kv_size = self.num_heads * head_size, self.num_kv_heads * head_size
+        kv_start = (tp_rank // replicas) * kv_size
+        super().__init__(
+            hidden_size,
+            [total_num_heads * head_size] + [total_num_kv_heads * head_size] * 2,
+            ["q", "k", "v"],
+            bias,
+            local_sizes=[q_size, kv_size, kv_size],
+            rank_starts=[tp_rank * q_size, kv_start, kv_start],
+        )
+
+
+class RowParallelLinear(Linear):
+    """Y = X A^T with A's input columns split across ranks: each rank multiplies its slice of X
+    (the output of a column-parallel layer) and an all-reduce sums the partial results."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        super().__init__(divide(input_size, self.tp_size), output_size, bias)
+        set_weight_attrs(self.weight, self.weight_loader, (output_size, input_size))
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str | None = None
+    ) -> None:
+        if self.tp_size == 1:
+            default_weight_loader(param, loaded, "row-parallel weight")
+            return
+        _check_full_size(param, loaded, 1, full_shape(param)[1])
+        size = param.shape[1]
+        shard = narrow_weight(loaded, 1, self.tp_rank * size, size)
+        copy_checked(param.data, shard, "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

@@ -2,6 +2,9 @@
 
 The model is built directly on the target device in the config's dtype (parameters start
 uninitialised), then filled from safetensors, a GGUF file, or seeded random values (dummy).
+Under tensor parallelism each rank builds its shard of the model and keeps only its part of
+each weight: safetensors slices are read lazily (only the rank's rows or columns), a GGUF
+tensor is dequantized whole and then sliced.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from attnserve.attention import AttentionBackend
+from attnserve.distributed import get_tensor_model_parallel_world_size
 from attnserve.model.config import ModelConfig
 from attnserve.model.loader.weights import init_dummy_weights, iter_safetensors
 from attnserve.model.registry import get_model_cls
@@ -59,7 +63,8 @@ def load_model(
 
         model.load_weights(iter_gguf_weights(config.weights_path or config.model, config.hf_config))
     else:
-        model.load_weights(iter_safetensors(config.weights_path or config.model))
+        lazy = get_tensor_model_parallel_world_size() > 1  # each rank reads only its shards
+        model.load_weights(iter_safetensors(config.weights_path or config.model, lazy))
     return model.eval()
 
 

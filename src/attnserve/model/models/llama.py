@@ -3,25 +3,30 @@
 The model sees a flat batch of new tokens and their positions; each decoder layer's `Attention`
 reads the step's metadata from the forward context and its bound KV cache, so the model knows
 no backend. q/k/v and gate/up run as one merged matmul each; `load_weights` maps HF checkpoint
-names onto the merged parameters.
+names onto the merged parameters. Under tensor parallelism the layers are sharded (vLLM's
+column/row-parallel scheme) and each parameter's weight loader keeps only its rank's shard.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnserve.attention import Attention, AttentionBackend
 from attnserve.model.config import ModelConfig, layer_sliding_windows, rope_settings
 from attnserve.model.layers.activation import SiluAndMul
-from attnserve.model.layers.embedding import VocabEmbedding
 from attnserve.model.layers.layernorm import RMSNorm
-from attnserve.model.layers.linear import Linear, MergedLinear
+from attnserve.model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from attnserve.model.layers.rotary_embedding import RotaryEmbedding
+from attnserve.model.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from attnserve.model.layers.weight_utils import LoadedWeight, load_weight
 
 # (merged parameter, HF projection, shard name)
 STACKED_PARAMS = (
@@ -37,8 +42,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         sizes = [intermediate_size, intermediate_size]
-        self.gate_up_proj = MergedLinear(hidden_size, sizes, ["gate", "up"], bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, ["gate", "up"], bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,18 +62,19 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         hf = config.hf_config
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_size = config.head_size
-        self.q_size = self.num_heads * self.head_size
-        self.kv_size = self.num_kv_heads * self.head_size
         bias = bool(getattr(hf, "attention_bias", False))
-        self.qkv_proj = MergedLinear(
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
-            [self.q_size, self.kv_size, self.kv_size],
-            ["q", "k", "v"],
+            self.head_size,
+            config.num_heads,
+            config.num_kv_heads,
             bias or variant.qkv_bias,
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_size, config.hidden_size, bias)
         self.q_norm = self.k_norm = None
         if variant.qk_norm:
             self.q_norm = RMSNorm(self.head_size, hf.rms_norm_eps)
@@ -137,7 +143,7 @@ class LlamaModel(nn.Module):
         variant: type[LlamaForCausalLM],
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         theta, scaling = rope_settings(config.hf_config)
         rotary_emb = RotaryEmbedding(config.head_size, config.max_model_len, theta, scaling)
         self.layers = nn.ModuleList(
@@ -173,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             self.model.embed_tokens
             if self.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size)
+            else ParallelLMHead(config.vocab_size, config.hidden_size)
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -183,10 +189,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] in float32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head.compute_logits(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the parameters; ValueError on unknown or missing ones."""
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
+        """Copy HF-named weights (each rank its shard) into the parameters; ValueError on unknown
+        or missing ones."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -199,22 +206,13 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
 
-    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str:
+    def _load_one(self, params: dict[str, nn.Parameter], name: str, weight: LoadedWeight) -> str:
         for merged, part, shard in STACKED_PARAMS:
             if f".{part}." in name:
                 target = name.replace(f".{part}.", f".{merged}.")
-                layer: Any = self.get_submodule(target.rsplit(".", 1)[0])
-                layer.load_shard(self._param(params, target), shard, tensor)
+                load_weight(self._param(params, target), weight, target, shard)
                 return target
-        param = self._param(params, name)
-        if param.shape != tensor.shape:
-            raise ValueError(
-                f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
-            )
-        if tensor.dtype == param.dtype and tensor.device == param.device:
-            param.data = tensor  # no copy (a memory-mapped checkpoint stays mapped)
-        else:
-            param.data.copy_(tensor)
+        load_weight(self._param(params, name), weight, name)
         return name
 
     @staticmethod

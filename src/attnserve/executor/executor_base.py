@@ -1,0 +1,54 @@
+"""`ExecutorBase`: what the engine sees of the ranks that run the model.
+
+The engine asks an executor for the KV block counts every rank agreed on, hands it one
+`ScheduledBatch` per step and gets the driver's sampled tokens back. How the ranks are started
+and fed (in-process, local processes, Ray actors) is the concrete executor's business.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from attnserve.worker.batch import SampleOutput, ScheduledBatch
+from attnserve.worker.model_runner import ModelRunner
+from attnserve.worker.step_future import StepFuture
+from attnserve.worker.worker import WorkerConfig
+
+
+class ExecutorBase(ABC):
+    def __init__(self, config: WorkerConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int:
+        """KV cache blocks per rank (the same on every rank)."""
+
+    @property
+    @abstractmethod
+    def num_swap_blocks(self) -> int:
+        """Host swap blocks per rank."""
+
+    @abstractmethod
+    def execute_model(self, batch: ScheduledBatch) -> list[SampleOutput | None]:
+        """Run one step on every rank; each sequence's draws (None where nothing is drawn)."""
+
+    def execute_model_async(self, batch: ScheduledBatch) -> StepFuture:
+        """Launch one step; its draws come back through the future (by default at once)."""
+        return StepFuture(len(batch.seqs), ready=self.execute_model(batch))
+
+    @property
+    def driver_runner(self) -> ModelRunner:
+        """Rank 0's model runner, when it lives in this process."""
+        raise RuntimeError(f"{type(self).__name__} runs no model in the engine process")
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """RuntimeError when a rank is gone."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every rank and free what they hold (idempotent)."""

@@ -1,0 +1,49 @@
+"""`UniProcExecutor`: one rank, in the engine process — a plain `ModelRunner`, no copies."""
+
+from __future__ import annotations
+
+import torch
+
+from attnserve.distributed import model_parallel_is_initialized
+from attnserve.executor.executor_base import ExecutorBase
+from attnserve.worker.batch import SampleOutput, ScheduledBatch
+from attnserve.worker.model_runner import ModelRunner
+from attnserve.worker.step_future import StepFuture
+from attnserve.worker.worker import Worker, WorkerConfig
+
+
+class UniProcExecutor(ExecutorBase):
+    def __init__(self, config: WorkerConfig, device: torch.device) -> None:
+        super().__init__(config, device)
+        if model_parallel_is_initialized():
+            raise RuntimeError(
+                "a tensor-parallel engine is running in this process: shut it down before "
+                "starting a single-rank one"
+            )
+        self.worker = Worker(config, rank=0, device=device)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    @property
+    def driver_runner(self) -> ModelRunner:
+        return self.worker.runner
+
+    @property
+    def num_blocks(self) -> int:
+        return self.worker.runner.num_blocks
+
+    @property
+    def num_swap_blocks(self) -> int:
+        return self.worker.runner.num_swap_blocks
+
+    def execute_model(self, batch: ScheduledBatch) -> list[SampleOutput | None]:
+        return self.worker.runner.execute(batch)
+
+    def execute_model_async(self, batch: ScheduledBatch) -> StepFuture:
+        return self.worker.runner.execute_async(batch)
+
+    def check_health(self) -> None:
+        """One rank in this process: alive as long as the engine is."""
+
+    def shutdown(self) -> None:
+        self.worker.model_runner = None

@@ -1,0 +1,112 @@
+"""`Worker`: one tensor-parallel rank — its device, its place in the process group, its
+`ModelRunner` — and the step protocol between the ranks.
+
+The driver (rank 0) broadcasts each step's `ScheduledBatch` once over the CPU group and runs it;
+every other rank sits in `execute_model_loop`, running each batch it receives, until the driver
+broadcasts None. All ranks sample (the logits are all-gathered); only the driver's results are
+returned.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from attnserve.config import CacheConfig, ParallelConfig
+from attnserve.distributed import (
+    broadcast_object,
+    destroy_distributed_environment,
+    init_distributed_environment,
+)
+from attnserve.model.config import ModelConfig
+from attnserve.worker.batch import SampleOutput, ScheduledBatch
+from attnserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a rank needs to build its shard of the engine (picklable)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    parallel_config: ParallelConfig
+    attention_backend: str | None = None
+    seed: int = 0
+    max_num_seqs: int = 256
+    enforce_eager: bool = False
+
+
+class Worker:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        rank: int,
+        device: torch.device,
+        distributed_init_method: str | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = device
+        self.distributed_init_method = distributed_init_method
+        self.model_runner: ModelRunner | None = None
+
+    @property
+    def runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError("the worker has no model yet (load_model)")
+        return self.model_runner
+
+    def init_device(self) -> None:
+        """Join the tensor-parallel group (when there is more than one rank) and seed."""
+        world_size = self.config.parallel_config.world_size
+        if world_size > 1:
+            if self.distributed_init_method is None:
+                raise ValueError("more than one rank needs a distributed_init_method")
+            if self.device.type == "cpu" and self.rank > 0:
+                torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+            init_distributed_environment(
+                world_size,
+                self.rank,
+                self.distributed_init_method,
+                self.device.index or 0,
+                self.device.type,
+            )
+        torch.manual_seed(self.config.seed)
+
+    def load_model(self) -> None:
+        """Build this rank's model shard and KV cache (the ranks agree on the block count)."""
+        config = self.config
+        self.model_runner = ModelRunner(
+            config.model_config,
+            config.cache_config,
+            self.device,
+            config.attention_backend,
+            max_num_seqs=config.max_num_seqs,
+            # Captured graphs would hold the ranks' collectives; tensor parallelism runs eagerly.
+            enforce_eager=config.enforce_eager or config.parallel_config.world_size > 1,
+        )
+
+    def execute_model(self, batch: ScheduledBatch) -> list[SampleOutput | None]:
+        """On the driver: send the step to the other ranks, then run it here."""
+        broadcast_object(batch)
+        return self.runner.execute(batch)
+
+    def execute_model_loop(self) -> None:
+        """On the other ranks: run every step the driver sends, until it sends None."""
+        while True:
+            batch: ScheduledBatch | None = broadcast_object()
+            if batch is None:
+                return
+            self.runner.execute(batch)
+
+    def stop_remote_loops(self) -> None:
+        """On the driver: end the other ranks' `execute_model_loop`."""
+        broadcast_object(None)
+
+    def shutdown(self) -> None:
+        self.model_runner = None
+        destroy_distributed_environment()
