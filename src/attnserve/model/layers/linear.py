@@ -59,6 +59,18 @@ def _check_full_size(param: nn.Parameter, loaded: LoadedWeight, dim: int, expect
         )
 
 
+def load_rank_slice(
+    param: nn.Parameter, loaded: LoadedWeight, dim: int, tp_rank: int, what: str
+) -> None:
+    """Copy this rank's equal slice along `dim` of the full `loaded` weight into `param`."""
+    if get_tensor_model_parallel_world_size() == 1:
+        default_weight_loader(param, loaded, what)
+        return
+    _check_full_size(param, loaded, dim, full_shape(param)[dim])
+    size = param.shape[dim]
+    copy_checked(param.data, narrow_weight(loaded, dim, tp_rank * size, size), what)
+
+
 class ColumnParallelLinear(Linear):
     """Y = X A^T with A's output rows split across ranks; each rank returns its slice of Y
     (or, with `gather_output`, all of it)."""
@@ -83,13 +95,7 @@ class ColumnParallelLinear(Linear):
     def weight_loader(
         self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str | None = None
     ) -> None:
-        if self.tp_size == 1:
-            default_weight_loader(param, loaded, "column-parallel weight")
-            return
-        _check_full_size(param, loaded, 0, full_shape(param)[0])
-        size = param.shape[0]
-        shard = narrow_weight(loaded, 0, self.tp_rank * size, size)
-        copy_checked(param.data, shard, "column-parallel weight")
+        load_rank_slice(param, loaded, 0, self.tp_rank, "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
@@ -201,13 +207,7 @@ class RowParallelLinear(Linear):
     def weight_loader(
         self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str | None = None
     ) -> None:
-        if self.tp_size == 1:
-            default_weight_loader(param, loaded, "row-parallel weight")
-            return
-        _check_full_size(param, loaded, 1, full_shape(param)[1])
-        size = param.shape[1]
-        shard = narrow_weight(loaded, 1, self.tp_rank * size, size)
-        copy_checked(param.data, shard, "row-parallel weight")
+        load_rank_slice(param, loaded, 1, self.tp_rank, "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
