@@ -1,4 +1,5 @@
-"""`SiluAndMul`: the gated activation of a merged gate/up projection."""
+"""`SiluAndMul`: the gated activation of a merged gate/up projection (one fused Triton kernel on
+CUDA, `fused_ops.silu_and_mul`; plain torch elsewhere)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnserve.model.layers.layernorm import use_triton
+
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] on the last dimension -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from attnserve.model.layers.fused_ops import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -1,9 +1,30 @@
-"""`RMSNorm`, with a fused residual-add variant, computed in float32 like HF's Llama norm."""
+"""`RMSNorm`, with a fused residual-add variant, computed in float32 like HF's Llama norm.
+
+On CUDA (with Triton installed) each call is one fused Triton kernel (`fused_ops`) computing
+the same math with the same roundings; elsewhere, and as their reference, plain torch ops.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 from torch import nn
+
+# ATTNSERVE_FUSED_OPS=0 keeps the plain torch ops on CUDA too.
+_FUSED = (
+    importlib.util.find_spec("triton") is not None
+    and os.environ.get("ATTNSERVE_FUSED_OPS", "1") != "0"
+)
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the model's layers run `x` through the fused Triton kernels of `fused_ops`: on
+    CUDA when Triton is installed, unless ATTNSERVE_FUSED_OPS=0. (Tests monkeypatch this, in
+    each layer module, to send CPU tensors through Triton's interpreter.) `fused_ops` is
+    imported on first use only, so CPU-only installs never import Triton."""
+    return x.is_cuda and _FUSED
 
 
 class RMSNorm(nn.Module):
@@ -19,11 +40,20 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise over the last dimension; `x` may be [T, H, D] heads (Qwen3's q/k norm)."""
+        if use_triton(x):
+            from attnserve.model.layers.fused_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         return self._norm(x)
 
     def forward_with_residual(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add `residual` to `x`, then normalise: returns (normed, new residual)."""
+        if use_triton(x):
+            from attnserve.model.layers.fused_ops import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         summed = x + residual
         return self._norm(summed), summed

@@ -60,10 +60,11 @@ def _check_full_size(param: nn.Parameter, loaded: LoadedWeight, dim: int, expect
 
 
 def load_rank_slice(
-    param: nn.Parameter, loaded: LoadedWeight, dim: int, tp_rank: int, what: str
+    param: nn.Parameter, loaded: LoadedWeight, dim: int, tp: tuple[int, int], what: str
 ) -> None:
-    """Copy this rank's equal slice along `dim` of the full `loaded` weight into `param`."""
-    if get_tensor_model_parallel_world_size() == 1:
+    """Copy rank `tp[0]` of `tp[1]`'s equal slice along `dim` of the full `loaded` weight."""
+    tp_rank, tp_size = tp
+    if tp_size == 1:
         default_weight_loader(param, loaded, what)
         return
     _check_full_size(param, loaded, dim, full_shape(param)[dim])
@@ -95,7 +96,7 @@ class ColumnParallelLinear(Linear):
     def weight_loader(
         self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str | None = None
     ) -> None:
-        load_rank_slice(param, loaded, 0, self.tp_rank, "column-parallel weight")
+        load_rank_slice(param, loaded, 0, (self.tp_rank, self.tp_size), "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
@@ -207,7 +208,7 @@ class RowParallelLinear(Linear):
     def weight_loader(
         self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str | None = None
     ) -> None:
-        load_rank_slice(param, loaded, 1, self.tp_rank, "row-parallel weight")
+        load_rank_slice(param, loaded, 1, (self.tp_rank, self.tp_size), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -1,7 +1,8 @@
 """Rotary position embedding (GPT-NeoX / HF Llama "rotate half" style), plain or Llama-3 scaled.
 
 The cos/sin table for every position up to `max_position` is built once, in float32, on the
-module's device; a forward gathers the rows of the batch's positions.
+module's device; a forward gathers the rows of the batch's positions. On CUDA (with Triton) a
+forward is one fused Triton kernel for q and k (`fused_ops.rotary_embedding`), the same math.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from attnserve.model.layers.layernorm import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -73,7 +76,12 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate query [T, H*D] and key [T, Hkv*D] by their tokens' positions [T]."""
+        """Rotate query [T, H*D] and key [T, Hkv*D] by their tokens' positions [T]; returns new
+        tensors (the inputs are left as they are)."""
+        if use_triton(query):
+            from attnserve.model.layers.fused_ops import rotary_embedding
+
+            return rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         rotated = []
         for x in (query, key):

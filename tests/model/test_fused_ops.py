@@ -1,0 +1,211 @@
+"""The fused Triton kernels of `attnserve.model.layers.fused_ops` against the layers' plain-torch
+path (and, for rope and SiLU, an independent float64 formula), then wired into the layers.
+
+Runs on CUDA when present, else through the Triton interpreter on the CPU (tests/model/conftest
+switches it on before the kernels are defined).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # already so via conftest; import-order proof
+pytest.importorskip("triton")
+
+from attnserve.model.layers import activation, layernorm, rotary_embedding  # noqa: E402
+from attnserve.model.layers import fused_ops as ops  # noqa: E402
+from attnserve.model.layers.activation import SiluAndMul  # noqa: E402
+from attnserve.model.layers.layernorm import RMSNorm  # noqa: E402
+from attnserve.model.layers.rotary_embedding import RotaryEmbedding, rope_inv_freq  # noqa: E402
+
+T, HIDDEN, Q_HEADS, KV_HEADS, HEAD = 5, 64, 4, 2, 16
+EPS = 1e-6
+DTYPES = [torch.float32, torch.bfloat16]
+TOL: dict[torch.dtype, dict[str, Any]] = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2},
+}
+
+
+def _rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def _norm(size: int, dtype: torch.dtype) -> RMSNorm:
+    norm = RMSNorm(size, EPS).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.1 * _rand(size, seed=9))
+    return norm.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_matches_torch(dtype: torch.dtype) -> None:
+    norm, x = _norm(HIDDEN, dtype), 3 * _rand(T, HIDDEN, dtype=dtype)
+    out = ops.rms_norm(x, norm.weight, EPS)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, norm._norm(x), **TOL[dtype])
+
+
+def test_rms_norm_odd_width_and_promotion() -> None:
+    """A non-power-of-two row (masked tail) and torch's promotion of a float32 weight."""
+    norm, x = _norm(40, torch.float32), _rand(3, 7, 40, dtype=torch.bfloat16)
+    out = ops.rms_norm(x, norm.weight, EPS)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    torch.testing.assert_close(out, norm._norm(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_head_rms_norm_on_a_qkv_split(dtype: torch.dtype) -> None:
+    """Qwen3's q/k norm: [T, H, D] heads of the q slice of a qkv row (a strided view)."""
+    norm = _norm(HEAD, dtype)
+    qkv = _rand(T, (Q_HEADS + 2 * KV_HEADS) * HEAD, dtype=dtype, seed=1)
+    q = qkv[:, : Q_HEADS * HEAD].reshape(T, Q_HEADS, HEAD)
+    assert not q.is_contiguous()
+    out = ops.rms_norm(q, norm.weight, EPS)
+    assert out.is_contiguous() and out.shape == q.shape
+    torch.testing.assert_close(out, norm._norm(q), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_add_rms_norm_matches_torch(dtype: torch.dtype) -> None:
+    norm = _norm(HIDDEN, dtype)
+    x, residual = _rand(T, HIDDEN, dtype=dtype, seed=2), _rand(T, HIDDEN, dtype=dtype, seed=3)
+    before = (x.clone(), residual.clone())
+    out, summed = ops.fused_add_rms_norm(x, residual, norm.weight, EPS)
+    expected_summed = x + residual
+    # The sum is one rounding of the float32 sum to the dtype, exactly as torch's add.
+    torch.testing.assert_close(summed, expected_summed, atol=0, rtol=0)
+    torch.testing.assert_close(out, norm._norm(expected_summed), **TOL[dtype])
+    torch.testing.assert_close((x, residual), before, atol=0, rtol=0)
+
+
+def _rope(dtype: torch.dtype) -> tuple[RotaryEmbedding, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A rope module, positions [T], and q/k as strided splits of one qkv tensor."""
+    with torch.device(DEVICE):
+        rope = RotaryEmbedding(HEAD, max_position=64, base=10000.0)
+    positions = torch.tensor([0, 3, 63, 17, 1], device=DEVICE)
+    qkv = _rand(T, (Q_HEADS + 2 * KV_HEADS) * HEAD, dtype=dtype, seed=4)
+    q, k, _ = qkv.split([Q_HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], -1)
+    return rope, positions, q, k
+
+
+def _rope_float64(positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Independent rotate-half rope: pair (i, i + D/2) rotated by position * inv_freq[i]."""
+    angles = positions.double().cpu()[:, None] * rope_inv_freq(HEAD, 10000.0).double()[None]
+    heads = x.double().cpu().view(x.shape[0], -1, HEAD)
+    first, second = heads[..., : HEAD // 2], heads[..., HEAD // 2 :]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    out = torch.cat((first * cos - second * sin, second * cos + first * sin), -1)
+    return out.flatten(1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_embedding_matches_torch_and_formula(dtype: torch.dtype) -> None:
+    rope, positions, q, k = _rope(dtype)
+    before = (q.clone(), k.clone())
+    q_out, k_out = ops.rotary_embedding(positions, q, k, rope.cos_sin_cache, HEAD)
+    q_ref, k_ref = rope(positions, q, k)
+    for out, ref, x in ((q_out, q_ref, q), (k_out, k_ref, k)):
+        assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
+        torch.testing.assert_close(out, ref, **TOL[dtype])
+        expected = _rope_float64(positions, x).to(dtype)
+        torch.testing.assert_close(out.cpu(), expected, **TOL[dtype])
+    torch.testing.assert_close((q, k), before, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("inter", [40, 1500], ids=["one-block", "two-blocks"])
+def test_silu_and_mul_matches_torch_and_formula(dtype: torch.dtype, inter: int) -> None:
+    x = 2 * _rand(T, 2 * inter, dtype=dtype, seed=5)
+    out = ops.silu_and_mul(x)
+    assert out.dtype == dtype and out.shape == (T, inter)
+    torch.testing.assert_close(out, SiluAndMul()(x), **TOL[dtype])
+    gate, up = x.double().cpu().chunk(2, -1)
+    expected = (gate * torch.sigmoid(gate) * up).to(dtype)
+    torch.testing.assert_close(out.cpu(), expected, **TOL[dtype])
+
+
+def test_empty_batch() -> None:
+    norm, x = _norm(HIDDEN, torch.float32), _rand(0, HIDDEN)
+    assert ops.rms_norm(x, norm.weight, EPS).shape == (0, HIDDEN)
+    assert ops.fused_add_rms_norm(x, x, norm.weight, EPS)[1].shape == (0, HIDDEN)
+    assert ops.silu_and_mul(_rand(0, 2 * HIDDEN)).shape == (0, HIDDEN)
+    rope, _, _, _ = _rope(torch.float32)
+    empty = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    q, k = ops.rotary_embedding(empty, _rand(0, 64), _rand(0, 32), rope.cos_sin_cache, HEAD)
+    assert q.shape == (0, 64) and k.shape == (0, 32)
+
+
+LAYER_MODULES: tuple[ModuleType, ...] = (layernorm, rotary_embedding, activation)
+
+
+@pytest.fixture
+def triton_layers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Route every layer through `fused_ops` (on CPU too), recording which kernels ran."""
+    calls: list[str] = []
+    for module in LAYER_MODULES:
+        monkeypatch.setattr(module, "use_triton", lambda x: True)
+
+    def spy(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            calls.append(name)
+            return real(*args)
+
+        return call
+
+    for name in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"):
+        monkeypatch.setattr(ops, name, spy(name, getattr(ops, name)))
+    return calls
+
+
+def test_layers_dispatch_to_triton(triton_layers: list[str]) -> None:
+    norm, x = _norm(HIDDEN, torch.bfloat16), _rand(T, HIDDEN, dtype=torch.bfloat16)
+    torch.testing.assert_close(norm(x), norm._norm(x), **TOL[torch.bfloat16])
+    normed, summed = norm.forward_with_residual(x, x)
+    torch.testing.assert_close(summed, x + x, atol=0, rtol=0)
+    torch.testing.assert_close(normed, norm._norm(x + x), **TOL[torch.bfloat16])
+    rope, positions, q, k = _rope(torch.float32)
+    q_out, _ = rope(positions, q, k)
+    torch.testing.assert_close(
+        q_out, _rope_float64(positions, q).float().to(DEVICE), **TOL[q.dtype]
+    )
+    SiluAndMul()(x)
+    assert triton_layers == ["rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"]
+
+
+def test_qwen3_through_triton_matches_hf(triton_layers: list[str], tmp_path: Path) -> None:
+    """End to end: a tiny Qwen3 (q/k norm, residual norms, rope, SiLU) with every layer on the
+    Triton kernels, a prefill then a paged decode step, against HF transformers in fp32 (a short
+    version of test_hf_parity's case: the interpreter runs programs one by one)."""
+    if DEVICE != "cpu":
+        pytest.skip("the parity harness runs the model on the CPU")
+    from attnserve.model import ModelConfig, load_model
+    from tests.model.paged import PagedRunner, reference_backend
+    from tests.model.test_hf_parity import CASES, _save_hf_model
+
+    hf_model = _save_hf_model(tmp_path, *CASES["qwen3-qknorm"])
+    config = ModelConfig.resolve(str(tmp_path), dtype="float32")
+    model = load_model(config, reference_backend(config), torch.device("cpu"))
+    full = [[5, 17, 99, 3, 42, 7], [150, 2, 64, 11]]
+    prompts, continuations = [seq[:-1] for seq in full], [seq[-1:] for seq in full]
+    ours = PagedRunner(model, config, max_len=8, seqs=2).run(prompts, continuations)
+    for seq, logits in zip(full, ours, strict=True):
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([seq])).logits[0]
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert set(triton_layers) == {
+        "rms_norm",
+        "fused_add_rms_norm",
+        "rotary_embedding",
+        "silu_and_mul",
+    }
