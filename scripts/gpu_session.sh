@@ -46,11 +46,14 @@ serve_bench() {
 }
 
 if [[ $phases == *" 1 "* ]]; then
-    on 1 200 conformance python3 -m pytest -o addopts= -v -p no:cacheprovider -p no:benchmark \
+    on 1 190 conformance python3 -m pytest -o addopts= -v -p no:cacheprovider -p no:benchmark \
         -n 8 tests/attention/test_conformance.py -k "cuda and (FLASHINFER or FLEX or TRITON)" &
-    throughput qwen3_triton 125 --model qwen3-0.6b --attention-backend TRITON \
+    # the fused layer kernels on cuda first; if they fail, the rest runs with plain torch ops
+    on 0 40 fused_ops python3 -m pytest -o addopts= -q -p no:cacheprovider tests/model/test_fused_ops.py
+    grep -q "^fused_ops: rc=0 " "$R/summary.txt" || export ATTNSERVE_FUSED_OPS=0
+    throughput qwen3_triton 115 --model qwen3-0.6b --attention-backend TRITON \
         --hf-baseline --hf-num-prompts 16 --profile-steps 4
-    throughput llama1b_triton 75 --model llama-3.2-1b --attention-backend TRITON \
+    throughput llama1b_triton 60 --model llama-3.2-1b --attention-backend TRITON \
         --profile-steps 0
     wait
 fi
@@ -67,7 +70,7 @@ if [[ $phases == *" 2 "* ]]; then
 fi
 if [[ $phases == *" 3 "* ]]; then
     for tp in 1 2; do
-        on 0,1 60 "tp_parity$tp" python3 scripts/tp_parity.py --model llama-3-8b \
+        on 0,1 55 "tp_parity$tp" python3 scripts/tp_parity.py --model llama-3-8b \
             --tensor-parallel-size "$tp" --out "$R/tp_parity$tp.json"
     done
     python3 scripts/tp_parity.py --compare "$R/tp_parity1.json" "$R/tp_parity2.json" \
