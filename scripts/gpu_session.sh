@@ -32,45 +32,47 @@ throughput() {  # throughput NAME SECONDS ARGS...
 }
 
 serve_bench() {
-    CUDA_VISIBLE_DEVICES=0 timeout 80 python3 -m attnserve.cli serve qwen3-0.6b \
+    CUDA_VISIBLE_DEVICES=0 timeout 70 python3 -m attnserve.cli serve qwen3-0.6b \
         --load-format dummy --device cuda --port 8011 >"$R/server.log" 2>&1 &
     local server=$!
-    for _ in $(seq 40); do
+    for _ in $(seq 35); do
         python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health')" \
             2>/dev/null && break
         sleep 1
     done
-    on 0 40 serve python3 -m attnserve.cli bench serve --base-url http://127.0.0.1:8011 \
+    on 0 35 serve python3 -m attnserve.cli bench serve --base-url http://127.0.0.1:8011 \
         --num-prompts 200 --input-len 512 --output-len 128 --result-json "$R/serve.json"
     kill "$server" 2>/dev/null
 }
 
 if [[ $phases == *" 1 "* ]]; then
-    on 1 190 conformance python3 -m pytest -o addopts= -v -p no:cacheprovider -p no:benchmark \
+    on 1 170 conformance python3 -m pytest -o addopts= -v -p no:cacheprovider -p no:benchmark \
         -n 8 tests/attention/test_conformance.py -k "cuda and (FLASHINFER or FLEX or TRITON)" &
     # the fused layer kernels on cuda first; if they fail, the rest runs with plain torch ops
-    on 0 40 fused_ops python3 -m pytest -o addopts= -q -p no:cacheprovider tests/model/test_fused_ops.py
+    on 0 35 fused_ops python3 -m pytest -o addopts= -q -p no:cacheprovider tests/model/test_fused_ops.py
     grep -q "^fused_ops: rc=0 " "$R/summary.txt" || export ATTNSERVE_FUSED_OPS=0
-    throughput qwen3_triton 115 --model qwen3-0.6b --attention-backend TRITON \
+    throughput qwen3_triton 110 --model qwen3-0.6b --attention-backend TRITON \
         --hf-baseline --hf-num-prompts 16 --profile-steps 4
-    throughput llama1b_triton 60 --model llama-3.2-1b --attention-backend TRITON \
+    throughput llama1b_triton 55 --model llama-3.2-1b --attention-backend TRITON \
         --profile-steps 0
     wait
+    tar czf "$OUT/results.tgz" -C "$R" .  # each phase's logs come back even if a later one hangs
 fi
 if [[ $phases == *" 2 "* ]]; then
-    on 1 160 parity python3 scripts/gpu_parity.py --models qwen3-0.6b \
+    on 1 150 parity python3 scripts/gpu_parity.py --models qwen3-0.6b \
         --backends TRITON,FLASHINFER --dtypes float32,bfloat16 --eager 0,1 --tokens 32 \
         --json "$R/parity.json" &
-    throughput qwen3_flashinfer 95 --model qwen3-0.6b --attention-backend FLASHINFER \
+    throughput qwen3_flashinfer 90 --model qwen3-0.6b --attention-backend FLASHINFER \
         --profile-steps 0
-    on 0 35 latency python3 -m attnserve.cli bench latency --model qwen3-0.6b \
+    on 0 30 latency python3 -m attnserve.cli bench latency --model qwen3-0.6b \
         --load-format dummy --json "$R/latency.json"
     serve_bench
     wait
+    tar czf "$OUT/results.tgz" -C "$R" .
 fi
 if [[ $phases == *" 3 "* ]]; then
     for tp in 1 2; do
-        on 0,1 55 "tp_parity$tp" python3 scripts/tp_parity.py --model llama-3-8b \
+        on 0,1 50 "tp_parity$tp" python3 scripts/tp_parity.py --model llama-3-8b \
             --tensor-parallel-size "$tp" --out "$R/tp_parity$tp.json"
     done
     python3 scripts/tp_parity.py --compare "$R/tp_parity1.json" "$R/tp_parity2.json" \
