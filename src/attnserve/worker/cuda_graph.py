@@ -72,17 +72,24 @@ class CUDAGraphRunner:
         )
 
     def _capture_one(self, size: int, pool: Any) -> Any:
-        # Context 1 in block 0: the new token's slot is in block 0, whatever the block size.
-        metadata = self.builder.build_for_cuda_graph(size, [[0]] * size, [1] * size)
         ids, positions = self.input_ids[:size], self.positions[:size]
-        with set_forward_context(metadata):
-            self.model(ids, positions)  # compiles the kernels before capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(ids, positions)
+        with set_forward_context(self._dummy_metadata(size)):
+            self.model(ids, positions)  # compiles the kernels (and plans) before capture
+        torch.cuda.synchronize()
+        # Fresh metadata for the capture itself: whatever a backend derives from its buffers
+        # during a forward (and may cache on the metadata object) must be computed inside the
+        # graph, not read from tensors of the warm-up run that are freed afterwards.
+        graph = torch.cuda.CUDAGraph()
+        metadata = self._dummy_metadata(size)
+        with set_forward_context(metadata), torch.cuda.graph(graph, pool=pool):
+            hidden = self.model(ids, positions)
         self.graphs[size] = (graph, hidden)
         return graph.pool()
+
+    def _dummy_metadata(self, size: int) -> Any:
+        """A decode step of `size` sequences with context 1 in block 0: the new token's slot is
+        in block 0, whatever the block size."""
+        return self.builder.build_for_cuda_graph(size, [[0]] * size, [1] * size)
 
     def run(
         self,
