@@ -21,6 +21,7 @@ import torch
 
 import attnserve.engine.llm_engine as le
 from attnserve import LLM, SamplingParams
+from attnserve.worker.step_future import StepFuture
 from scripts.host_overhead import wrap
 
 
@@ -45,10 +46,12 @@ def main() -> None:
     timings: collections.defaultdict[str, float] = collections.defaultdict(float)
     runner = engine.runner
     wrap(engine.scheduler, "schedule", "schedule", timings)
-    wrap(engine.scheduler, "update", "update", timings)
+    wrap(engine.scheduler, "advance", "advance", timings)
+    wrap(engine.scheduler, "resolve", "resolve", timings)
     wrap(runner, "_forward", "forward (enqueue)", timings)
     wrap(runner.model, "compute_logits", "compute_logits (enqueue)", timings)
-    wrap(runner, "sampler", "sampler (incl. GPU wait)", timings)
+    wrap(runner.sampler, "draw", "sampler (enqueue)", timings)
+    wrap(StepFuture, "result", "wait for tokens (GPU)", timings)
     wrap(le, "build_batch", "build_batch", timings)
     profile = cProfile.Profile()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
@@ -70,8 +73,10 @@ def main() -> None:
         for _ in range(10):
             graph.replay()
         sync()
-        print(f"  replay of the {graphs.max_num_seqs}-graph alone: "
-              f"{(time.perf_counter() - start) / 10 * 1e3:.3f} ms")
+        print(
+            f"  replay of the {graphs.max_num_seqs}-graph alone: "
+            f"{(time.perf_counter() - start) / 10 * 1e3:.3f} ms"
+        )
     pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 

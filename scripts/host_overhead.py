@@ -25,6 +25,7 @@ import attnserve.engine.llm_engine as le
 from attnserve import LLM, SamplingParams
 from attnserve.attention.backends.layout import build_step_layout, pad_decode_step
 from attnserve.sampling_params import RequestOutputKind
+from attnserve.worker.step_future import StepFuture
 
 Timings = collections.defaultdict[str, float]
 
@@ -46,13 +47,15 @@ def instrument(llm: LLM, timings: Timings) -> None:
     eng = llm.llm_engine
     runner = eng.runner
     wrap(eng.scheduler, "schedule", "schedule", timings)
-    wrap(eng.scheduler, "update", "update", timings)
+    wrap(eng.scheduler, "advance", "advance", timings)
+    wrap(eng.scheduler, "resolve", "resolve", timings)
     wrap(le, "build_batch", "build_batch", timings)
-    wrap(runner, "execute", "execute", timings)
+    wrap(runner, "execute_async", "execute", timings)
     wrap(runner, "_forward", "forward", timings)
     wrap(runner, "_prepare_inputs", "prepare_inputs", timings)
     wrap(runner.builder, "build", "builder.build", timings)
-    wrap(runner, "sampler", "sampler", timings)
+    wrap(runner.sampler, "draw", "sampler", timings)
+    wrap(StepFuture, "result", "wait for tokens", timings)
     wrap(runner.model, "forward", "model (device)", timings)
     wrap(runner.model, "compute_logits", "logits (device)", timings)
 
@@ -82,7 +85,15 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, profile: boo
             timings[key] for key in ("forward", "logits (device)", "sampler")
         )
         timings["step - rest"] = timings["step"] - sum(
-            timings[key] for key in ("schedule", "build_batch", "execute", "update")
+            timings[key]
+            for key in (
+                "schedule",
+                "build_batch",
+                "execute",
+                "advance",
+                "resolve",
+                "wait for tokens",
+            )
         )
         steps["decode" if decode_only else "prefill"].append(dict(timings))
     for kind, rows in steps.items():

@@ -29,19 +29,22 @@ from attnserve.worker.batch import BlockPairs, SampleOutput, TokenLogprobs
 logger = logging.getLogger(__name__)
 
 
-@dataclass  # not frozen: one is built per scheduled sequence per step, and frozen costs 3x
+@dataclass(init=False)  # not frozen: one is built per scheduled sequence per step
 class ScheduledSequence:
+    """A sequence and how many new tokens it computes this step. `samples` and `is_prefill`
+    are fixed when it is scheduled (they describe the step, not the sequence's later state)."""
+
     seq: Sequence
     num_new_tokens: int
+    samples: bool  # the step reaches the sequence's last token, so a next token is drawn
+    is_prefill: bool
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the sequence's last token, so a next token is drawn."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_new_tokens > 1 or self.seq.num_computed_tokens == 0
+    def __init__(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seq = seq
+        self.num_new_tokens = num_new_tokens
+        computed = seq.num_computed_tokens
+        self.samples = computed + num_new_tokens == len(seq.token_ids)
+        self.is_prefill = num_new_tokens > 1 or computed == 0
 
 
 @dataclass
@@ -204,10 +207,9 @@ class Scheduler:
             seq = item.seq
             if seq.is_finished:  # aborted, or finished by the previous step's results
                 continue
-            samples = item.samples
             seq.num_computed_tokens += item.num_new_tokens
             seq.block_table.register_full_blocks(seq.token_ids, seq.num_computed_tokens)
-            if samples:
+            if item.samples:
                 seq.append_pending()
                 seq.num_forks_pending = 0  # this step's draws include the forks' first tokens
 
