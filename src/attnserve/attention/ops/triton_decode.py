@@ -46,6 +46,45 @@ class KernelConfig:
 
 
 @triton.jit
+def load_kv(  # type: ignore[no-untyped-def]
+    cache_ptr,
+    table_ptr,
+    k_pos,
+    valid,
+    head_offset,
+    dims,
+    dim_mask,
+    stride_block,
+    stride_kv,
+    HEAD_SIZE: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    FP8: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """K and V [N, D] of the keys at `k_pos` from the paged cache, in DTYPE; unpredicated
+    loads when the tile is unmasked and the head size a power of two."""
+    if MASKED:
+        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    else:
+        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE).to(tl.int64)
+    rows = blocks * stride_block + head_offset + (k_pos % BLOCK_SIZE) * HEAD_SIZE
+    ptrs = cache_ptr + rows[:, None] + dims[None, :]
+    if not MASKED and EVEN_D:
+        k = tl.load(ptrs)
+        v = tl.load(ptrs + stride_kv)
+    else:
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(ptrs, mask=kv_mask, other=0)
+        v = tl.load(ptrs + stride_kv, mask=kv_mask, other=0)
+    if FP8:
+        k = k.to(tl.float8e4nv, bitcast=True)
+        v = v.to(tl.float8e4nv, bitcast=True)
+    return k.to(DTYPE), v.to(DTYPE)
+
+
+@triton.jit
 def attend_tile(  # type: ignore[no-untyped-def]
     acc,
     m_i,
@@ -82,24 +121,10 @@ def attend_tile(  # type: ignore[no-untyped-def]
     EVEN_D: the head size is a power of two (no padded dims to mask).
     Scores: soft-cap, then ALiBi, then the mask. Dots are exact fp32 when DOT_FP32 (fp32 models,
     and the CPU interpreter, whose low-precision dots are unreliable)."""
-    if MASK == 0:  # every key of the tile exists: unpredicated loads
-        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE).to(tl.int64)
-    else:
-        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    rows = blocks * stride_block + head_offset + (k_pos % BLOCK_SIZE) * HEAD_SIZE
-    ptrs = cache_ptr + rows[:, None] + dims[None, :]
-    if MASK == 0 and EVEN_D:
-        k = tl.load(ptrs)
-        v = tl.load(ptrs + stride_kv)
-    else:
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(ptrs, mask=kv_mask, other=0)
-        v = tl.load(ptrs + stride_kv, mask=kv_mask, other=0)
-    if FP8:
-        k = k.to(tl.float8e4nv, bitcast=True)
-        v = v.to(tl.float8e4nv, bitcast=True)
-    k = k.to(q.dtype)
-    v = v.to(q.dtype)
+    k, v = load_kv(
+        cache_ptr, table_ptr, k_pos, valid, head_offset, dims, dim_mask, stride_block,
+        stride_kv, HEAD_SIZE, EVEN_D, BLOCK_SIZE, MASK != 0, FP8, q.dtype,
+    )  # fmt: skip
     if DOT_FP32:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:

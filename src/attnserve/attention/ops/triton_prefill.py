@@ -34,6 +34,7 @@ from attnserve.attention.ops.triton_decode import (
     AttentionParams,
     KernelConfig,
     attend_tile,
+    load_kv,
 )
 
 
@@ -65,45 +66,6 @@ def _program_coordinates(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _load_kv(  # type: ignore[no-untyped-def]
-    cache_ptr,
-    table_ptr,
-    k_pos,
-    valid,
-    head_offset,
-    dims,
-    dim_mask,
-    stride_block,
-    stride_kv,
-    HEAD_SIZE: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,
-    FP8: tl.constexpr,
-    DTYPE: tl.constexpr,
-):
-    """K and V [N, D] of the keys at `k_pos` from the paged cache, in DTYPE; unpredicated
-    loads when the tile is unmasked and the head size a power of two."""
-    if MASKED:
-        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    else:
-        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE).to(tl.int64)
-    rows = blocks * stride_block + head_offset + (k_pos % BLOCK_SIZE) * HEAD_SIZE
-    ptrs = cache_ptr + rows[:, None] + dims[None, :]
-    if not MASKED and EVEN_D:
-        k = tl.load(ptrs)
-        v = tl.load(ptrs + stride_kv)
-    else:
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(ptrs, mask=kv_mask, other=0)
-        v = tl.load(ptrs + stride_kv, mask=kv_mask, other=0)
-    if FP8:
-        k = k.to(tl.float8e4nv, bitcast=True)
-        v = v.to(tl.float8e4nv, bitcast=True)
-    return k.to(DTYPE), v.to(DTYPE)
-
-
-@triton.jit
 def _attend_tile_fused(  # type: ignore[no-untyped-def]
     acc,
     m_i,
@@ -130,7 +92,7 @@ def _attend_tile_fused(  # type: ignore[no-untyped-def]
     """`attend_tile` for plain causal attention (qk_scale: softmax scale times log2(e)).
     Every row's running maximum is finite from its first tile on (the first key tile of a
     query tile starts at or before its first token), so no guard against an all -inf row."""
-    k, v = _load_kv(
+    k, v = load_kv(
         cache_ptr, table_ptr, k_pos, valid, head_offset, dims, dim_mask, stride_block,
         stride_kv, HEAD_SIZE, EVEN_D, BLOCK_SIZE, MASKED, FP8, q.dtype,
     )  # fmt: skip
