@@ -10,6 +10,7 @@ column/row-parallel scheme) and each parameter's weight loader keeps only its ra
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -50,18 +51,25 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+@dataclass(frozen=True)
+class LayerParts:
+    """What every decoder layer of one model is built from (the rotary table is shared)."""
+
+    config: ModelConfig
+    attn_backend: type[AttentionBackend]
+    kv_cache_dtype: str
+    variant: type[LlamaForCausalLM]
+    rotary_emb: RotaryEmbedding
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
-        config: ModelConfig,
+        parts: LayerParts,
         layer_index: int,
-        attn_backend: type[AttentionBackend],
-        kv_cache_dtype: str,
-        variant: type[LlamaForCausalLM],
-        rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
-        hf = config.hf_config
+        config, hf = parts.config, parts.config.hf_config
         self.head_size = config.head_size
         bias = bool(getattr(hf, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(
@@ -69,25 +77,25 @@ class LlamaAttention(nn.Module):
             self.head_size,
             config.num_heads,
             config.num_kv_heads,
-            bias or variant.qkv_bias,
+            bias or parts.variant.qkv_bias,
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         self.o_proj = RowParallelLinear(config.num_heads * self.head_size, config.hidden_size, bias)
         self.q_norm = self.k_norm = None
-        if variant.qk_norm:
+        if parts.variant.qk_norm:
             self.q_norm = RMSNorm(self.head_size, hf.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, hf.rms_norm_eps)
-        self.rotary_emb = rotary_emb
+        self.rotary_emb = parts.rotary_emb
         self.attn = Attention(
             self.num_heads,
             self.head_size,
             self.head_size**-0.5,
             self.num_kv_heads,
             sliding_window=layer_sliding_windows(hf)[layer_index],
-            kv_cache_dtype=kv_cache_dtype,
-            backend=attn_backend,
+            kv_cache_dtype=parts.kv_cache_dtype,
+            backend=parts.attn_backend,
         )
 
     def _head_norm(self, norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
@@ -105,18 +113,12 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
-        config: ModelConfig,
+        parts: LayerParts,
         layer_index: int,
-        attn_backend: type[AttentionBackend],
-        kv_cache_dtype: str,
-        variant: type[LlamaForCausalLM],
-        rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
-        hf = config.hf_config
-        self.self_attn = LlamaAttention(
-            config, layer_index, attn_backend, kv_cache_dtype, variant, rotary_emb
-        )
+        config, hf = parts.config, parts.config.hf_config
+        self.self_attn = LlamaAttention(parts, layer_index)
         mlp_bias = bool(getattr(hf, "mlp_bias", False))
         self.mlp = LlamaMLP(config.hidden_size, hf.intermediate_size, mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
@@ -146,10 +148,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         theta, scaling = rope_settings(config.hf_config)
         rotary_emb = RotaryEmbedding(config.head_size, config.max_model_len, theta, scaling)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attn_backend, kv_cache_dtype, variant, rotary_emb)
-            for i in range(config.num_layers)
-        )
+        parts = LayerParts(config, attn_backend, kv_cache_dtype, variant, rotary_emb)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(parts, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.hf_config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
