@@ -63,7 +63,7 @@ mapfile -t tests < <(python3 -m pytest --collect-only -q -o addopts= -p no:cache
     2>/dev/null | grep -E '::' | grep -E -- "$select_re")
 echo "== conformance on cuda: ${#tests[@]} tests (select: $select_re)"
 start=$SECONDS
-timeout "${CONFORMANCE_TIMEOUT:-400}" python3 -m pytest -v -p no:cacheprovider -p no:benchmark -rfE \
+timeout "${CONFORMANCE_TIMEOUT:-400}" python3 -m pytest -o addopts= -v -p no:cacheprovider -p no:benchmark -rfE \
     -n "${CONFORMANCE_WORKERS:-1}" --durations=15 "${tests[@]}" >"$OUT/conformance.log" 2>&1 \
     || status=1
 echo "conformance: rc=$status in $((SECONDS - start)) s"
