@@ -149,23 +149,22 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and _needs_host_tokens(scheduled):
-            outputs += self._finish(self._in_flight)
-            self._in_flight = None
+            outputs += self._drain()
             scheduled.scheduled = [i for i in scheduled.scheduled if not i.seq.is_finished]
         if not scheduled.scheduled:
-            if self._in_flight is not None:
-                outputs += self._finish(self._in_flight)
-                self._in_flight = None
-            return outputs
+            return outputs + self._drain()
         launched = self._launch(scheduled)
-        if self._in_flight is not None:
-            outputs += self._finish(self._in_flight)
+        outputs += self._drain()
         self.scheduler.advance(scheduled)
         self._in_flight = launched
         if not self.async_scheduling:
-            outputs += self._finish(launched)
-            self._in_flight = None
+            outputs += self._drain()
         return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Read back the step in flight, if there is one."""
+        launched, self._in_flight = self._in_flight, None
+        return [] if launched is None else self._finish(launched)
 
     def _launch(self, scheduled: SchedulerOutput) -> _LaunchedStep:
         draws = self._in_flight.draw_index if self._in_flight is not None else {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from itertools import accumulate, chain
 
 import numpy as np
@@ -169,8 +170,8 @@ class ModelRunner:
     def execute_async(self, batch: ScheduledBatch) -> StepFuture:
         """Launch one step; its draws stay on the device until the future's `result()`."""
         self._move_blocks(batch)
-        hidden = self._forward(batch)
         starts = [0, *accumulate(len(s.token_ids) for s in batch.seqs)]
+        hidden = self._forward(batch, starts)
         num_seqs = len(batch.seqs)
         rows = [i for i, s in enumerate(batch.seqs) if s.sampling is not None]
         if not rows:
@@ -195,14 +196,19 @@ class ModelRunner:
     def _first_draws(self, counts: list[int]) -> torch.Tensor:
         return torch.tensor([0, *accumulate(counts)][:-1], device=self.device)
 
-    def _carried(self, batch: ScheduledBatch, last_token: list[int]) -> tuple[torch.Tensor, ...]:
+    def _carried(
+        self, batch: ScheduledBatch, last_token: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the batch's carried tokens go in the flat token ids (`last_token[row]` is the
         index of row's last new token), and their values, taken from the last step's draws."""
         if self._last_tokens is None:
             raise RuntimeError("carried tokens, but no step has drawn tokens yet")
-        pairs = torch.tensor(batch.carried_tokens).T
-        index = torch.tensor(last_token)[pairs[0]].to(self.device)
-        return index, self._last_tokens[pairs[1].to(self.device)]
+        index = [last_token[row] for row, _ in batch.carried_tokens]
+        draws = [draw for _, draw in batch.carried_tokens]
+        return (
+            torch.tensor(index, device=self.device),
+            self._last_tokens[torch.tensor(draws, device=self.device)],
+        )
 
     def _last_hidden(
         self, hidden: torch.Tensor, starts: list[int], rows: list[int]
@@ -213,8 +219,9 @@ class ModelRunner:
         last = torch.tensor([starts[i + 1] - 1 for i in rows], device=self.device)
         return hidden[last]
 
-    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Final hidden states of the step's new tokens, from a graph when one fits."""
+    def _forward(self, batch: ScheduledBatch, starts: list[int]) -> torch.Tensor:
+        """Final hidden states of the step's new tokens (sequence i's at starts[i] ..
+        starts[i + 1] - 1), from a graph when one fits."""
         seqs = batch.seqs
         graphs = self.cuda_graphs
         if (
@@ -224,7 +231,7 @@ class ModelRunner:
         ):
             carried = None
             if batch.carried_tokens:
-                carried = self._carried(batch, list(range(len(seqs))))
+                carried = self._carried(batch, range(len(seqs)))
             return graphs.run(
                 [s.token_ids[0] for s in seqs],
                 [s.block_table for s in seqs],
@@ -233,8 +240,7 @@ class ModelRunner:
             )
         token_ids, positions = self._prepare_inputs(batch)
         if batch.carried_tokens:
-            last = list(accumulate(len(s.token_ids) for s in seqs))
-            index, values = self._carried(batch, [end - 1 for end in last])
+            index, values = self._carried(batch, [end - 1 for end in starts[1:]])
             token_ids[index] = values
         metadata = self.builder.build(
             [s.block_table for s in seqs],
