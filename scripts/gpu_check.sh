@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-call GPU check, run from the repository root on the GPU machine (device tool, carry .whl):
 #   1. installs the carried wheels (.whl/*.whl: flashinfer-python 0.6.1, apache-tvm-ffi 0.1.7)
-#      into /tmp/site;
+#      into /tmp/site, with FlashInfer modules of an earlier call (scripts/gpu_env.sh);
 #   2. runs the attention conformance suite (tests/attention) on cuda, every registered backend;
 #   3. runs `attnserve bench kernels`;
 #   4. runs `attnserve bench throughput` (the standard offline workload, dummy weights) per backend;
@@ -31,17 +31,8 @@ set -uo pipefail
 
 OUT="${OUT:-/tmp/gpu_check_out}"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-
-if compgen -G ".whl/*.whl" >/dev/null; then
-    if [ ! -d /tmp/site/flashinfer ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site .whl/*.whl || exit 1
-    fi
-    export PYTHONPATH="/tmp/site:src:."
-else
-    export PYTHONPATH="src:."
-fi
+# shellcheck source=scripts/gpu_env.sh
+source scripts/gpu_env.sh
 
 {
     date -u

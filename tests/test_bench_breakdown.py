@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from attnserve.bench.breakdown import (
@@ -89,3 +90,13 @@ def test_engine_steps_have_attention_and_sampling() -> None:
     for name in ("attention", "matmul", "sampling"):
         assert breakdown.ms[name] > 0, name
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_launch_outside_the_op_tree_belongs_to_the_range_open_around_it() -> None:
+    """A Triton kernel's launch call is not a child of the range in the op tree; its time span
+    alone places it (and one on another thread does not count)."""
+    attention = FunctionEvent(0, ATTENTION_RANGE, thread=1, start_us=0, end_us=100)
+    launch = FunctionEvent(1, "cuLaunchKernel", thread=1, start_us=10, end_us=20)
+    elsewhere = FunctionEvent(2, "cuLaunchKernel", thread=2, start_us=10, end_us=20)
+    records = op_records([attention, launch, elsewhere], on_device=False)
+    assert [category(r) for r in records] == ["attention", "other"]

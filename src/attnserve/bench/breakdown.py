@@ -2,9 +2,9 @@
 overhead, from a few engine steps under `torch.profiler`.
 
 Steps are profiled once every prompt is prefilled (decode with the whole batch). Work is
-attributed by the profiler's op tree, never by kernel or backend names: an op under the
-`ATTENTION_RANGE` or `SAMPLING_RANGE` record_function range (attnserve.profiling) belongs to
-that range; otherwise an op that is, or runs under, a matmul op (aten::mm, addmm, linear, ...)
+attributed by the profiler's op tree and time spans, never by kernel or backend names: an op
+under the `ATTENTION_RANGE` or `SAMPLING_RANGE` record_function range (attnserve.profiling), or
+launched while that range was open on its thread, belongs to that range; otherwise an op that is, or runs under, a matmul op (aten::mm, addmm, linear, ...)
 is a matmul; everything else is "other". On a GPU an op's time is that of the kernels it launched
 (so run the engine eagerly: CUDA graphs hide their kernels); on the host it is the op's CPU self
 time. Host overhead = wall time per step, timed over as many steps without the profiler, minus
@@ -83,26 +83,39 @@ def attribute(records: Iterable[OpRecord], steps: int, wall_ms: float, source: s
     return Breakdown(steps, busy + ms["host"], ms, source)
 
 
-def _ancestors(event: FunctionEvent) -> tuple[str, ...]:
+def _ancestors(event: FunctionEvent, scopes: list[FunctionEvent]) -> tuple[str, ...]:
+    """The names of `event`'s enclosing ops: its parents in the op tree, and every range or
+    matmul op of its thread whose time span holds its start (a kernel launched outside an aten
+    op, such as a Triton kernel's, hangs off a launch call that the op tree may not link to)."""
     names = []
     parent = event.cpu_parent
     while parent is not None:
         names.append(parent.name)
         parent = parent.cpu_parent
+    start = event.time_range.start
+    names += [
+        scope.name
+        for scope in scopes
+        if scope is not event
+        and scope.thread == event.thread
+        and scope.time_range.start <= start <= scope.time_range.end
+    ]
     return tuple(names)
 
 
 def op_records(events: Iterable[FunctionEvent], on_device: bool) -> list[OpRecord]:
     """Host-side ops of a profile (ranges are ancestors, not work) as OpRecords."""
+    host = [
+        e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async
+    ]
+    scopes = [e for e in host if e.name in _RANGES or e.name in MATMUL_OPS]
     records = []
-    for event in events:
-        if event.device_type != torch.autograd.DeviceType.CPU or event.is_async:
-            continue
+    for event in host:
         if event.is_user_annotation or event.name in _RANGES:
             continue
         busy = sum(k.duration for k in event.kernels) if on_device else event.self_cpu_time_total
         if busy > 0:
-            records.append(OpRecord(event.name, _ancestors(event), float(busy)))
+            records.append(OpRecord(event.name, _ancestors(event, scopes), float(busy)))
     return records
 
 
