@@ -1,14 +1,14 @@
 """Where an engine step's time goes: attention, matmuls, sampling, other device work, and host
 overhead, from a few engine steps under `torch.profiler`.
 
-Steps are profiled once every prompt is prefilled (decode with the whole batch). Work is
-attributed by the profiler's op tree and time spans, never by kernel or backend names: an op
-under the `ATTENTION_RANGE` or `SAMPLING_RANGE` record_function range (attnserve.profiling), or
-launched while that range was open on its thread, belongs to that range; otherwise an op that is, or runs under, a matmul op (aten::mm, addmm, linear, ...)
-is a matmul; everything else is "other". On a GPU an op's time is that of the kernels it launched
-(so run the engine eagerly: CUDA graphs hide their kernels); on the host it is the op's CPU self
-time. Host overhead = wall time per step, timed over as many steps without the profiler, minus
-that busy time (0 when the profiler's figures exceed it).
+Steps are profiled once every prompt is prefilled (decode with the whole batch). Work is attributed
+by the profiler's op tree and time spans, never by kernel or backend names: an op under the
+`ATTENTION_RANGE` or `SAMPLING_RANGE` record_function range (attnserve.profiling), or launched
+while that range was open on its thread, belongs to that range; otherwise an op that is, or runs
+under, a matmul op (aten::mm, addmm, linear, ...) is a matmul; everything else is "other". On a GPU
+an op's time is that of the kernels it launched (so run the engine eagerly: CUDA graphs hide their
+kernels); on the host it is the op's CPU self time. Host overhead = wall time per step, timed over
+as many steps without the profiler, minus that busy time (0 when the profiler's figures exceed it).
 """
 
 from __future__ import annotations
@@ -105,9 +105,7 @@ def _ancestors(event: FunctionEvent, scopes: list[FunctionEvent]) -> tuple[str, 
 
 def op_records(events: Iterable[FunctionEvent], on_device: bool) -> list[OpRecord]:
     """Host-side ops of a profile (ranges are ancestors, not work) as OpRecords."""
-    host = [
-        e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async
-    ]
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
     scopes = [e for e in host if e.name in _RANGES or e.name in MATMUL_OPS]
     records = []
     for event in host:
