@@ -2,7 +2,8 @@
 # Every GPU measurement of a session in device calls on a 2-GPU H200 host (kind nvidia-h200-x2,
 # `.whl` carried: flashinfer + the server's wheels; `.fi_aot` carried when an earlier call
 # compiled FlashInfer modules), in timed phases so a call ends inside its 10 minutes. All logs
-# come back as $OUT/results.tgz, the FlashInfer modules compiled so far as $OUT/fi_aot.tgz.
+# come back as $OUT/results.tgz, the FlashInfer modules compiled so far as $OUT/fi_aot.tgz.part-*
+# (copy them into .fi_aot/ for the next call).
 #   phase 1  GPU 1: attention conformance on cuda (TRITON, FLASHINFER, FLEX_ATTENTION)
 #            GPU 0: a small FLASHINFER throughput run with CUDA_LAUNCH_BLOCKING=1 (its trace),
 #                   bench throughput qwen3-0.6b TRITON (+ HF baseline), llama-3.2-1b TRITON,
@@ -37,7 +38,7 @@ throughput() {  # throughput NAME SECONDS ARGS...
 
 pack() {  # each phase's logs come back even if a later one hangs
     tar czf "$OUT/results.tgz" -C "$R" .
-    save_flashinfer_modules "$OUT/fi_aot.tgz"
+    save_flashinfer_modules "$OUT/fi_aot.tgz"  # FlashInfer modules for the next call
 }
 
 if [[ $phases == *" 1 "* ]]; then

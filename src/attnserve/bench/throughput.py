@@ -186,6 +186,7 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
     _warm_up(llm, workload)
     progress("timing attnserve")
     seconds = run_engine(llm, workload)
+    progress(f"attnserve: {workload.output_tokens / seconds:,.0f} output tok/s ({seconds:.2f} s)")
     result: dict[str, Any] = {
         "model": model_config.model,
         "device": str(device),
