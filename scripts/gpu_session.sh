@@ -63,7 +63,7 @@ if [[ $phases == *" 2 "* ]]; then
     {
         on 1 200 conformance_rerun python3 -m pytest -o addopts= -v -p no:cacheprovider \
             -p no:benchmark --tb=short tests/attention/test_conformance.py \
-            -k "${RERUN_SELECT:-cuda and (FLEX or FLASHINFER) and (seed=11 or seed=29 or seed=41 or seed=21)}"
+            -k "${RERUN_SELECT:-cuda and (FLEX or FLASHINFER) and (11 or 29 or 41 or 21)}"
         on 1 240 parity python3 scripts/gpu_parity.py --models qwen3-0.6b \
             --backends TRITON,FLASHINFER,FLEX_ATTENTION --dtypes float32,bfloat16 --eager 0,1 \
             --tokens 32 --json "$R/parity.json"
