@@ -12,8 +12,11 @@
 #                   HF greedy parity (scripts/gpu_parity.py)
 #            GPU 0: FLASHINFER trace run, bench throughput qwen3-0.6b FLASHINFER and TRITON
 #                   (+ breakdown, + HF baseline)
-#   phase 3  both: tensor-parallel greedy parity, TP=1 vs TP=2 (scripts/tp_parity.py)
-# Knobs: PHASES (default "1 2 3").
+#   phase 3  GPU 1: FLEX_ATTENTION conformance; GPU 0: FlashInfer's head-64 modules compiled;
+#            then, one at a time on GPU 0: bench throughput of both models with TRITON and
+#            FLASHINFER (+ breakdown), Llama-3.2-1B's HF baseline, bench kernels
+#   phase 4  both: tensor-parallel greedy parity, TP=1 vs TP=2 (scripts/tp_parity.py)
+# Knobs: PHASES (default "1 2 3 4").
 set -uo pipefail
 
 R=/tmp/results
@@ -22,7 +25,7 @@ export NCCL_NVLS_ENABLE=0
 STAGES=none OUT=$R bash scripts/gpu_check.sh >"$R/env.txt" 2>&1
 # shellcheck source=scripts/gpu_env.sh
 source scripts/gpu_env.sh
-phases=" ${PHASES:-1 2 3} "
+phases=" ${PHASES:-1 2 3 4} "
 
 on() {  # on GPU SECONDS NAME COMMAND...: run on one GPU, log to $R/NAME.log
     local gpu=$1 limit=$2 name=$3 start=$SECONDS
@@ -79,6 +82,27 @@ if [[ $phases == *" 2 "* ]]; then
     pack
 fi
 if [[ $phases == *" 3 "* ]]; then
+    on 1 240 conformance_flex python3 -m pytest -o addopts= -v -p no:cacheprovider \
+        -p no:benchmark --tb=short -n 4 tests/attention/test_conformance.py \
+        -k "cuda and FLEX" &
+    throughput llama1b_flashinfer_compile 200 --model llama-3.2-1b \
+        --attention-backend FLASHINFER --num-prompts 16
+    wait
+    # one run at a time from here: the engine is host-bound, so nothing else may load the CPUs
+    for model in qwen3-0.6b llama-3.2-1b; do
+        for backend in TRITON FLASHINFER; do
+            throughput "${model}_${backend}" 70 --model "$model" --attention-backend "$backend" \
+                --profile-steps 4
+        done
+    done
+    pack
+    throughput llama1b_hf 110 --model llama-3.2-1b --attention-backend TRITON --hf-baseline \
+        --hf-num-prompts 16
+    on 0 60 kernels python3 -m attnserve.cli bench kernels --backends TRITON,FLASHINFER \
+        --json "$R/kernels.json"
+    pack
+fi
+if [[ $phases == *" 4 "* ]]; then
     for tp in 1 2; do
         on 0,1 50 "tp_parity$tp" python3 scripts/tp_parity.py --model llama-3-8b \
             --tensor-parallel-size "$tp" --out "$R/tp_parity$tp.json"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from attnserve.bench.breakdown import (
@@ -14,6 +13,7 @@ from attnserve.bench.breakdown import (
     attribute,
     category,
     format_breakdown,
+    kernel_records,
     op_records,
     profile_engine,
 )
@@ -73,7 +73,7 @@ def test_op_records_of_a_real_profile() -> None:
         with record_function(SAMPLING_RANGE):
             torch.argmax(a, dim=-1)
         torch.relu(a)
-    records = op_records(prof.events(), on_device=False)
+    records = op_records(prof.events())
     assert all(r.name not in (ATTENTION_RANGE, SAMPLING_RANGE) for r in records)
     found = {category(r) for r in records}
     assert found == {"attention", "matmul", "sampling", "other"}
@@ -92,11 +92,39 @@ def test_engine_steps_have_attention_and_sampling() -> None:
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-def test_a_launch_outside_the_op_tree_belongs_to_the_range_open_around_it() -> None:
-    """A Triton kernel's launch call is not a child of the range in the op tree; its time span
-    alone places it (and one on another thread does not count)."""
-    attention = FunctionEvent(0, ATTENTION_RANGE, thread=1, start_us=0, end_us=100)
-    launch = FunctionEvent(1, "cuLaunchKernel", thread=1, start_us=10, end_us=20)
-    elsewhere = FunctionEvent(2, "cuLaunchKernel", thread=2, start_us=10, end_us=20)
-    records = op_records([attention, launch, elsewhere], on_device=False)
-    assert [category(r) for r in records] == ["attention", "other"]
+def _span(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args: int) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+
+def test_kernels_belong_to_what_was_open_around_their_launch() -> None:
+    """A Triton kernel's launch (cuLaunchKernel) is no aten op: the range open on the launching
+    thread places it; a launch on another thread, or a kernel with no launch, is "other"."""
+    trace = {
+        "traceEvents": [
+            {"ph": "M", "name": "thread_name", "tid": 1},
+            _span("user_annotation", ATTENTION_RANGE, 0, 100),
+            _span("cuda_driver", "cuLaunchKernel", 10, 5, correlation=1),
+            _span("cpu_op", "aten::linear", 200, 50),
+            _span("cpu_op", "aten::mm", 210, 30),
+            _span("cuda_runtime", "cudaLaunchKernel", 220, 5, correlation=2),
+            _span("user_annotation", SAMPLING_RANGE, 300, 50),
+            _span("cuda_runtime", "cudaLaunchKernel", 310, 5, correlation=3),
+            _span("cuda_runtime", "cudaLaunchKernel", 20, 5, tid=2, correlation=4),
+            _span("kernel", "paged_decode", 1000, 40.0, tid=7, correlation=1),
+            _span("kernel", "sm90_gemm", 1100, 60.0, tid=7, correlation=2),
+            _span("kernel", "argmax", 1200, 8.0, tid=7, correlation=3),
+            _span("kernel", "elementwise", 1300, 2.0, tid=7, correlation=4),
+            _span("kernel", "orphan", 1400, 1.0, tid=7),
+        ]
+    }
+    records = kernel_records(trace)
+    assert [(r.name, category(r)) for r in records] == [
+        ("paged_decode", "attention"),
+        ("sm90_gemm", "matmul"),
+        ("argmax", "sampling"),
+        ("elementwise", "other"),
+        ("orphan", "other"),
+    ]
+    breakdown = attribute(records, steps=1, wall_ms=1.0, source="test")
+    assert breakdown.ms["attention"] == pytest.approx(0.040)
+    assert breakdown.ms["other"] == pytest.approx(0.003)

@@ -1,21 +1,27 @@
 """Where an engine step's time goes: attention, matmuls, sampling, other device work, and host
 overhead, from a few engine steps under `torch.profiler`.
 
-Steps are profiled once every prompt is prefilled (decode with the whole batch). Work is attributed
-by the profiler's op tree and time spans, never by kernel or backend names: an op under the
-`ATTENTION_RANGE` or `SAMPLING_RANGE` record_function range (attnserve.profiling), or launched
-while that range was open on its thread, belongs to that range; otherwise an op that is, or runs
-under, a matmul op (aten::mm, addmm, linear, ...) is a matmul; everything else is "other". On a GPU
-an op's time is that of the kernels it launched (so run the engine eagerly: CUDA graphs hide their
-kernels); on the host it is the op's CPU self time. Host overhead = wall time per step, timed over
-as many steps without the profiler, minus that busy time (0 when the profiler's figures exceed it).
+Steps are profiled once every prompt is prefilled (decode with the whole batch). Work is
+attributed by where it was launched, never by kernel or backend names: work under the
+`ATTENTION_RANGE` or `SAMPLING_RANGE` record_function range (attnserve.profiling) belongs to
+that range; otherwise work that is, or runs under, a matmul op (aten::mm, addmm, linear, ...)
+is a matmul; everything else is "other". On the host an op's time is its CPU self time, placed
+by the profiler's op tree. On a GPU the time is each kernel's, placed by the ranges and ops open
+on the launching thread when its launch call ran (read from the profile's Chrome trace, which
+links every kernel to its launch, Triton's and FlashInfer's too); run the engine eagerly, since
+CUDA graphs hide their kernels. Host overhead = wall time per step, timed over as many steps
+without the profiler, minus that busy time (0 when the profiler's figures exceed it).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd.profiler_util import FunctionEvent
@@ -30,6 +36,8 @@ MATMUL_OPS = frozenset(
     {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::bmm", "aten::baddbmm"}
 )
 _RANGES = {ATTENTION_RANGE: "attention", SAMPLING_RANGE: "sampling"}
+_LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # a Chrome trace's launch calls
+_SCOPE_CATEGORIES = ("cpu_op", "user_annotation")
 
 
 @dataclass(frozen=True)
@@ -83,37 +91,49 @@ def attribute(records: Iterable[OpRecord], steps: int, wall_ms: float, source: s
     return Breakdown(steps, busy + ms["host"], ms, source)
 
 
-def _ancestors(event: FunctionEvent, scopes: list[FunctionEvent]) -> tuple[str, ...]:
-    """The names of `event`'s enclosing ops: its parents in the op tree, and every range or
-    matmul op of its thread whose time span holds its start (a kernel launched outside an aten
-    op, such as a Triton kernel's, hangs off a launch call that the op tree may not link to)."""
+def _ancestors(event: FunctionEvent) -> tuple[str, ...]:
     names = []
     parent = event.cpu_parent
     while parent is not None:
         names.append(parent.name)
         parent = parent.cpu_parent
-    start = event.time_range.start
-    names += [
-        scope.name
-        for scope in scopes
-        if scope is not event
-        and scope.thread == event.thread
-        and scope.time_range.start <= start <= scope.time_range.end
-    ]
     return tuple(names)
 
 
-def op_records(events: Iterable[FunctionEvent], on_device: bool) -> list[OpRecord]:
+def op_records(events: Iterable[FunctionEvent]) -> list[OpRecord]:
     """Host-side ops of a profile (ranges are ancestors, not work) as OpRecords."""
-    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
-    scopes = [e for e in host if e.name in _RANGES or e.name in MATMUL_OPS]
     records = []
-    for event in host:
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CPU or event.is_async:
+            continue
         if event.is_user_annotation or event.name in _RANGES:
             continue
-        busy = sum(k.duration for k in event.kernels) if on_device else event.self_cpu_time_total
-        if busy > 0:
-            records.append(OpRecord(event.name, _ancestors(event, scopes), float(busy)))
+        if event.self_cpu_time_total > 0:
+            records.append(OpRecord(event.name, _ancestors(event), event.self_cpu_time_total))
+    return records
+
+
+def kernel_records(trace: dict[str, Any]) -> list[OpRecord]:
+    """The GPU kernels of a Chrome trace (torch.profiler's export) as OpRecords: a kernel's
+    ancestors are the ranges and matmul ops that held, on its thread, the call that launched it."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    launches = {
+        e["args"]["correlation"]: (e["tid"], e["ts"])
+        for e in events
+        if e.get("cat") in _LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+    }
+    scopes = [
+        (e["tid"], e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in events
+        if e.get("cat") in _SCOPE_CATEGORIES and (e["name"] in _RANGES or e["name"] in MATMUL_OPS)
+    ]
+    records = []
+    for kernel in (e for e in events if e.get("cat") == "kernel"):
+        thread, at = launches.get(kernel.get("args", {}).get("correlation"), (None, 0.0))
+        held = tuple(
+            name for tid, start, end, name in scopes if tid == thread and start <= at <= end
+        )
+        records.append(OpRecord(kernel["name"], held, float(kernel["dur"])))
     return records
 
 
@@ -152,8 +172,15 @@ def profile_engine(engine: LLMEngine, workload: Workload, steps: int) -> Breakdo
         engine.abort_request(request_id)
     if not timed or not profiled:
         raise ValueError("the workload is too short for --profile-steps: use longer outputs")
-    source = "GPU kernel time, engine run eagerly" if on_device else "CPU self time"
-    return attribute(op_records(prof.events(), on_device), profiled, wall_ms, source)
+    if not on_device:
+        return attribute(op_records(prof.events()), profiled, wall_ms, "CPU self time")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as file:
+            trace = json.load(file)
+    source = "GPU kernel time, engine run eagerly"
+    return attribute(kernel_records(trace), profiled, wall_ms, source)
 
 
 def format_breakdown(breakdown: Breakdown) -> str:
