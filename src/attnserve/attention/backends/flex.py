@@ -43,6 +43,7 @@ Q_SPARSE_BLOCK = 128  # query rows per block-mask tile
 # for every block size, so the compiled kernel never sees it change (a changed int would turn
 # into a dynamic shape, which flex_attention's lowering rejected on torch 2.11)
 KV_SPARSE_BLOCK = 16
+RECOMPILE_LIMIT = 64  # configurations of the compiled flex_attention call per process
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 ScoreMod = Callable[
@@ -225,8 +226,16 @@ def _compiled_flex() -> Callable[..., torch.Tensor]:
             q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options=kernel_options
         )
 
-    compiled: Callable[..., torch.Tensor] = torch.compile(run, fullgraph=True)
-    return compiled
+    compiled = torch.compile(run, fullgraph=True)
+
+    def run_compiled(*args: Any) -> torch.Tensor:
+        # each new head count, dtype or feature mix is a recompile of the one call; a process
+        # serving several models (or the conformance suite) may need more than dynamo's 8
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            out: torch.Tensor = compiled(*args)
+        return out
+
+    return run_compiled
 
 
 class FlexImpl(AttentionImpl[FlexMetadata]):

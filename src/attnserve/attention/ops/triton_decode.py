@@ -157,7 +157,8 @@ def attend_tile(  # type: ignore[no-untyped-def]
     return acc * alpha[:, None] + pv, m_new, l_i
 
 
-@triton.jit
+# step-dependent integers are not specialised on: each kernel compiles once per configuration
+@triton.jit(do_not_specialize=["stride_table", "window", "num_splits"])
 def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     cache_ptr,
@@ -177,6 +178,7 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     soft_cap,
     v_scale,
     window,
+    num_splits,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -184,7 +186,7 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
@@ -196,7 +198,7 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = tl.maximum(seq_len - window, 0) if USE_WINDOW else 0
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -225,37 +227,37 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     result = acc * (v_scale / l_safe)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT_KEYS:
         out_offsets = seq.to(tl.int64) * stride_out_tok + heads[:, None] * HEAD_SIZE + dims[None, :]
         tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
-        part = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
+        part = (seq.to(tl.int64) * NUM_HEADS + heads) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + dims[None, :], result, mask=row_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + part, lse, mask=rows < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
     stride_out_tok,
+    num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ) -> None:
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_PAD)
-    part = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits
-    lse = tl.load(part_lse_ptr + part, mask=splits < NUM_SPLITS, other=float("-inf"))
+    part = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + splits
+    lse = tl.load(part_lse_ptr + part, mask=splits < num_splits, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, 0))
     weights = weights / tl.sum(weights, 0)
-    mask = (splits < NUM_SPLITS)[:, None] & (dims < HEAD_SIZE)[None, :]
+    mask = (splits < num_splits)[:, None] & (dims < HEAD_SIZE)[None, :]
     parts = tl.load(part_out_ptr + part[:, None] * HEAD_SIZE + dims[None, :], mask=mask, other=0.0)
     result = tl.sum(parts * weights[:, None], 0)
     out_offsets = seq.to(tl.int64) * stride_out_tok + head * HEAD_SIZE + dims
@@ -325,10 +327,10 @@ def paged_decode(
         query.stride(0), out.stride(0), block_table.stride(0),
         storage.stride(0), storage.stride(1), storage.stride(2),
         params.scale * params.k_scale, params.soft_cap or 1.0, params.v_scale,
-        params.sliding_window or 0,
+        params.sliding_window or 0, num_splits,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_SIZE=head_size, HEAD_PAD=triton.next_power_of_2(head_size),
-        BLOCK_SIZE=kv_cache.shape[3], BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=kv_cache.shape[3], BLOCK_N=cfg.block_n, SPLIT_KEYS=num_splits > 1,
         USE_WINDOW=params.sliding_window is not None,
         USE_ALIBI=params.alibi_slopes is not None,
         USE_SOFTCAP=params.soft_cap is not None,
@@ -338,8 +340,8 @@ def paged_decode(
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, out.stride(0),
+            part_out, part_lse, out, out.stride(0), num_splits,
             NUM_HEADS=num_heads, HEAD_SIZE=head_size,
-            HEAD_PAD=triton.next_power_of_2(head_size), NUM_SPLITS=num_splits,
+            HEAD_PAD=triton.next_power_of_2(head_size),
             SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
         )  # fmt: skip

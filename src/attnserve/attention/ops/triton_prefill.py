@@ -170,7 +170,7 @@ def _attend_range(  # type: ignore[no-untyped-def]
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_q_tiles", "num_seqs"])
+@triton.jit(do_not_specialize=["num_q_tiles", "num_seqs", "stride_table", "window"])
 def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     cache_ptr,
