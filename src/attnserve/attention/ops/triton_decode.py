@@ -157,8 +157,10 @@ def attend_tile(  # type: ignore[no-untyped-def]
     return acc * alpha[:, None] + pv, m_new, l_i
 
 
-# step-dependent integers are not specialised on: each kernel compiles once per configuration
-@triton.jit(do_not_specialize=["stride_table", "window", "num_splits"])
+# Step-dependent arguments are not specialised on, so each kernel compiles once per model
+# configuration: the integers, and the table and length pointers, which a mixed step passes as
+# slices starting at its first decode (16-byte aligned or not, depending on the prefill count).
+@triton.jit(do_not_specialize=["table_ptr", "seq_lens_ptr", "stride_table", "window", "num_splits"])
 def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     cache_ptr,
