@@ -55,6 +55,7 @@ class LLMEngine:
             args.attention_backend,
             args.seed,
             max_num_seqs=scheduler_config.max_num_seqs,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             enforce_eager=args.enforce_eager,
         )
         self.executor = get_executor_class(parallel_config)(worker_config, args.resolved_device())

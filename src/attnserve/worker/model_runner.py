@@ -1,6 +1,7 @@
 """`ModelRunner`: turns a scheduled batch into tensors, runs the model, samples.
 
-It selects the attention backend once, loads the model with it, sizes and binds the KV cache,
+It selects the attention backend once, loads the model with it, sizes the KV cache (on CUDA,
+after a profile run of the largest possible step measures its activation memory), binds it,
 and each step asks that backend's metadata builder for the attention metadata. It never looks at
 the metadata or the cache layout itself. On CUDA, unless `enforce_eager`, decode-only steps
 replay captured graphs (`CUDAGraphRunner`) when the backend declares support for them.
@@ -33,6 +34,7 @@ from attnserve.worker.cache_engine import (
     num_blocks_for_budget,
 )
 from attnserve.worker.cuda_graph import CUDAGraphRunner
+from attnserve.worker.profile_run import profile_batch
 from attnserve.worker.step_future import StepFuture, StepResults
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class ModelRunner:
         attention_backend: str | None = None,
         max_num_seqs: int = 256,
         enforce_eager: bool = False,
+        max_num_batched_tokens: int = 8192,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -64,8 +67,6 @@ class ModelRunner:
             attention_backend=attention_backend,
         )
         self.model = load_model(model_config, self.backend, device, cache_config.kv_cache_dtype)
-        self.cache_engine = self._allocate_kv_cache()
-        bind_kv_caches(self.model, self.cache_engine.kv_caches)
         self.builder = self.backend.get_builder_cls()(
             cache_config.block_size,
             device,
@@ -75,6 +76,10 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self._last_tokens: torch.Tensor | None = None  # the last step's first draw per row
+        self.cuda_graphs: CUDAGraphRunner | None = None
+        activation_bytes = self._peak_activation_bytes(max_num_seqs, max_num_batched_tokens)
+        self.cache_engine = self._allocate_kv_cache(activation_bytes)
+        bind_kv_caches(self.model, self.cache_engine.kv_caches)
         self.cuda_graphs = None if enforce_eager else self._capture_cuda_graphs(max_num_seqs)
 
     @property
@@ -96,9 +101,38 @@ class ModelRunner:
         runner.capture()
         return runner
 
-    def _allocate_kv_cache(self) -> CacheEngine:
+    def profile_run(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """Run the largest step the scheduler may send (`profile_batch`) against a one-block KV
+        cache, which it leaves bound: call before the real cache is bound."""
+        probe = self._cache_engine(num_blocks=1, num_swap_blocks=0)
+        bind_kv_caches(self.model, probe.kv_caches)
+        batch = profile_batch(
+            max_num_seqs,
+            max_num_batched_tokens,
+            self.model_config.max_model_len,
+            self.cache_config.block_size,
+        )
+        self.execute(batch)
+
+    def _peak_activation_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """On CUDA, the memory the profile run takes beyond the weights at its peak (0 where the
+        KV cache has a fixed budget)."""
+        if self.device.type != "cuda" or self.cache_config.kv_cache_memory_bytes is not None:
+            return 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.profile_run(max_num_seqs, max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self._last_tokens = None
+        torch.cuda.empty_cache()
+        logger.info("profile run: %.2f GiB of activations at the largest step", peak / 2**30)
+        return peak
+
+    def _bytes_per_block(self) -> int:
         mc, cc = self.model_config, self.cache_config
-        per_block = CacheEngine.bytes_per_block(
+        return CacheEngine.bytes_per_block(
             self.backend,
             mc.num_layers,
             self.num_kv_heads,
@@ -107,23 +141,9 @@ class ModelRunner:
             mc.dtype,
             cc.kv_cache_dtype,
         )
-        if cc.kv_cache_memory_bytes is not None:
-            budget = cc.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            budget = gpu_kv_cache_budget(cc.gpu_memory_utilization, self.device)
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        # every rank must hold the same blocks: the smallest count any rank can afford
-        num_blocks = tensor_model_parallel_all_reduce_min(num_blocks_for_budget(budget, per_block))
-        num_swap_blocks = cc.swap_space_bytes // per_block
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB, backend %s), up to %d tokens",
-            num_blocks,
-            cc.block_size,
-            num_blocks * per_block / 2**30,
-            self.backend.get_name(),
-            num_blocks * cc.block_size,
-        )
+
+    def _cache_engine(self, num_blocks: int, num_swap_blocks: int) -> CacheEngine:
+        mc, cc = self.model_config, self.cache_config
         return CacheEngine(
             self.backend,
             mc.num_layers,
@@ -136,6 +156,34 @@ class ModelRunner:
             kv_cache_dtype=cc.kv_cache_dtype,
             num_swap_blocks=num_swap_blocks,
         )
+
+    def _allocate_kv_cache(self, activation_bytes: int) -> CacheEngine:
+        """The KV cache: the fixed budget if given, else on CUDA the `gpu_memory_utilization`
+        share of the card less what is in use and the profile run's activations."""
+        cc = self.cache_config
+        per_block = self._bytes_per_block()
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = gpu_kv_cache_budget(cc.gpu_memory_utilization, self.device)
+            budget -= activation_bytes
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        # every rank must hold the same blocks: the smallest count any rank can afford
+        num_blocks = tensor_model_parallel_all_reduce_min(num_blocks_for_budget(budget, per_block))
+        tokens = num_blocks * cc.block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, backend %s), up to %d tokens: "
+            "%.1f requests of max_model_len %d at once",
+            num_blocks,
+            cc.block_size,
+            num_blocks * per_block / 2**30,
+            self.backend.get_name(),
+            tokens,
+            tokens / self.model_config.max_model_len,
+            self.model_config.max_model_len,
+        )
+        return self._cache_engine(num_blocks, cc.swap_space_bytes // per_block)
 
     def _prepare_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat token ids and positions of the step's new tokens (built on the host, one copy)."""

@@ -37,6 +37,7 @@ class WorkerConfig:
     attention_backend: str | None = None
     seed: int = 0
     max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
     enforce_eager: bool = False
 
 
@@ -86,6 +87,7 @@ class Worker:
             self.device,
             config.attention_backend,
             max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             # Captured graphs would hold the ranks' collectives; tensor parallelism runs eagerly.
             enforce_eager=config.enforce_eager or config.parallel_config.world_size > 1,
         )

@@ -1,0 +1,47 @@
+"""The profile run's batch: the largest step the scheduler may ever send, as dummy prefills.
+
+Before the KV cache exists, the model runner runs this batch once against a one-block cache and
+measures the peak memory it takes (vLLM's `profile_run`), so the cache leaves that much of the
+`gpu_memory_utilization` share free. The batch fills both limits at once: `max_num_batched_tokens`
+new tokens in all, spread over as many sequences as may run together (`max_num_seqs`, each at
+most `max_model_len` long), every one sampling with top-k and top-p so the sampler takes its
+costliest path over `max_num_seqs` rows of logits. Every block-table entry is block 0: the writes
+and reads stay inside the one-block cache, and the outputs are garbage nobody reads.
+"""
+
+from __future__ import annotations
+
+from attnserve.sampling_params import SamplingParams
+from attnserve.worker.batch import ScheduledBatch, SequenceInput
+
+# top-k and top-p both on: the sampler's sort and its filters run (greedy would skip them)
+PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+
+
+def profile_batch(
+    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int
+) -> ScheduledBatch:
+    """The profile run's batch (see the module docstring)."""
+    for name, value in (
+        ("max_num_seqs", max_num_seqs),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+        ("max_model_len", max_model_len),
+        ("block_size", block_size),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    num_tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len)
+    num_seqs = min(max_num_seqs, num_tokens)
+    base, extra = divmod(num_tokens, num_seqs)
+    seqs = []
+    for index in range(num_seqs):
+        length = base + (index < extra)
+        seqs.append(
+            SequenceInput(
+                token_ids=[0] * length,
+                context_len=0,
+                block_table=[0] * -(-length // block_size),
+                sampling=PROFILE_SAMPLING,
+            )
+        )
+    return ScheduledBatch(seqs)

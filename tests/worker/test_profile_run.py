@@ -1,0 +1,59 @@
+"""The profile run: its batch fills the scheduler's limits, and running it touches neither the
+real KV cache nor what the engine generates afterwards (the CUDA memory measurement around it
+runs on the GPU only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnserve import LLM, SamplingParams
+from attnserve.attention import bind_kv_caches
+from attnserve.worker.profile_run import PROFILE_SAMPLING, profile_batch
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "max_tokens", "max_model_len", "lengths"),
+    [
+        (4, 10, 64, [3, 3, 2, 2]),  # every sequence, the tokens spread over them
+        (256, 3, 64, [1, 1, 1]),  # fewer tokens than sequences: one token each
+        (2, 100, 8, [8, 8]),  # sequences full at max_model_len: fewer tokens than the budget
+        (1, 8192, 8192, [8192]),
+    ],
+)
+def test_profile_batch_fills_the_limits(
+    max_num_seqs: int, max_tokens: int, max_model_len: int, lengths: list[int]
+) -> None:
+    batch = profile_batch(max_num_seqs, max_tokens, max_model_len, block_size=4)
+    assert [len(s.token_ids) for s in batch.seqs] == lengths
+    for seq in batch.seqs:
+        assert seq.context_len == 0
+        assert seq.block_table == [0] * -(-len(seq.token_ids) // 4)
+        assert seq.sampling is PROFILE_SAMPLING
+    assert PROFILE_SAMPLING.top_k > 0 and PROFILE_SAMPLING.top_p < 1
+
+
+@pytest.mark.parametrize(
+    "limits", [(0, 8, 8, 16), (4, 0, 8, 16), (4, 8, 0, 16), (4, 8, 8, 0)], ids=str
+)
+def test_profile_batch_rejects_empty_limits(limits: tuple[int, int, int, int]) -> None:
+    with pytest.raises(ValueError, match="must be >= 1"):
+        profile_batch(*limits)
+
+
+def test_profile_run_leaves_cache_and_outputs_alone(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8]]
+    before = llm.generate(prompts, greedy, use_tqdm=False)
+    runner = llm.llm_engine.runner
+    caches = [cache.clone() for cache in runner.cache_engine.kv_caches]
+    runner.profile_run(max_num_seqs=4, max_num_batched_tokens=40)
+    assert all(
+        torch.equal(a, b) for a, b in zip(caches, runner.cache_engine.kv_caches, strict=True)
+    )
+    bind_kv_caches(runner.model, runner.cache_engine.kv_caches)
+    after = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
