@@ -16,7 +16,9 @@
 #            then, one at a time on GPU 0: bench throughput of both models with TRITON and
 #            FLASHINFER (+ breakdown), Llama-3.2-1B's HF baseline, bench kernels
 #   phase 4  both: tensor-parallel greedy parity, TP=1 vs TP=2 (scripts/tp_parity.py)
-# Knobs: PHASES (default "1 2 3 4").
+#   phase 5  session 3's CPU-checked changes on the GPU: FLEX_ATTENTION's whole cuda suite; a
+#            first and a second TRITON throughput run on the fresh machine (compile in the run)
+# Knobs: PHASES (default "1 2 3 4"; phase 5 on request).
 set -uo pipefail
 
 R=/tmp/results
@@ -109,6 +111,20 @@ if [[ $phases == *" 4 "* ]]; then
     done
     python3 scripts/tp_parity.py --compare "$R/tp_parity1.json" "$R/tp_parity2.json" \
         >"$R/tp_parity.log" 2>&1
+fi
+if [[ $phases == *" 5 "* ]]; then
+    # session 3's changes checked on CPU only: the FLEX_ATTENTION recompile limit (its whole cuda
+    # suite), the unspecialised Triton pointers (a first run on a fresh machine should now be
+    # as fast as a second one), the profile run (engine start-up logs its activation peak)
+    on 1 300 conformance_flex python3 -m pytest -o addopts= -v -p no:cacheprovider \
+        -p no:benchmark --tb=short -n 4 tests/attention/test_conformance.py \
+        -k "cuda and FLEX" &
+    for run in first second; do
+        throughput "qwen3_triton_$run" 70 --model qwen3-0.6b --attention-backend TRITON
+    done
+    grep -h "profile run\|KV cache:" "$R"/qwen3_triton_first.log
+    wait
+    pack
 fi
 pack
 cat "$R/summary.txt"
