@@ -103,9 +103,9 @@ class ModelRunner:
 
     def profile_run(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Run the largest step the scheduler may send (`profile_batch`) against a one-block KV
-        cache, which it leaves bound: call before the real cache is bound."""
-        probe = self._cache_engine(num_blocks=1, num_swap_blocks=0)
-        bind_kv_caches(self.model, probe.kv_caches)
+        cache, which it leaves as the runner's cache: call before the real cache exists."""
+        self.cache_engine = self._cache_engine(num_blocks=1, num_swap_blocks=0)
+        bind_kv_caches(self.model, self.cache_engine.kv_caches)
         batch = profile_batch(
             max_num_seqs,
             max_num_batched_tokens,
