@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from attnserve.host_copy import device_tensor
 from attnserve.sampling_params import SamplingParams
 from attnserve.worker.batch import SampleOutput, SequenceInput, TokenLogprobs
 
@@ -55,7 +56,7 @@ class Sampler:
         counts = [s.num_samples for s in inputs]
         draws = logits
         if max(counts) > 1:
-            draws = logits.repeat_interleave(torch.tensor(counts, device=logits.device), dim=0)
+            draws = logits.repeat_interleave(device_tensor(counts, logits.device), dim=0)
         draw_params = [p for p, n in zip(params, counts, strict=True) for _ in range(n)]
         seeds = [
             None if s.sample_seed is None else s.sample_seed + d
@@ -88,11 +89,11 @@ class Sampler:
         if all(p.greedy for p in params):
             return greedy_tokens
         device = logits.device
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        temperature = device_tensor([p.temperature or 1.0 for p in params], device)
         probs = torch.softmax(self._filter(logits / temperature[:, None], params), dim=-1)
         noise = self._exponential_noise(probs, seeds)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        is_greedy = device_tensor([p.greedy for p in params], device)
         return torch.where(is_greedy, greedy_tokens, sampled)
 
     @staticmethod
@@ -100,10 +101,8 @@ class Sampler:
         rows = [(r, t) for r, s in enumerate(inputs) for t in s.banned_token_ids]
         if not rows:
             return logits
-        index = torch.tensor(rows, device=logits.device).T
-        return logits.index_put(
-            (index[0], index[1]), torch.tensor(-float("inf"), device=index.device)
-        )
+        index = device_tensor(rows, logits.device).T
+        return logits.index_put((index[0], index[1]), logits.new_full((), -float("inf")))
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, inputs: list[SequenceInput]) -> torch.Tensor:
@@ -118,12 +117,12 @@ class Sampler:
             if p is None or s.prompt_token_ids is None or s.output_token_ids is None:
                 raise ValueError("penalties need the prompt and output token ids")
             row = logits[r]
-            output = torch.tensor(s.output_token_ids, dtype=torch.int64, device=row.device)
+            output = device_tensor(s.output_token_ids, row.device, torch.int64)
             counts = torch.zeros_like(row).index_add_(
                 0, output, torch.ones_like(output, dtype=row.dtype)
             )
             seen = counts > 0
-            seen[torch.tensor(s.prompt_token_ids, device=row.device)] = True
+            seen[device_tensor(s.prompt_token_ids, row.device)] = True
             scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row = torch.where(seen, scaled, row)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
@@ -145,9 +144,9 @@ class Sampler:
         """Mask out tokens outside each row's top-k, top-p nucleus and min-p floor."""
         vocab = logits.shape[-1]
         device = logits.device
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        min_p = torch.tensor([p.min_p for p in params], device=device)
+        top_k = device_tensor([p.top_k if p.top_k > 0 else vocab for p in params], device)
+        top_p = device_tensor([p.top_p for p in params], device)
+        min_p = device_tensor([p.min_p for p in params], device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
         sorted_probs = torch.softmax(sorted_logits, dim=-1)

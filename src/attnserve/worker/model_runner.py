@@ -23,6 +23,7 @@ from attnserve.attention import bind_kv_caches, get_attn_backend, set_forward_co
 from attnserve.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
 from attnserve.distributed import get_tensor_model_parallel_world_size
 from attnserve.distributed.communication import tensor_model_parallel_all_reduce_min
+from attnserve.host_copy import device_tensor, to_device
 from attnserve.model.config import ModelConfig
 from attnserve.model.loader import load_model
 from attnserve.model.sampler import Sampler, top_logprobs
@@ -196,8 +197,8 @@ class ModelRunner:
         starts = np.cumsum(query_lens) - query_lens
         positions = np.arange(num_tokens) + np.repeat(context_lens - starts, query_lens)
         return (
-            torch.from_numpy(token_ids).to(self.device),
-            torch.from_numpy(positions).to(self.device),
+            to_device(torch.from_numpy(token_ids), self.device),
+            to_device(torch.from_numpy(positions), self.device),
         )
 
     def _move_blocks(self, batch: ScheduledBatch) -> None:
@@ -242,7 +243,7 @@ class ModelRunner:
         return StepFuture(num_seqs, ready=results)
 
     def _first_draws(self, counts: list[int]) -> torch.Tensor:
-        return torch.tensor([0, *accumulate(counts)][:-1], device=self.device)
+        return device_tensor([0, *accumulate(counts)][:-1], self.device)
 
     def _carried(
         self, batch: ScheduledBatch, last_token: Sequence[int]
@@ -254,8 +255,8 @@ class ModelRunner:
         index = [last_token[row] for row, _ in batch.carried_tokens]
         draws = [draw for _, draw in batch.carried_tokens]
         return (
-            torch.tensor(index, device=self.device),
-            self._last_tokens[torch.tensor(draws, device=self.device)],
+            device_tensor(index, self.device),
+            self._last_tokens[device_tensor(draws, self.device)],
         )
 
     def _last_hidden(
@@ -264,7 +265,7 @@ class ModelRunner:
         """The hidden states of the last new token of each sequence in `rows`."""
         if len(rows) == len(hidden):  # one token per sequence, each sampling (a decode step)
             return hidden
-        last = torch.tensor([starts[i + 1] - 1 for i in rows], device=self.device)
+        last = device_tensor([starts[i + 1] - 1 for i in rows], self.device)
         return hidden[last]
 
     def _forward(self, batch: ScheduledBatch, starts: list[int]) -> torch.Tensor:
@@ -312,7 +313,7 @@ class ModelRunner:
                 continue
             rows = hidden[starts[i] : starts[i] + len(targets)]
             logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
-            chosen = torch.tensor(targets, device=self.device)
+            chosen = device_tensor(targets, self.device)
             entries = top_logprobs(logprobs, chosen, [seq.num_prompt_logprobs] * len(targets))
             previous = results[i] or SampleOutput([])
             results[i] = dataclasses.replace(previous, prompt_logprobs=entries)

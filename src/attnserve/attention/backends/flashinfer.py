@@ -34,6 +34,7 @@ from attnserve.attention.backends.abstract import (
     BackendCapabilities,
 )
 from attnserve.attention.backends.layout import StepLayout, build_step_layout, pad_decode_step
+from attnserve.host_copy import to_device
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -216,7 +217,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             num_prefills=layout.num_prefills,
             num_prefill_tokens=layout.num_prefill_tokens,
             num_decode_tokens=layout.num_decode_tokens,
-            slot_mapping=layout.slot_mapping.to(self.device),
+            slot_mapping=to_device(layout.slot_mapping, self.device),
             block_size=self.block_size,
             prefill=_paged_group(layout, range(0, layout.num_prefills), self.block_size),
             decode=_paged_group(
@@ -243,7 +244,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             raise RuntimeError("call init_cuda_graph_buffers before build_for_cuda_graph")
         step = pad_decode_step(block_tables, context_lens, num_padded_seqs, self.block_size)
         slot_mapping = self.graph_slot_mapping[:num_padded_seqs]
-        slot_mapping.copy_(step.slot_mapping)
+        slot_mapping.copy_(step.slot_mapping, non_blocking=True)
         metadata = FlashInferMetadata(
             num_prefills=0,
             num_prefill_tokens=0,

@@ -34,6 +34,7 @@ from attnserve.attention.backends.abstract import (
     BackendCapabilities,
 )
 from attnserve.attention.backends.layout import StepLayout, build_step_layout, write_to_slots
+from attnserve.host_copy import to_device
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import FlexKernelOptions
@@ -124,15 +125,15 @@ def _flex_group(
     # page p is KV tiles p * per_page .. p * per_page + per_page - 1
     per_page = block_size // KV_SPARSE_BLOCK
     tile_ids = (table[:, :, None] * per_page + torch.arange(per_page)).flatten(1)
-    query_grid = query_pos.view(len(seqs), num_rows).to(device)
+    query_grid = to_device(query_pos.view(len(seqs), num_rows), device)
     kv_indices = tile_ids[:, None, None, :].expand(-1, 1, tiles, -1)
     return FlexGroup(
         token_slice=tokens,
-        row_of_token=row_of_token.to(device),
-        grid_token=grid_token.view(len(seqs), num_rows).to(device),
+        row_of_token=to_device(row_of_token, device),
+        grid_token=to_device(grid_token.view(len(seqs), num_rows), device),
         kv_len=(int(table.max()) + 1) * block_size,
-        kv_num_blocks=(kv_num_blocks * per_page)[:, None].to(torch.int32).to(device),
-        kv_indices=kv_indices.to(torch.int32).to(device),
+        kv_num_blocks=to_device((kv_num_blocks * per_page)[:, None].to(torch.int32), device),
+        kv_indices=to_device(kv_indices.to(torch.int32), device),
         positions=_positions(table, num_pages, query_grid, block_size),
     )
 
@@ -156,7 +157,7 @@ class FlexMetadataBuilder(AttentionMetadataBuilder[FlexMetadata]):
             num_prefills=layout.num_prefills,
             num_prefill_tokens=layout.num_prefill_tokens,
             num_decode_tokens=layout.num_decode_tokens,
-            slot_mapping=layout.slot_mapping.to(self.device),
+            slot_mapping=to_device(layout.slot_mapping, self.device),
             prefill=_flex_group(layout, prefills, self.block_size, self.device),
             decode=_flex_group(layout, decodes, self.block_size, self.device),
         )

@@ -24,6 +24,7 @@ from attnserve.attention.backends.abstract import (
     BackendCapabilities,
 )
 from attnserve.attention.backends.layout import StepLayout, build_step_layout, write_to_slots
+from attnserve.host_copy import to_device
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,11 @@ def _dense_group(
     key_slots = table[:, block_col] * block_size + key_pos % block_size
     return DenseGroup(
         token_slice=tokens,
-        row_of_token=row_of_token.to(device),
-        grid_token=grid_token.view(len(seqs), num_rows).to(device),
-        query_pos=query_pos.view(len(seqs), num_rows).to(device),
-        key_slots=key_slots.to(device),
-        key_valid=(key_pos[None, :] < seq_lens[:, None]).to(device),
+        row_of_token=to_device(row_of_token, device),
+        grid_token=to_device(grid_token.view(len(seqs), num_rows), device),
+        query_pos=to_device(query_pos.view(len(seqs), num_rows), device),
+        key_slots=to_device(key_slots, device),
+        key_valid=to_device(key_pos[None, :] < seq_lens[:, None], device),
     )
 
 
@@ -88,7 +89,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
             num_prefills=layout.num_prefills,
             num_prefill_tokens=layout.num_prefill_tokens,
             num_decode_tokens=layout.num_decode_tokens,
-            slot_mapping=layout.slot_mapping.to(self.device),
+            slot_mapping=to_device(layout.slot_mapping, self.device),
             prefill=_dense_group(layout, prefills, self.block_size, self.device),
             decode=_dense_group(layout, decodes, self.block_size, self.device),
         )

@@ -27,6 +27,7 @@ from attnserve.attention.backends.abstract import (
     BackendCapabilities,
 )
 from attnserve.attention.backends.layout import build_step_layout, pad_decode_step
+from attnserve.host_copy import to_device
 
 try:
     from attnserve.attention.ops.triton_cache import reshape_and_cache
@@ -98,7 +99,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             num_prefills=layout.num_prefills,
             num_prefill_tokens=layout.num_prefill_tokens,
             num_decode_tokens=layout.num_decode_tokens,
-            slot_mapping=layout.slot_mapping.to(self.device),
+            slot_mapping=to_device(layout.slot_mapping, self.device),
             block_table=self._int32(layout.block_table),
             seq_lens=self._int32(layout.seq_lens),
             query_start_loc=self._int32(layout.query_start_loc),
@@ -129,9 +130,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             raise RuntimeError("call init_cuda_graph_buffers before build_for_cuda_graph")
         step = pad_decode_step(block_tables, context_lens, num_padded_seqs, self.block_size)
         rows = slice(0, num_padded_seqs)
-        buffers.block_table[rows, : step.block_table.shape[1]].copy_(step.block_table)
-        buffers.seq_lens[rows].copy_(step.seq_lens)
-        buffers.slot_mapping[rows].copy_(step.slot_mapping)
+        width = step.block_table.shape[1]
+        buffers.block_table[rows, :width].copy_(step.block_table, non_blocking=True)
+        buffers.seq_lens[rows].copy_(step.seq_lens, non_blocking=True)
+        buffers.slot_mapping[rows].copy_(step.slot_mapping, non_blocking=True)
         return TritonMetadata(
             num_prefills=0,
             num_prefill_tokens=0,
@@ -147,7 +149,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         )
 
     def _int32(self, host: torch.Tensor) -> torch.Tensor:
-        return host.to(torch.int32).to(self.device, non_blocking=True)
+        return to_device(host.to(torch.int32), self.device)
 
 
 class TritonImpl(AttentionImpl[TritonMetadata]):
@@ -217,7 +219,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         slopes = None
         if self.alibi_slopes is not None:
             if device not in self._slopes:
-                self._slopes[device] = self.alibi_slopes.to(device)
+                self._slopes[device] = to_device(self.alibi_slopes, device)
             slopes = self._slopes[device]
         return AttentionParams(
             scale=self.scale,
