@@ -44,12 +44,13 @@ PlanKey = tuple[int, int, int, float, int, float | None, torch.dtype, torch.dtyp
 
 @dataclass(frozen=True)
 class PagedGroup:
-    """FlashInfer's CSR view of some sequences of the step (host int32 tensors)."""
+    """FlashInfer's CSR view of some sequences of the step (int32; on the host, except the page
+    ids: `plan` copies those into its buffers, without a stream sync only from the device)."""
 
     token_slice: slice  # the group's new tokens in the flat batch
     qo_indptr: torch.Tensor  # [B + 1] offsets of each sequence's new tokens in the group
     kv_indptr: torch.Tensor  # [B + 1] offsets of each sequence's pages in kv_indices
-    kv_indices: torch.Tensor  # [sum pages] physical page ids, sequence by sequence
+    kv_indices: torch.Tensor  # [sum pages] physical page ids, sequence by sequence (device)
     kv_last_page_len: torch.Tensor  # [B] tokens in each sequence's last page (1..block_size)
 
 
@@ -167,7 +168,9 @@ class FlashInferMetadata(AttentionMetadata):
         )
 
 
-def _paged_group(layout: StepLayout, seqs: range, block_size: int) -> PagedGroup | None:
+def _paged_group(
+    layout: StepLayout, seqs: range, block_size: int, device: torch.device
+) -> PagedGroup | None:
     if len(seqs) == 0:
         return None
     loc = layout.query_start_loc[seqs.start : seqs.stop + 1]
@@ -177,6 +180,7 @@ def _paged_group(layout: StepLayout, seqs: range, block_size: int) -> PagedGroup
         layout.block_table[seqs.start : seqs.stop],
         layout.seq_lens[seqs.start : seqs.stop],
         block_size,
+        device,
     )
 
 
@@ -186,6 +190,7 @@ def _csr(
     table: torch.Tensor,
     seq_lens: torch.Tensor,
     block_size: int,
+    device: torch.device,
 ) -> PagedGroup:
     """FlashInfer's page metadata of sequences with block table rows `table` [B, W]."""
     num_pages = -(-seq_lens // block_size)
@@ -196,7 +201,7 @@ def _csr(
         token_slice=token_slice,
         qo_indptr=qo_indptr.to(torch.int32),
         kv_indptr=kv_indptr.to(torch.int32),
-        kv_indices=table[used].to(torch.int32),
+        kv_indices=to_device(table[used].to(torch.int32), device),
         kv_last_page_len=((seq_lens - 1) % block_size + 1).to(torch.int32),
     )
 
@@ -219,9 +224,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             num_decode_tokens=layout.num_decode_tokens,
             slot_mapping=to_device(layout.slot_mapping, self.device),
             block_size=self.block_size,
-            prefill=_paged_group(layout, range(0, layout.num_prefills), self.block_size),
+            prefill=_paged_group(
+                layout, range(0, layout.num_prefills), self.block_size, self.device
+            ),
             decode=_paged_group(
-                layout, range(layout.num_prefills, layout.num_seqs), self.block_size
+                layout, range(layout.num_prefills, layout.num_seqs), self.block_size, self.device
             ),
             pool=self.pool,
         )
@@ -258,6 +265,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 step.block_table,
                 step.seq_lens,
                 self.block_size,
+                self.device,
             ),
             pool=self.pool,
             graph_size=num_padded_seqs,
