@@ -22,11 +22,12 @@ from attnserve.entrypoints.openai.protocol import (
     DeltaMessage,
 )
 from attnserve.entrypoints.openai.serving_engine import (
+    Choice,
+    ChunkRenderer,
     Delta,
     OpenAIServing,
     finite,
     new_id,
-    until_disconnect,
     usage,
 )
 from attnserve.outputs import TokenLogprobs
@@ -45,26 +46,25 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, len(prompt), max_tokens, k)
         request_id = new_id("chatcmpl")
         stream = self.generate([prompt], params, request_id)
-        if request.stream:
-            first = await until_disconnect(raw, anext(stream))
-            chunks = _ChunkRenderer(self, request, request_id, [prompt])
-            events = self.sse(first, stream, chunks.render, chunks.usage_chunk)
-            return StreamingResponse(events, media_type="text/event-stream")
-        choices, tokens = await until_disconnect(raw, self.collect(stream, request.n))
-        return ChatCompletionResponse(
-            id=request_id,
-            model=self.model_name,
-            choices=[
-                ChatChoice(
-                    index=i,
-                    message=ChatResponseMessage(content=c.text),
-                    logprobs=self.logprobs(c.token_ids, c.logprobs, k) if k is not None else None,
-                    finish_reason=c.finish_reason,
-                )
-                for i, c in enumerate(choices)
-            ],
-            usage=usage([prompt], tokens),
-        )
+        chunks = _ChunkRenderer(self, request, request_id, [prompt]) if request.stream else None
+
+        def build(choices: list[Choice], tokens: int) -> ChatCompletionResponse:
+            return ChatCompletionResponse(
+                id=request_id,
+                model=self.model_name,
+                choices=[
+                    ChatChoice(
+                        index=i,
+                        message=ChatResponseMessage(content=c.text),
+                        logprobs=None if k is None else self.logprobs(c.token_ids, c.logprobs, k),
+                        finish_reason=c.finish_reason,
+                    )
+                    for i, c in enumerate(choices)
+                ],
+                usage=usage([prompt], tokens),
+            )
+
+        return await self.respond(raw, stream, chunks, request.n, build)
 
     def _render(self, messages: list[ChatMessage]) -> list[int]:
         """The conversation through the chat template, as prompt token ids."""
@@ -100,8 +100,10 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogProb(token=text, logprob=finite(logprob), bytes=list(text.encode()))
 
 
-class _ChunkRenderer:
+class _ChunkRenderer(ChunkRenderer[ChatCompletionChunk]):
     """Streamed chunks of one request: a role delta before each choice's first content."""
+
+    chunk_type = ChatCompletionChunk
 
     def __init__(
         self,
@@ -110,16 +112,10 @@ class _ChunkRenderer:
         request_id: str,
         prompts: list[list[int]],
     ) -> None:
+        super().__init__(serving.model_name, request_id, prompts, request.include_usage)
         self.serving = serving
         self.request = request
-        self.request_id = request_id
-        self.prompts = prompts
         self.started: set[int] = set()
-
-    def _chunk(self, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.request_id, model=self.serving.model_name, choices=choices
-        )
 
     def render(self, deltas: list[Delta]) -> list[ChatCompletionChunk]:
         chunks = []
@@ -127,7 +123,7 @@ class _ChunkRenderer:
             if delta.index not in self.started:
                 self.started.add(delta.index)
                 role = DeltaMessage(role="assistant", content="")
-                chunks.append(self._chunk([ChatStreamChoice(index=delta.index, delta=role)]))
+                chunks.append(self.chunk([ChatStreamChoice(index=delta.index, delta=role)]))
             logprobs = None
             if self.request.logprobs and delta.logprobs is not None:
                 k = self.request.top_logprobs or 0
@@ -138,15 +134,5 @@ class _ChunkRenderer:
                 logprobs=logprobs,
                 finish_reason=delta.finish_reason,
             )
-            chunks.append(self._chunk([choice]))
+            chunks.append(self.chunk([choice]))
         return chunks
-
-    def usage_chunk(self, tokens: int) -> ChatCompletionChunk | None:
-        if not self.request.include_usage:
-            return None
-        return ChatCompletionChunk(
-            id=self.request_id,
-            model=self.serving.model_name,
-            choices=[],
-            usage=usage(self.prompts, tokens),
-        )

@@ -14,11 +14,11 @@ from attnserve.entrypoints.openai.protocol import (
 )
 from attnserve.entrypoints.openai.serving_engine import (
     Choice,
+    ChunkRenderer,
     Delta,
     OpenAIServing,
     finite,
     new_id,
-    until_disconnect,
     usage,
 )
 from attnserve.outputs import TokenLogprobs
@@ -34,19 +34,17 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(request, longest, request.max_tokens, request.logprobs)
         request_id = new_id("cmpl")
         stream = self.generate(prompts, params, request_id)
-        num_choices = len(prompts) * request.n
-        if request.stream:
-            first = await until_disconnect(raw, anext(stream))
-            chunks = _ChunkRenderer(self, request, request_id, prompts)
-            events = self.sse(first, stream, chunks.render, chunks.usage_chunk)
-            return StreamingResponse(events, media_type="text/event-stream")
-        choices, tokens = await until_disconnect(raw, self.collect(stream, num_choices))
-        return CompletionResponse(
-            id=request_id,
-            model=self.model_name,
-            choices=[self._choice(i, c, request.logprobs) for i, c in enumerate(choices)],
-            usage=usage(prompts, tokens),
-        )
+        chunks = _ChunkRenderer(self, request, request_id, prompts) if request.stream else None
+
+        def build(choices: list[Choice], tokens: int) -> CompletionResponse:
+            return CompletionResponse(
+                id=request_id,
+                model=self.model_name,
+                choices=[self._choice(i, c, request.logprobs) for i, c in enumerate(choices)],
+                usage=usage(prompts, tokens),
+            )
+
+        return await self.respond(raw, stream, chunks, len(prompts) * request.n, build)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         ids = self.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
@@ -77,8 +75,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return result
 
 
-class _ChunkRenderer:
+class _ChunkRenderer(ChunkRenderer[CompletionResponse]):
     """Streamed chunks of one request, keeping each choice's text offset for its log-probs."""
+
+    chunk_type = CompletionResponse
 
     def __init__(
         self,
@@ -87,16 +87,10 @@ class _ChunkRenderer:
         request_id: str,
         prompts: list[list[int]],
     ) -> None:
+        super().__init__(serving.model_name, request_id, prompts, request.include_usage)
         self.serving = serving
         self.request = request
-        self.request_id = request_id
-        self.prompts = prompts
         self.offsets = [0] * (len(prompts) * request.n)
-
-    def _response(self, choices: list[CompletionChoice]) -> CompletionResponse:
-        return CompletionResponse(
-            id=self.request_id, model=self.serving.model_name, choices=choices
-        )
 
     def render(self, deltas: list[Delta]) -> list[CompletionResponse]:
         chunks = []
@@ -114,18 +108,8 @@ class _ChunkRenderer:
                 logprobs=logprobs,
                 finish_reason=delta.finish_reason,
             )
-            chunks.append(self._response([choice]))
+            chunks.append(self.chunk([choice]))
         return chunks
-
-    def usage_chunk(self, tokens: int) -> CompletionResponse | None:
-        if not self.request.include_usage:
-            return None
-        return CompletionResponse(
-            id=self.request_id,
-            model=self.serving.model_name,
-            choices=[],
-            usage=usage(self.prompts, tokens),
-        )
 
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

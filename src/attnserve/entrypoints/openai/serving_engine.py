@@ -15,10 +15,11 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from attnserve.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from attnserve.entrypoints.openai.errors import ApiError, error_body
@@ -28,6 +29,8 @@ from attnserve.outputs import RequestOutput, TokenLogprobs
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
+ChunkT = TypeVar("ChunkT", bound=BaseModel)
+ResponseT = TypeVar("ResponseT", bound=BaseModel)
 
 
 class ClientDisconnected(Exception):
@@ -203,6 +206,23 @@ class OpenAIServing:
             yield _event(error_body(error.status, error.message, error.param, error.code))
         yield _event("[DONE]")
 
+    async def respond(
+        self,
+        raw: Request,
+        stream: AsyncGenerator[list[Delta], None],
+        chunks: ChunkRenderer[Any] | None,
+        num_choices: int,
+        build: Callable[[list[Choice], int], ResponseT],
+    ) -> ResponseT | StreamingResponse:
+        """The call's answer: with `chunks`, the stream as server-sent events; else, once every
+        choice is done, `build(choices, generated tokens)`."""
+        if chunks is not None:
+            first = await until_disconnect(raw, anext(stream))
+            events = self.sse(first, stream, chunks.render, chunks.usage_chunk)
+            return StreamingResponse(events, media_type="text/event-stream")
+        choices, tokens = await until_disconnect(raw, self.collect(stream, num_choices))
+        return build(choices, tokens)
+
     async def collect(
         self, stream: AsyncIterator[list[Delta]], num_choices: int
     ) -> tuple[list[Choice], int]:
@@ -212,6 +232,33 @@ class OpenAIServing:
             for delta in deltas:
                 choices[delta.index].add(delta)
         return choices, sum(len(c.token_ids) for c in choices)
+
+
+class ChunkRenderer(Generic[ChunkT]):
+    """The streamed chunks of one API call: each endpoint's `render` turns a batch of deltas
+    into chunks of its `chunk_type`; the closing usage chunk (if the request asks for it) is
+    the same for both."""
+
+    chunk_type: type[ChunkT]
+
+    def __init__(
+        self, model_name: str, request_id: str, prompts: list[list[int]], include_usage: bool
+    ) -> None:
+        self.model_name = model_name
+        self.request_id = request_id
+        self.prompts = prompts
+        self.include_usage = include_usage
+
+    def chunk(self, choices: list[Any], usage_info: UsageInfo | None = None) -> ChunkT:
+        return self.chunk_type(
+            id=self.request_id, model=self.model_name, choices=choices, usage=usage_info
+        )
+
+    def usage_chunk(self, tokens: int) -> ChunkT | None:
+        return self.chunk([], usage(self.prompts, tokens)) if self.include_usage else None
+
+    def render(self, deltas: list[Delta]) -> list[ChunkT]:
+        raise NotImplementedError
 
 
 def _event(data: str) -> str:
