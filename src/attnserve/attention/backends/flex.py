@@ -83,7 +83,7 @@ def _positions(
     pages = torch.where(logical < num_pages[:, None], table, num_cache_pages)  # padding: spare
     page_to_logical = torch.full((table.shape[0], num_cache_pages + 1), -1, dtype=torch.int64)
     page_to_logical.scatter_(1, pages, logical.contiguous())
-    page_to_logical = page_to_logical[:, :num_cache_pages].to(query_pos.device)
+    page_to_logical = to_device(page_to_logical[:, :num_cache_pages], query_pos.device)
 
     def positions(
         b: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor

@@ -158,7 +158,7 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
             return None
         key_pos = torch.arange(group.key_slots.shape[1], device=group.key_slots.device)
         distance = (key_pos[None, None, :] - group.query_pos[:, :, None]).float()
-        slopes = self.alibi_slopes.to(distance.device)
+        slopes = to_device(self.alibi_slopes, distance.device)
         return slopes[None, :, None, None] * distance[:, None]
 
     def _soft_capped_attention(
