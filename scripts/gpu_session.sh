@@ -114,8 +114,9 @@ if [[ $phases == *" 4 "* ]]; then
 fi
 if [[ $phases == *" 5 "* ]]; then
     # session 3's changes checked on CPU only: the FLEX_ATTENTION recompile limit (its whole cuda
-    # suite), FLASHINFER's padding-slot test (now in bf16), the unspecialised Triton pointers (a first run on a fresh machine should now be
-    # as fast as a second one), the profile run (engine start-up logs its activation peak)
+    # suite), FLASHINFER's padding-slot test (now in bf16), the unspecialised Triton pointers and
+    # the non-blocking copies (a first run on a fresh machine should now be as fast as a second
+    # one, and both faster than before), the profile run (start-up logs its activation peak)
     on 1 300 conformance_flex python3 -m pytest -o addopts= -v -p no:cacheprovider \
         -p no:benchmark --tb=short -n 4 tests/attention/test_conformance.py \
         -k "cuda and (FLEX or (FLASHINFER and padding))" &
