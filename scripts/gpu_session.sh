@@ -43,14 +43,20 @@ throughput() {  # throughput NAME SECONDS ARGS...
         --num-prompts 256 --min-len 100 --max-len 1024 --json "$R/$name.json" "$@"
 }
 
+conformance() {  # conformance NAME SECONDS PYTEST-ARGS...: the cuda suite on GPU 1
+    local name=$1 limit=$2
+    shift 2
+    on 1 "$limit" "$name" python3 -m pytest -o addopts= -v -p no:cacheprovider -p no:benchmark \
+        --tb=short "$@" tests/attention/test_conformance.py
+}
+
 pack() {  # each phase's logs come back even if a later one hangs
     tar czf "$OUT/results.tgz" -C "$R" .
     save_flashinfer_modules "$OUT/fi_aot.tgz"  # FlashInfer modules for the next call
 }
 
 if [[ $phases == *" 1 "* ]]; then
-    on 1 470 conformance python3 -m pytest -o addopts= -v -p no:cacheprovider -p no:benchmark \
-        -n 12 --durations=20 -rfE tests/attention/test_conformance.py \
+    conformance conformance 470 -n 12 --durations=20 -rfE \
         -k "cuda and (FLASHINFER or FLEX or TRITON)" &
     CUDA_LAUNCH_BLOCKING=1 on 0 150 flashinfer_trace python3 -m attnserve.cli bench throughput \
         --load-format dummy --model qwen3-0.6b --attention-backend FLASHINFER \
@@ -66,8 +72,7 @@ if [[ $phases == *" 1 "* ]]; then
 fi
 if [[ $phases == *" 2 "* ]]; then
     {
-        on 1 200 conformance_rerun python3 -m pytest -o addopts= -v -p no:cacheprovider \
-            -p no:benchmark --tb=short tests/attention/test_conformance.py \
+        conformance conformance_rerun 200 \
             -k "${RERUN_SELECT:-cuda and (FLEX or FLASHINFER) and (11 or 29 or 41 or 21)}"
         on 1 240 parity python3 scripts/gpu_parity.py --models qwen3-0.6b \
             --backends TRITON,FLASHINFER,FLEX_ATTENTION --dtypes float32,bfloat16 --eager 0,1 \
@@ -84,9 +89,7 @@ if [[ $phases == *" 2 "* ]]; then
     pack
 fi
 if [[ $phases == *" 3 "* ]]; then
-    on 1 240 conformance_flex python3 -m pytest -o addopts= -v -p no:cacheprovider \
-        -p no:benchmark --tb=short -n 4 tests/attention/test_conformance.py \
-        -k "cuda and FLEX" &
+    conformance conformance_flex 240 -n 4 -k "cuda and FLEX" &
     throughput llama1b_flashinfer_compile 200 --model llama-3.2-1b \
         --attention-backend FLASHINFER --num-prompts 16
     wait
@@ -117,9 +120,7 @@ if [[ $phases == *" 5 "* ]]; then
     # suite), FLASHINFER's padding-slot test (now in bf16), the unspecialised Triton pointers and
     # the non-blocking copies (a first run on a fresh machine should now be as fast as a second
     # one, and both faster than before), the profile run (start-up logs its activation peak)
-    on 1 300 conformance_flex python3 -m pytest -o addopts= -v -p no:cacheprovider \
-        -p no:benchmark --tb=short -n 4 tests/attention/test_conformance.py \
-        -k "cuda and (FLEX or (FLASHINFER and padding))" &
+    conformance conformance_flex 300 -n 4 -k "cuda and (FLEX or (FLASHINFER and padding))" &
     for run in first second; do
         throughput "qwen3_triton_$run" 70 --model qwen3-0.6b --attention-backend TRITON
     done
