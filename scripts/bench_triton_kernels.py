@@ -65,7 +65,9 @@ def copy_tbps() -> float:
     return 2 * src.numel() / median_ms(lambda: dst.copy_(src)) / 1e9
 
 
-def bench_decode(shape: tuple[int, int, int, int], sweep: bool) -> list[dict[str, object]]:
+def bench_decode(
+    shape: tuple[int, int, int, int], sweep: bool, splits: list[int]
+) -> list[dict[str, object]]:
     batch, length, heads, kv_heads = shape
     cache, table = paged_kv(batch, length, kv_heads)
     seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
@@ -78,6 +80,7 @@ def bench_decode(shape: tuple[int, int, int, int], sweep: bool) -> list[dict[str
     if sweep:
         runs += [(cfg, auto) for cfg in DECODE_SWEEP]
         runs += [(None, s) for s in (1, 2, 4, 8, 16) if s != auto]
+    runs += [(None, s) for s in splits if s != auto]
     kv_bytes = 2 * batch * length * kv_heads * HEAD * cache.element_size()
     rows = []
     for cfg, splits in runs:
@@ -119,7 +122,7 @@ def bench_prefill(shape: tuple[int, int, int, int], sweep: bool) -> list[dict[st
         out = torch.full_like(q, float("nan"))
 
         def run(cfg: KernelConfig | None = cfg, out: torch.Tensor = out) -> None:
-            paged_prefill(q, cache, table, seq_lens, starts, length, out, params, cfg)
+            paged_prefill(q, None, None, cache, table, seq_lens, starts, length, out, params, cfg)
 
         run()
         got = out.view(batch, length, heads, HEAD).transpose(1, 2)
@@ -147,11 +150,12 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other tile configs")
     parser.add_argument("--only", choices=["decode", "prefill"], help="time one kernel only")
     parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--splits", default="", help="decode split counts to time, e.g. 2,4,8")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows: list[dict[str, object]] = [{"kernel": "copy", "TB/s": copy_tbps()}]
     for shape in DECODE_SHAPES if args.only != "prefill" else []:
-        rows += bench_decode(shape, args.sweep)
+        rows += bench_decode(shape, args.sweep, [int(s) for s in args.splits.split(",") if s])
     for shape in PREFILL_SHAPES if args.only != "decode" else []:
         rows += bench_prefill(shape, args.sweep)
     rows.append(bench_cache_write())

@@ -5,6 +5,9 @@ and CUDA-graph mode, `LLM(..., load_format="dummy")` generates greedily for a fe
 prompts; HF transformers, built from the same engine's weights (`to_hf_model`), generates for
 the same prompts. Prints, per prompt, the number of leading tokens that agree (the first
 divergence point when they part) and a summary line per configuration; `--json` writes them.
+Where a prompt parts, HF re-scores the shared prefix in the run's dtype and in fp32 (the same
+weights upcast): the logit gap between HF's token and ours, and the dtype's rounding step at
+that logit's size, say whether the two tokens were a tie within rounding.
 
     PYTHONPATH=src:. python3 scripts/gpu_parity.py --models qwen3-0.6b \
         --dtypes bfloat16,float32 --backends TRITON,FLASHINFER,FLEX_ATTENTION --tokens 32
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import random
 import sys
 import time
@@ -58,6 +62,42 @@ def agreement(ours: list[int], reference: list[int]) -> int:
     return min(len(ours), len(reference))
 
 
+def _spacing(value: float, dtype: torch.dtype) -> float:
+    """The dtype's distance between neighbouring values at `value`'s magnitude."""
+    return float(torch.finfo(dtype).eps) * 2.0 ** math.floor(math.log2(max(abs(value), 1e-30)))
+
+
+def parting_margins(
+    llm: LLM, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]
+) -> list[dict[str, Any] | None]:
+    """For each prompt whose tokens part from HF's: the step, both tokens, and HF's logit gap
+    (its token minus ours) after the shared prefix, in the run's dtype and in fp32."""
+    engine = llm.llm_engine
+    models = {
+        "run_dtype": to_hf_model(engine.runner.model, engine.model_config),
+        "fp32": to_hf_model(engine.runner.model, engine.model_config, dtype=torch.float32),
+    }
+    margins: list[dict[str, Any] | None] = []
+    with torch.no_grad():
+        for prompt, mine, reference in zip(prompts, ours, theirs, strict=True):
+            step = agreement(mine, reference)
+            if step >= min(len(mine), len(reference)):
+                margins.append(None)
+                continue
+            ids = torch.tensor([prompt + reference[:step]], device=engine.runner.device)
+            record: dict[str, Any] = {"step": step, "hf_token": reference[step]}
+            record["our_token"] = mine[step]
+            for name, hf in models.items():
+                logits = hf(ids).logits[0, -1].float()
+                record[f"gap_{name}"] = float(logits[reference[step]] - logits[mine[step]])
+                if name == "run_dtype":  # the rounding step at the winning logit's size
+                    top = float(logits[reference[step]])
+                    record["spacing"] = _spacing(top, engine.model_config.dtype)
+            margins.append(record)
+    del models
+    return margins
+
+
 def run_config(
     model: str, dtype: str, backend: str, eager: bool, tokens: int, reference: dict[str, Any]
 ) -> dict[str, Any]:
@@ -79,6 +119,7 @@ def run_config(
     if key not in reference:
         reference[key] = hf_greedy(llm, prompts, tokens)
     agree = [agreement(a, b) for a, b in zip(ours, reference[key], strict=True)]
+    partings = parting_margins(llm, prompts, ours, reference[key]) if min(agree) < tokens else []
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -90,6 +131,7 @@ def run_config(
         "prompt_lens": list(PROMPT_LENS),
         "agreeing_tokens": agree,
         "all_equal": all(n == tokens for n in agree),
+        "partings": partings,
         "seconds": round(time.perf_counter() - started, 1),
     }
 

@@ -16,8 +16,10 @@
 #            then, one at a time on GPU 0: bench throughput of both models with TRITON and
 #            FLASHINFER (+ breakdown), Llama-3.2-1B's HF baseline, bench kernels
 #   phase 4  both: tensor-parallel greedy parity, TP=1 vs TP=2 (scripts/tp_parity.py)
-#   phase 5  session 3's CPU-checked changes on the GPU: FLEX_ATTENTION's whole cuda suite; a
-#            first and a second TRITON throughput run on the fresh machine (compile in the run)
+#   phase 5  GPU 1: the cuda suite of TRITON and FLEX_ATTENTION (+ FLASHINFER's padding test),
+#                   TRITON greedy parity
+#            GPU 0: TRITON prefill sweep, decode split counts, bench kernels, then a first and a
+#                   second TRITON throughput run on the fresh machine (compile in the run)
 # Knobs: PHASES (default "1 2 3 4"; phase 5 on request).
 set -uo pipefail
 
@@ -116,11 +118,23 @@ if [[ $phases == *" 4 "* ]]; then
         >"$R/tp_parity.log" 2>&1
 fi
 if [[ $phases == *" 5 "* ]]; then
-    # session 3's changes checked on CPU only: the FLEX_ATTENTION recompile limit (its whole cuda
-    # suite), FLASHINFER's padding-slot test (now in bf16), the unspecialised Triton pointers and
-    # the non-blocking copies (a first run on a fresh machine should now be as fast as a second
-    # one, and both faster than before), the profile run (start-up logs its activation peak)
-    conformance conformance_flex 300 -n 4 -k "cuda and (FLEX or (FLASHINFER and padding))" &
+    # session 4: the prefill kernel reads the new tokens' keys from the step (TMA on Hopper), so
+    # TRITON's whole cuda suite again, with FLEX_ATTENTION's (recompile limit) and FLASHINFER's
+    # padding-slot test; TRITON parity; the prefill sweep, the decode split counts, the kernel
+    # bench; a first and a second TRITON throughput run (compile in the run, non-blocking copies)
+    {
+        conformance conformance 330 -n 8 -rfE \
+            -k "cuda and (TRITON or FLEX or (FLASHINFER and padding))"
+        on 1 120 parity python3 scripts/gpu_parity.py --models qwen3-0.6b --backends TRITON \
+            --dtypes float32,bfloat16 --eager 0 --tokens 32 --json "$R/parity.json"
+    } &
+    on 0 200 prefill_sweep python3 scripts/sweep_triton_prefill.py --budget-s 150 \
+        --json "$R/prefill_sweep.json"
+    on 0 90 decode_splits python3 scripts/bench_triton_kernels.py --only decode \
+        --splits 2,3,4,6,8,12,16,24,32 --json "$R/decode_splits.json"
+    on 0 90 kernels python3 -m attnserve.cli bench kernels --backends TRITON,FLASHINFER \
+        --json "$R/kernels.json"
+    pack
     for run in first second; do
         throughput "qwen3_triton_$run" 70 --model qwen3-0.6b --attention-backend TRITON
     done

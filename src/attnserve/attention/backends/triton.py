@@ -54,6 +54,7 @@ class TritonMetadata(AttentionMetadata):
     seq_lens: torch.Tensor  # [B] int32: context + new tokens
     query_start_loc: torch.Tensor  # [B + 1] int32
     max_query_len: int  # longest prefill query (0 without prefills)
+    max_prefill_context_len: int  # longest cached context of a prefill (0: prompts only)
     decode_num_splits: int  # key splits per decode sequence
 
 
@@ -88,6 +89,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     ) -> TritonMetadata:
         layout = build_step_layout(block_tables, context_lens, query_lens, self.block_size)
         prefill_lens = layout.query_lens[: layout.num_prefills]
+        prefill_context = layout.context_lens[: layout.num_prefills]
         decode_lens = layout.seq_lens[layout.num_prefills :]
         num_splits = choose_num_splits(
             layout.num_decode_tokens,
@@ -104,6 +106,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             seq_lens=self._int32(layout.seq_lens),
             query_start_loc=self._int32(layout.query_start_loc),
             max_query_len=int(prefill_lens.max()) if prefill_lens.numel() else 0,
+            max_prefill_context_len=int(prefill_context.max()) if prefill_context.numel() else 0,
             decode_num_splits=num_splits,
         )
 
@@ -143,6 +146,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             seq_lens=buffers.seq_lens[rows],
             query_start_loc=buffers.query_start_loc[: num_padded_seqs + 1],
             max_query_len=0,
+            max_prefill_context_len=0,
             decode_num_splits=choose_num_splits(
                 num_padded_seqs, self.num_kv_heads, buffers.max_seq_len, self.num_sms
             ),
@@ -174,14 +178,9 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
     ) -> torch.Tensor:
         meta = attn_metadata
         dim = self.head_size
-        reshape_and_cache(
-            key.view(-1, self.num_kv_heads, dim),
-            value.view(-1, self.num_kv_heads, dim),
-            kv_cache,
-            meta.slot_mapping,
-            self.k_scale,
-            self.v_scale,
-        )
+        k = key.view(-1, self.num_kv_heads, dim)
+        v = value.view(-1, self.num_kv_heads, dim)
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         q = query.view(-1, self.num_heads, dim)
         out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
         params = self._params(query.device)
@@ -189,6 +188,8 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         if meta.num_prefills:
             paged_prefill(
                 q[prefill],
+                k[prefill],
+                v[prefill],
                 kv_cache,
                 meta.block_table[: meta.num_prefills],
                 meta.seq_lens[: meta.num_prefills],
@@ -196,6 +197,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
                 meta.max_query_len,
                 out[prefill],
                 params,
+                max_context_len=meta.max_prefill_context_len,
             )
         if meta.num_decode_tokens:
             paged_decode(

@@ -1,33 +1,34 @@
 """Triton paged prefill attention: prompts and chunked prefills over their cached context.
 
-The new tokens' K/V are already in the cache (written by `triton_cache` first), so every key is
-read from the paged cache. One program computes BLOCK_M query rows of one sequence: BLOCK_M /
-GROUP_PAD consecutive tokens times every query head of one KV head (a GQA group), so each K/V
-tile is loaded once per group; an online softmax runs over BLOCK_N-key tiles (tensor-core
-dots). Key tiles that no mask touches (before the tile's first token, inside every row's
-window) run without mask code; the rest (the causal diagonal, the window's edge) are masked.
-The window's edge loop exists only when a window is set. Page ids are loaded once per key row
-(an L1-resident int32 per row of HEAD_SIZE elements), never per element.
+One program computes BLOCK_M query rows of one sequence: BLOCK_M / GROUP_PAD consecutive tokens
+times every query head of one KV head (a GQA group), so each K/V tile is loaded once per group;
+an online softmax runs over BLOCK_N-key tiles (tensor-core dots). Key tiles that no mask touches
+(before the tile's first token, inside every row's window) run without mask code; the rest (the
+causal diagonal, the window's edge, a context's last partial tile) are masked. A 1-D grid runs
+each (sequence, KV head)'s query tiles longest first, so neighbouring programs share K/V in L2.
 
-Two structural switches, `PrefillVariant`, let a sweep (scripts/sweep_triton_prefill.py)
-compare them on the GPU:
-- `global_heavy_first`: a 1-D grid ordered so that the causally longest query tiles of every
-  (sequence, KV head) launch before any shorter one (longest-processing-time-first over the
-  whole launch, the smallest tail); otherwise each (sequence, KV head) runs its tiles longest
-  first in turn (neighbouring programs share K/V in L2).
-- `fused_softmax` (plain causal attention only: no window, ALiBi or soft-cap): the log2-domain
-  softmax scale is applied in the same multiply-add that subtracts the running maximum, and
-  P @ V accumulates in place into the rescaled accumulator (`tl.dot(p, v, acc)`), instead of
-  the shared `attend_tile`'s separate scale multiply and accumulator add.
+Where the new tokens' keys come from (`PrefillVariant.fresh_keys`):
+- "cache": every key, the new tokens' too, is gathered from the paged cache through the block
+  table (they were written there first by `triton_cache`). Page ids are loaded once per key
+  row, never per element. The only source for fp8 caches, ALiBi, soft-cap, sliding windows and
+  head sizes that are not a power of two.
+- "pointers" / "tma": the cached context is gathered from the pages, and the new tokens' keys
+  are read from the step's own K/V tensors, rows of one sequence back to back: plain loads, or
+  Hopper's bulk tensor copies (a host `TensorDescriptor`, Triton 3.4+, compute capability 9+),
+  which land K/V tiles in shared memory without the registers and address math of a gather.
+  For plain causal attention the log2-domain softmax scale is applied in the same multiply-add
+  that subtracts the running maximum, and P @ V accumulates in place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from attnserve.attention.ops.triton_cache import cache_storage
 from attnserve.attention.ops.triton_decode import (
@@ -37,71 +38,39 @@ from attnserve.attention.ops.triton_decode import (
     load_kv,
 )
 
+FreshKeys = Literal["cache", "pointers", "tma"]
+_FRESH_CODE = {"cache": 0, "pointers": 1, "tma": 2}
+
 
 @dataclass(frozen=True)
 class PrefillVariant:
-    """Structural switches of the prefill kernel (see the module docstring)."""
+    """Structural switches of the prefill kernel (see the module docstring); None: the
+    fastest source the call allows (`fresh_keys_for`)."""
 
-    global_heavy_first: bool = False
-    fused_softmax: bool = True
-
-
-@triton.jit
-def _program_coordinates(  # type: ignore[no-untyped-def]
-    num_q_tiles,
-    num_seqs,
-    NUM_KV_HEADS: tl.constexpr,
-    GLOBAL_HEAVY_FIRST: tl.constexpr,
-):
-    """(query tile, sequence, KV head) of this program of the 1-D grid; the last query tiles
-    (the most keys under the causal mask) get the lowest program ids."""
-    pid = tl.program_id(0)
-    if GLOBAL_HEAVY_FIRST:
-        rank = pid // (num_seqs * NUM_KV_HEADS)
-        pair = pid % (num_seqs * NUM_KV_HEADS)
-    else:
-        rank = pid % num_q_tiles
-        pair = pid // num_q_tiles
-    return num_q_tiles - 1 - rank, pair // NUM_KV_HEADS, pair % NUM_KV_HEADS
+    fresh_keys: FreshKeys | None = None
 
 
 @triton.jit
-def _attend_tile_fused(  # type: ignore[no-untyped-def]
+def _softmax_update(  # type: ignore[no-untyped-def]
     acc,
     m_i,
     l_i,
     q,
-    q_pos,
-    k_pos,
-    valid,
-    cache_ptr,
-    table_ptr,
-    head_offset,
-    dims,
-    dim_mask,
+    k,
+    v,
+    allowed,
     qk_scale,
-    stride_block,
-    stride_kv,
-    HEAD_SIZE: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
-    FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """`attend_tile` for plain causal attention (qk_scale: softmax scale times log2(e)).
-    Every row's running maximum is finite from its first tile on (the first key tile of a
-    query tile starts at or before its first token), so no guard against an all -inf row."""
-    k, v = load_kv(
-        cache_ptr, table_ptr, k_pos, valid, head_offset, dims, dim_mask, stride_block,
-        stride_kv, HEAD_SIZE, EVEN_D, BLOCK_SIZE, MASKED, FP8, q.dtype,
-    )  # fmt: skip
+    """Fold K/V [N, D] into the online softmax of plain causal attention (qk_scale: softmax
+    scale times log2(e)). Every row's running maximum is finite from its first tile on (a query
+    tile's first key tile starts at key 0), so no guard against an all -inf row."""
     if DOT_FP32:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
     if MASKED:
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & valid[None, :]
         s = tl.where(allowed, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -119,7 +88,7 @@ def _attend_tile_fused(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _attend_range(  # type: ignore[no-untyped-def]
+def _attend_cached(  # type: ignore[no-untyped-def]
     acc,
     m_i,
     l_i,
@@ -133,7 +102,7 @@ def _attend_range(  # type: ignore[no-untyped-def]
     dim_mask,
     start,
     end,
-    seq_len,
+    kv_end,
     window,
     sm_scale,
     soft_cap,
@@ -149,30 +118,82 @@ def _attend_range(  # type: ignore[no-untyped-def]
     USE_SOFTCAP: tl.constexpr,
     FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    FUSED_SOFTMAX: tl.constexpr,
+    PLAIN: tl.constexpr,
 ):
-    """Fold key tiles [start, end) into the running softmax state of one query tile."""
+    """Fold the paged cache's key tiles [start, end) (keys at or past kv_end masked) into the
+    running softmax state of one query tile."""
     for tile in range(start, end, BLOCK_N):
         k_pos = tile + tl.arange(0, BLOCK_N)
-        if FUSED_SOFTMAX:
-            acc, m_i, l_i = _attend_tile_fused(
-                acc, m_i, l_i, q, q_pos, k_pos, k_pos < seq_len, cache_ptr, table, head_offset,
-                dims, dim_mask, sm_scale * 1.4426950408889634, stride_block, stride_kv, HEAD_SIZE,
-                HEAD_PAD == HEAD_SIZE, BLOCK_SIZE, MASKED, FP8, DOT_FP32,
+        valid = k_pos < kv_end
+        if PLAIN:
+            k, v = load_kv(
+                cache_ptr, table, k_pos, valid, head_offset, dims, dim_mask, stride_block,
+                stride_kv, HEAD_SIZE, HEAD_PAD == HEAD_SIZE, BLOCK_SIZE, MASKED, FP8, q.dtype,
             )  # fmt: skip
+            allowed = (k_pos[None, :] <= q_pos[:, None]) & valid[None, :]
+            acc, m_i, l_i = _softmax_update(
+                acc, m_i, l_i, q, k, v, allowed, sm_scale * 1.4426950408889634, MASKED, DOT_FP32
+            )
         else:
             acc, m_i, l_i = attend_tile(
-                acc, m_i, l_i, q, q_pos, slopes, k_pos, k_pos < seq_len, cache_ptr, table,
-                head_offset, dims, dim_mask, window, sm_scale, soft_cap, stride_block,
-                stride_kv, HEAD_SIZE, HEAD_PAD == HEAD_SIZE, BLOCK_SIZE, 2 if MASKED else 0,
-                USE_WINDOW, USE_ALIBI, USE_SOFTCAP, FP8, DOT_FP32,
+                acc, m_i, l_i, q, q_pos, slopes, k_pos, valid, cache_ptr, table, head_offset,
+                dims, dim_mask, window, sm_scale, soft_cap, stride_block, stride_kv, HEAD_SIZE,
+                HEAD_PAD == HEAD_SIZE, BLOCK_SIZE, 2 if MASKED else 0, USE_WINDOW, USE_ALIBI,
+                USE_SOFTCAP, FP8, DOT_FP32,
             )  # fmt: skip
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_q_tiles", "num_seqs", "stride_table", "window"])
+@triton.jit
+def _attend_fresh(  # type: ignore[no-untyped-def]
+    acc,
+    m_i,
+    l_i,
+    q,
+    token,
+    k_src,
+    v_src,
+    first_row,
+    head_col,
+    dims,
+    start,
+    end,
+    query_len,
+    qk_scale,
+    stride_fresh,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    TMA: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Fold the new tokens' own key tiles [start, end) (indices among the new tokens; rows
+    first_row + index of the step's K/V) into the running softmax state of one query tile
+    (token: each row's index among the new tokens). Masked tiles apply the causal mask; with
+    TMA a tile past the sequence reads the next one's rows (or zeros), which that mask hides."""
+    for tile in range(start, end, BLOCK_N):
+        index = tile + tl.arange(0, BLOCK_N)
+        if TMA:
+            k = k_src.load([first_row + tile, head_col])
+            v = v_src.load([first_row + tile, head_col])
+        else:
+            offsets = (first_row + index).to(tl.int64)[:, None] * stride_fresh + head_col
+            offsets += dims[None, :]
+            if MASKED:
+                k = tl.load(k_src + offsets, mask=(index < query_len)[:, None], other=0.0)
+                v = tl.load(v_src + offsets, mask=(index < query_len)[:, None], other=0.0)
+            else:
+                k = tl.load(k_src + offsets)
+                v = tl.load(v_src + offsets)
+        allowed = index[None, :] <= token[:, None]
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, MASKED, DOT_FP32)
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["num_q_tiles", "stride_table", "window"])
 def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
+    k_src,
+    v_src,
     cache_ptr,
     table_ptr,
     seq_lens_ptr,
@@ -180,8 +201,8 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
     slopes_ptr,
     out_ptr,
     num_q_tiles,
-    num_seqs,
     stride_q_tok,
+    stride_fresh,
     stride_out_tok,
     stride_table,
     stride_block,
@@ -204,22 +225,26 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
     USE_SOFTCAP: tl.constexpr,
     FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    GLOBAL_HEAVY_FIRST: tl.constexpr,
-    FUSED_SOFTMAX: tl.constexpr,
+    PLAIN: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr,
+    FRESH: tl.constexpr,
 ) -> None:
-    q_tile, seq, kv_head = _program_coordinates(
-        num_q_tiles, num_seqs, NUM_KV_HEADS, GLOBAL_HEAVY_FIRST
-    )
+    pid = tl.program_id(0)
+    q_tile = num_q_tiles - 1 - pid % num_q_tiles  # the most keys first
+    seq = pid // num_q_tiles // NUM_KV_HEADS
+    kv_head = pid // num_q_tiles % NUM_KV_HEADS
+    TOKENS: tl.constexpr = BLOCK_M // GROUP_PAD
     query_start = tl.load(query_start_ptr + seq)
     query_len = tl.load(query_start_ptr + seq + 1) - query_start
-    if q_tile * (BLOCK_M // GROUP_PAD) >= query_len:
+    if q_tile * TOKENS >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    first_pos = seq_len - query_len + q_tile * (BLOCK_M // GROUP_PAD)  # the tile's first token
-    last_pos = first_pos + BLOCK_M // GROUP_PAD - 1
+    context_len = seq_len - query_len
+    first_pos = context_len + q_tile * TOKENS  # the tile's first token
+    last_pos = first_pos + TOKENS - 1
 
     rows = tl.arange(0, BLOCK_M)  # row r: token r // GROUP_PAD, query head r % GROUP_PAD
-    token = q_tile * (BLOCK_M // GROUP_PAD) + rows // GROUP_PAD
+    token = q_tile * TOKENS + rows // GROUP_PAD
     head_in_group = rows % GROUP_PAD
     heads = kv_head * GROUP + head_in_group
     dims = tl.arange(0, HEAD_PAD)
@@ -232,33 +257,47 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
     slopes = (
         tl.load(slopes_ptr + heads, mask=head_in_group < GROUP, other=0.0) if USE_ALIBI else None
     )
-
-    hi = tl.minimum(seq_len, last_pos + 1)
-    full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
-    lo = 0
-    full_lo = 0
-    if USE_WINDOW:
-        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     table = table_ptr + seq.to(tl.int64) * stride_table
     head_offset = kv_head * stride_head
-    for part in tl.static_range(3):  # the window's edge (masked), the middle, the diagonal
-        if USE_WINDOW or part != 0:
-            if part == 0:
-                start, end = lo, tl.minimum(full_lo, hi)
-            elif part == 1:
-                start, end = full_lo, full_hi
-            else:
-                start, end = tl.maximum(full_lo, full_hi), hi
-            acc, m_i, l_i = _attend_range(
-                acc, m_i, l_i, q, q_pos, slopes, cache_ptr, table, head_offset, dims, dim_mask,
-                start, end, seq_len, window, sm_scale, soft_cap, stride_block, stride_kv,
-                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, part != 1, USE_WINDOW, USE_ALIBI,
-                USE_SOFTCAP, FP8, DOT_FP32, FUSED_SOFTMAX,
-            )  # fmt: skip
+    # the cache's keys: all of them, or only the context when the new ones come from the step
+    cached_end = context_len if FRESH != 0 else tl.minimum(seq_len, last_pos + 1)
+    full_hi = tl.minimum(first_pos + 1, cached_end) // BLOCK_N * BLOCK_N
+    lo = 0
+    full_lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+    if HAS_CONTEXT:  # else every key is a new token's, read from the step
+        for part in tl.static_range(3):  # the window's edge (masked), middle, rest (masked)
+            if USE_WINDOW or part != 0:
+                if part == 0:
+                    start, end = lo, tl.minimum(full_lo, cached_end)
+                elif part == 1:
+                    start, end = full_lo, full_hi
+                else:
+                    start, end = tl.maximum(full_lo, full_hi), cached_end
+                acc, m_i, l_i = _attend_cached(
+                    acc, m_i, l_i, q, q_pos, slopes, cache_ptr, table, head_offset, dims,
+                    dim_mask, start, end, cached_end, window, sm_scale, soft_cap, stride_block,
+                    stride_kv, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, part != 1, USE_WINDOW,
+                    USE_ALIBI, USE_SOFTCAP, FP8, DOT_FP32, PLAIN,
+                )  # fmt: skip
+    if FRESH != 0:
+        diagonal = q_tile * TOKENS // BLOCK_N * BLOCK_N
+        fresh_end = tl.minimum(q_tile * TOKENS + TOKENS, query_len)
+        acc, m_i, l_i = _attend_fresh(  # the new tokens before the tile: unmasked
+            acc, m_i, l_i, q, token, k_src, v_src, query_start, kv_head * HEAD_SIZE, dims, 0,
+            diagonal, query_len, sm_scale * 1.4426950408889634, stride_fresh, BLOCK_N, False,
+            FRESH == 2, DOT_FP32,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_fresh(  # the diagonal: causal mask
+            acc, m_i, l_i, q, token, k_src, v_src, query_start, kv_head * HEAD_SIZE, dims,
+            diagonal, fresh_end, query_len, sm_scale * 1.4426950408889634, stride_fresh, BLOCK_N,
+            True, FRESH == 2, DOT_FP32,
+        )  # fmt: skip
     result = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]  # 0: rows past the end
     out_offsets = tokens[:, None] * stride_out_tok + heads[:, None] * HEAD_SIZE + dims[None, :]
     tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -280,8 +319,58 @@ def default_prefill_config(
     return KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
+def fresh_keys_for(
+    query: torch.Tensor, kv_cache: torch.Tensor, params: AttentionParams
+) -> FreshKeys:
+    """The fastest source of the new tokens' keys a call allows (module docstring)."""
+    plain = params.alibi_slopes is None and params.soft_cap is None
+    head_size = query.shape[-1]
+    if not plain or params.sliding_window is not None or kv_cache.dtype != query.dtype:
+        return "cache"
+    if head_size & (head_size - 1):
+        return "cache"
+    if query.device.type == "cuda" and torch.cuda.get_device_capability(query.device)[0] >= 9:
+        return "tma"
+    return "pointers"
+
+
+def _resolve_fresh_keys(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    kv_cache: torch.Tensor,
+    params: AttentionParams,
+    wanted: FreshKeys | None,
+) -> FreshKeys:
+    allowed = fresh_keys_for(query, kv_cache, params)
+    if key is None or allowed == "cache":
+        if wanted not in (None, "cache"):
+            raise ValueError(
+                f"fresh_keys={wanted!r} needs the step's key/value and a plain bf16/fp16/fp32 "
+                "call (no fp8 cache, ALiBi, soft-cap or window, a power-of-two head size)"
+            )
+        return "cache"
+    return wanted or allowed
+
+
+def _fresh_sources(
+    key: torch.Tensor, value: torch.Tensor, fresh: FreshKeys, block_n: int
+) -> tuple[object, object]:
+    """The kernel's K/V arguments: the tensors, or descriptors of their [T, KV heads * D] rows."""
+    if fresh != "tma":
+        return key, value
+    tokens, num_kv_heads, head_size = key.shape
+
+    def describe(tensor: torch.Tensor) -> TensorDescriptor:
+        shape = [tokens, num_kv_heads * head_size]
+        return TensorDescriptor(tensor, shape, [tensor.stride(0), 1], [block_n, head_size])
+
+    return describe(key), describe(value)
+
+
 def paged_prefill(
     query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -291,30 +380,41 @@ def paged_prefill(
     params: AttentionParams,
     config: KernelConfig | None = None,
     variant: PrefillVariant | None = None,
+    max_context_len: int | None = None,
 ) -> None:
-    """Causal attention of each sequence's new tokens (query/out [T, H, D], sequences back to
-    back at `query_start_loc` [B + 1]) over its cached context and themselves. `config` and
-    `variant` default to `default_prefill_config` and `PrefillVariant()`."""
+    """Causal attention of each sequence's new tokens (query/out [T, H, D]; key/value
+    [T, KV heads, D], the same tokens' K/V, also already in the cache, or None to read every
+    key from the cache; sequences back to back at `query_start_loc` [B + 1]) over its cached
+    context and themselves. `config` and `variant` default to `default_prefill_config` and
+    `PrefillVariant()`; `max_context_len` 0 (no sequence has cached context) compiles the
+    cache's gather out when the new keys come from key/value (None: unknown)."""
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_size = query.shape
     if num_seqs == 0:
         return
-    if query.stride()[1:] != (head_size, 1) or out.stride()[1:] != (head_size, 1):
-        raise ValueError("query and out must be contiguous within each token's heads")
+    if value is None:
+        key = None
+    for name, tensor in (("query", query), ("out", out), ("key", key), ("value", value)):
+        if tensor is not None and tensor.stride()[1:] != (head_size, 1):
+            raise ValueError(f"{name} must be contiguous within each token's heads")
     cfg = config or default_prefill_config(query.device, head_size, query.dtype, params)
     switches = variant or PrefillVariant()
-    plain = params.alibi_slopes is None and params.soft_cap is None
-    plain = plain and params.sliding_window is None
+    fresh = _resolve_fresh_keys(query, key, kv_cache, params, switches.fresh_keys)
+    k_src, v_src = (query, query)
+    if key is not None and value is not None and fresh != "cache":
+        k_src, v_src = _fresh_sources(key, value, fresh, cfg.block_n)
     storage = cache_storage(kv_cache)
     num_kv_heads = kv_cache.shape[2]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_m = max(cfg.block_m, group_pad)
     num_q_tiles = triton.cdiv(max_query_len, block_m // group_pad)
+    plain = params.alibi_slopes is None and params.soft_cap is None
     _paged_prefill_kernel[(num_q_tiles * num_seqs * num_kv_heads,)](
-        query, storage, block_table, seq_lens, query_start_loc,
+        query, k_src, v_src, storage, block_table, seq_lens, query_start_loc,
         params.alibi_slopes if params.alibi_slopes is not None else query,
-        out, num_q_tiles, num_seqs, query.stride(0), out.stride(0), block_table.stride(0),
+        out, num_q_tiles, query.stride(0), key.stride(0) if key is not None else 0,
+        out.stride(0), block_table.stride(0),
         storage.stride(0), storage.stride(1), storage.stride(2),
         params.scale * params.k_scale, params.soft_cap or 1.0, params.v_scale,
         params.sliding_window or 0,
@@ -326,7 +426,8 @@ def paged_prefill(
         USE_SOFTCAP=params.soft_cap is not None,
         FP8=kv_cache.dtype == torch.float8_e4m3fn,
         DOT_FP32=query.dtype == torch.float32 or query.device.type == "cpu",
-        GLOBAL_HEAVY_FIRST=switches.global_heavy_first,
-        FUSED_SOFTMAX=switches.fused_softmax and plain,
+        PLAIN=plain and params.sliding_window is None,
+        HAS_CONTEXT=fresh == "cache" or max_context_len != 0,
+        FRESH=_FRESH_CODE[fresh],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
