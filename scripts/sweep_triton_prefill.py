@@ -4,12 +4,11 @@ Prompts only (no cached context), as `attnserve bench kernels` runs them.
 
 For each prefill shape of scripts/bench_triton_kernels.py (B x L = 4x4096 and 16x1024, 32 query /
 8 KV heads, head 128, bf16, block 16, causal) it builds that script's random paged cache
-(shuffled pages), times SDPA on contiguous tensors (K/V repeated per query head), then runs:
-1. the current default tile under every variant (the before/after of the kernel switches);
-2. the tile grid under the variant that won step 1;
-3. the grid's best tile under the remaining variants.
-Every run is first checked against an fp32 reference (max abs error <= --atol); one that fails
-to compile, runs out of resources or is wrong is reported with the reason and not timed.
+(shuffled pages), times SDPA on contiguous tensors (K/V repeated per query head), then runs
+the session-3 kernel (every key from the cache, default tile) and the tile grid under each
+source of the new tokens' keys (plain loads, TMA). Every run is first checked against an fp32
+reference (max abs error <= --atol); one that fails to compile, runs out of resources or is
+wrong is reported with the reason and not timed.
 Times are triton.testing.do_bench medians; TFLOP/s count the causal half (2*B*H*L^2*D).
 Runs past --budget-s (split evenly over the shapes, unused time carried on) are skipped, so a
 run ends in about budget + one compile. Prints a table per shape sorted by time and the best
@@ -42,21 +41,20 @@ from scripts.bench_triton_kernels import DTYPE, HEAD, PREFILL_SHAPES, gather_kv,
 Shape = tuple[int, int, int, int]  # batch, prompt length, query heads, KV heads
 PARAMS = AttentionParams(scale=HEAD**-0.5)
 DEVICE = "cuda"
-VARIANTS = [  # where the new tokens' keys are read from; the session-3 kernel ("cache") second
-    PrefillVariant(fresh_keys="tma"),
-    PrefillVariant(fresh_keys="cache"),
-    PrefillVariant(fresh_keys="pointers"),
-]
-TILES = [  # rows (tokens x 4 query heads) x keys, warps, stages: 256 rows need 8 warps
-    KernelConfig(256, 64, 8, 2),
+CACHE_ONLY = PrefillVariant(fresh_keys="cache")
+VARIANTS = [PrefillVariant(fresh_keys="pointers"), PrefillVariant(fresh_keys="tma")]
+TILES = [  # rows (tokens x 4 query heads) x keys, warps, stages: 256 rows need 8+ warps
     KernelConfig(256, 64, 8, 3),
-    KernelConfig(128, 64, 8, 2),
+    KernelConfig(256, 64, 8, 4),
+    KernelConfig(256, 32, 8, 3),
+    KernelConfig(256, 32, 8, 4),
+    KernelConfig(256, 64, 16, 2),
+    KernelConfig(256, 64, 16, 3),
+    KernelConfig(256, 64, 16, 4),
     KernelConfig(128, 64, 8, 3),
     KernelConfig(128, 64, 8, 4),
     KernelConfig(128, 128, 8, 2),
     KernelConfig(128, 128, 8, 3),
-    KernelConfig(64, 128, 4, 2),
-    KernelConfig(64, 128, 4, 3),
     KernelConfig(64, 64, 4, 3),
 ]
 
@@ -181,18 +179,10 @@ def sweep_shape(shape: Shape, deadline: float, atol: float) -> dict[str, object]
         print("  " + _row(run), flush=True)
 
     default_tile = default_prefill_config(torch.device(DEVICE), HEAD, DTYPE, PARAMS)
+    measure(default_tile, CACHE_ONLY)  # the session-3 kernel: every key from the cache
     for variant in VARIANTS:
-        measure(default_tile, variant)
-    lead = best_run(runs)
-    lead_variant = lead.variant if lead else VARIANTS[0]
-    for cfg in TILES:
-        if cfg != default_tile:
-            measure(cfg, lead_variant)
-    best = best_run(runs)
-    if best and best.config != default_tile:
-        for variant in VARIANTS:
-            if variant != lead_variant:
-                measure(best.config, variant)
+        for cfg in TILES:
+            measure(cfg, variant)
     _print_table(shape, runs, default_tile)
     return {
         "shape": dict(zip(("batch", "length", "heads", "kv_heads"), shape, strict=True)),
@@ -226,9 +216,7 @@ def _print_table(shape: Shape, runs: list[Run], default_tile: KernelConfig) -> N
     for run in sorted(runs, key=lambda r: r.us if r.us is not None else math.inf):
         print("  " + _row(run))
     best = best_run(runs)
-    before = next(
-        (r for r in runs if r.config == default_tile and r.variant == VARIANTS[1] and r.us), None
-    )
+    before = next((r for r in runs if r.variant == CACHE_ONLY and r.us), None)
     if best:
         print(f"best {_shape_name(shape)}: {best.config} {best.variant} -> {best.tflops:.1f} "
               f"TFLOP/s = {best.vs_sdpa:.1%} of SDPA", flush=True)  # fmt: skip

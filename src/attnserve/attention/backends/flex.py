@@ -211,8 +211,10 @@ def _block_mask(group: FlexGroup, window: int | None) -> BlockMask:
 @functools.cache
 def _compiled_flex() -> Callable[..., torch.Tensor]:
     """flex_attention compiled once and reused by every layer and step (new shapes extend it,
-    dynamically after the first), with a KV tile as wide as the block mask's (a constant)."""
-    kernel_options: FlexKernelOptions = {"BLOCK_N": KV_SPARSE_BLOCK}
+    dynamically after the first), with a KV tile as wide as the block mask's (a constant), on
+    the standard kernel: torch's flex-decoding kernel, which it would pick for short query
+    grids, found no valid tile for fp32 at head size 128 or for groups of 8 on the H200."""
+    kernel_options: FlexKernelOptions = {"BLOCK_N": KV_SPARSE_BLOCK, "BACKEND": "TRITON"}
 
     def run(
         q: torch.Tensor,

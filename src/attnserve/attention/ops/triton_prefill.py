@@ -322,16 +322,13 @@ def default_prefill_config(
 def fresh_keys_for(
     query: torch.Tensor, kv_cache: torch.Tensor, params: AttentionParams
 ) -> FreshKeys:
-    """The fastest source of the new tokens' keys a call allows (module docstring)."""
+    """Where a call reads the new tokens' keys by default: from the step's K/V with plain loads
+    when it can (module docstring); TMA measured slower on the H200 (docs/benchmarks.md)."""
     plain = params.alibi_slopes is None and params.soft_cap is None
     head_size = query.shape[-1]
     if not plain or params.sliding_window is not None or kv_cache.dtype != query.dtype:
         return "cache"
-    if head_size & (head_size - 1):
-        return "cache"
-    if query.device.type == "cuda" and torch.cuda.get_device_capability(query.device)[0] >= 9:
-        return "tma"
-    return "pointers"
+    return "cache" if head_size & (head_size - 1) else "pointers"
 
 
 def _resolve_fresh_keys(
@@ -341,6 +338,7 @@ def _resolve_fresh_keys(
     params: AttentionParams,
     wanted: FreshKeys | None,
 ) -> FreshKeys:
+    """`wanted`, or the default, where the call allows reading keys from the step."""
     allowed = fresh_keys_for(query, kv_cache, params)
     if key is None or allowed == "cache":
         if wanted not in (None, "cache"):
