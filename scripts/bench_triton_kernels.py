@@ -18,13 +18,8 @@ import torch.nn.functional as F
 import triton
 
 from attnserve.attention.ops.triton_cache import reshape_and_cache
-from attnserve.attention.ops.triton_decode import (
-    AttentionParams,
-    KernelConfig,
-    choose_num_splits,
-    num_sms,
-    paged_decode,
-)
+from attnserve.attention.ops.triton_common import AttentionParams, KernelConfig
+from attnserve.attention.ops.triton_decode import choose_num_splits, num_sms, paged_decode
 from attnserve.attention.ops.triton_prefill import paged_prefill
 
 DECODE_SHAPES = [(64, 2048, 32, 8), (256, 1024, 16, 8), (16, 8192, 32, 8)]  # B, ctx, Hq, Hkv

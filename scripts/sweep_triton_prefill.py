@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from attnserve.attention.ops.triton_decode import AttentionParams, KernelConfig
+from attnserve.attention.ops.triton_common import AttentionParams, KernelConfig
 from attnserve.attention.ops.triton_prefill import (
+    FreshKeys,
     PrefillVariant,
     default_prefill_config,
     paged_prefill,
@@ -41,21 +42,19 @@ from scripts.bench_triton_kernels import DTYPE, HEAD, PREFILL_SHAPES, gather_kv,
 Shape = tuple[int, int, int, int]  # batch, prompt length, query heads, KV heads
 PARAMS = AttentionParams(scale=HEAD**-0.5)
 DEVICE = "cuda"
-CACHE_ONLY = PrefillVariant(fresh_keys="cache")
-VARIANTS = [PrefillVariant(fresh_keys="pointers"), PrefillVariant(fresh_keys="tma")]
-TILES = [  # rows (tokens x 4 query heads) x keys, warps, stages: 256 rows need 8+ warps
-    KernelConfig(256, 64, 8, 3),
-    KernelConfig(256, 64, 8, 4),
-    KernelConfig(256, 32, 8, 3),
-    KernelConfig(256, 32, 8, 4),
-    KernelConfig(256, 64, 16, 2),
-    KernelConfig(256, 64, 16, 3),
-    KernelConfig(256, 64, 16, 4),
-    KernelConfig(128, 64, 8, 3),
-    KernelConfig(128, 64, 8, 4),
-    KernelConfig(128, 128, 8, 2),
-    KernelConfig(128, 128, 8, 3),
-    KernelConfig(64, 64, 4, 3),
+CACHE_ONLY = PrefillVariant(fresh_keys="cache")  # the session-3 kernel, on its default tile
+SESSION3_TILE = KernelConfig(256, 64, 8, 3)
+# (source of the new keys, tile: rows (tokens x 4 query heads) x keys, warps, stages)
+GRID: list[tuple[FreshKeys, KernelConfig]] = [
+    *(
+        ("tma", KernelConfig(64, n, w, s))
+        for n, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 4, 4), (128, 4, 2))
+    ),
+    ("tma", KernelConfig(64, 64, 8, 3)),
+    ("tma", KernelConfig(128, 64, 8, 3)),
+    ("tma", KernelConfig(128, 128, 8, 3)),
+    ("pointers", KernelConfig(64, 64, 4, 3)),
+    ("pointers", KernelConfig(256, 64, 8, 3)),
 ]
 
 
@@ -178,11 +177,10 @@ def sweep_shape(shape: Shape, deadline: float, atol: float) -> dict[str, object]
         runs.append(run)
         print("  " + _row(run), flush=True)
 
-    default_tile = default_prefill_config(torch.device(DEVICE), HEAD, DTYPE, PARAMS)
-    measure(default_tile, CACHE_ONLY)  # the session-3 kernel: every key from the cache
-    for variant in VARIANTS:
-        for cfg in TILES:
-            measure(cfg, variant)
+    default_tile = default_prefill_config(torch.device(DEVICE), HEAD, DTYPE, "tma")
+    measure(SESSION3_TILE, CACHE_ONLY)
+    for fresh, cfg in GRID:
+        measure(cfg, PrefillVariant(fresh_keys=fresh))
     _print_table(shape, runs, default_tile)
     return {
         "shape": dict(zip(("batch", "length", "heads", "kv_heads"), shape, strict=True)),

@@ -22,7 +22,8 @@ if BACKEND.unavailable_reason() or DEVICE not in BACKEND.capabilities.devices:
     pytest.skip("TRITON does not run here", allow_module_level=True)
 
 from attnserve.attention.ops.triton_cache import reshape_and_cache  # noqa: E402
-from attnserve.attention.ops.triton_decode import AttentionParams, paged_decode  # noqa: E402
+from attnserve.attention.ops.triton_common import AttentionParams  # noqa: E402
+from attnserve.attention.ops.triton_decode import paged_decode  # noqa: E402
 
 
 def _paged_cache(

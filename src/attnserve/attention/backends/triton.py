@@ -31,12 +31,8 @@ from attnserve.host_copy import to_device
 
 try:
     from attnserve.attention.ops.triton_cache import reshape_and_cache
-    from attnserve.attention.ops.triton_decode import (
-        AttentionParams,
-        choose_num_splits,
-        num_sms,
-        paged_decode,
-    )
+    from attnserve.attention.ops.triton_common import AttentionParams
+    from attnserve.attention.ops.triton_decode import choose_num_splits, num_sms, paged_decode
     from attnserve.attention.ops.triton_prefill import paged_prefill
 
     _TRITON_ERROR: str | None = None

@@ -1,160 +1,23 @@
-"""Triton paged decode attention (flash-decoding) and the pieces the prefill kernel shares.
+"""Triton paged decode attention (flash-decoding).
 
 One program handles every query head of one KV head (a GQA group) of one sequence over one
 split of its keys, so each KV page is read once per group; the group's query heads are the rows
 of a tensor-core dot (padded to 16). When the batch alone cannot fill the GPU the keys are split
 into `num_splits` parts (chosen from batch size, context length and SM count); each split writes
-a partial output and its log-sum-exp, and a small kernel merges them.
-
-Scores are kept in the log2 domain (exp2 is the fast path): soft-cap first, then ALiBi, then
-masking, as the contract defines. Cache layout: see `triton_cache`.
+a partial output and its log-sum-exp, and a small kernel merges them. The tile step and the
+K/V loads are `triton_common`'s.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from attnserve.attention.ops.triton_cache import cache_storage
-
-
-@dataclass(frozen=True)
-class AttentionParams:
-    """What every attention kernel launch needs beyond the tensors."""
-
-    scale: float
-    sliding_window: int | None = None
-    alibi_slopes: torch.Tensor | None = None  # [num_heads] fp32, on the kernel's device
-    soft_cap: float | None = None
-    k_scale: float = 1.0
-    v_scale: float = 1.0
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Tile sizes and launch shape of one kernel. block_m (query rows per program) is the
-    prefill kernel's; the decode kernel's rows are one GQA group, padded to 16."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-@triton.jit
-def load_kv(  # type: ignore[no-untyped-def]
-    cache_ptr,
-    table_ptr,
-    k_pos,
-    valid,
-    head_offset,
-    dims,
-    dim_mask,
-    stride_block,
-    stride_kv,
-    HEAD_SIZE: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,
-    FP8: tl.constexpr,
-    DTYPE: tl.constexpr,
-):
-    """K and V [N, D] of the keys at `k_pos` from the paged cache, in DTYPE; unpredicated
-    loads when the tile is unmasked and the head size a power of two."""
-    if MASKED:
-        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    else:
-        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE).to(tl.int64)
-    rows = blocks * stride_block + head_offset + (k_pos % BLOCK_SIZE) * HEAD_SIZE
-    ptrs = cache_ptr + rows[:, None] + dims[None, :]
-    if not MASKED and EVEN_D:
-        k = tl.load(ptrs)
-        v = tl.load(ptrs + stride_kv)
-    else:
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(ptrs, mask=kv_mask, other=0)
-        v = tl.load(ptrs + stride_kv, mask=kv_mask, other=0)
-    if FP8:
-        k = k.to(tl.float8e4nv, bitcast=True)
-        v = v.to(tl.float8e4nv, bitcast=True)
-    return k.to(DTYPE), v.to(DTYPE)
-
-
-@triton.jit
-def attend_tile(  # type: ignore[no-untyped-def]
-    acc,
-    m_i,
-    l_i,
-    q,
-    q_pos,
-    slopes,
-    k_pos,
-    valid,
-    cache_ptr,
-    table_ptr,
-    head_offset,
-    dims,
-    dim_mask,
-    window,
-    sm_scale,
-    soft_cap,
-    stride_block,
-    stride_kv,
-    HEAD_SIZE: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    MASK: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    USE_ALIBI: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    FP8: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    """Fold the keys at `k_pos` [N] of one sequence (one KV head) into the online-softmax state
-    (acc [M, D], running max m_i and sum l_i [M], log2 units) of the queries q [M, D] at q_pos.
-
-    MASK: 0 none, 1 only `valid` (keys past the range), 2 causal + `valid` + sliding window.
-    EVEN_D: the head size is a power of two (no padded dims to mask).
-    Scores: soft-cap, then ALiBi, then the mask. Dots are exact fp32 when DOT_FP32 (fp32 models,
-    and the CPU interpreter, whose low-precision dots are unreliable)."""
-    k, v = load_kv(
-        cache_ptr, table_ptr, k_pos, valid, head_offset, dims, dim_mask, stride_block,
-        stride_kv, HEAD_SIZE, EVEN_D, BLOCK_SIZE, MASK != 0, FP8, q.dtype,
-    )  # fmt: skip
-    if DOT_FP32:
-        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    if USE_SOFTCAP:
-        x = qk * (sm_scale / soft_cap)
-        tanh = 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
-        s = tanh * (soft_cap * 1.4426950408889634)
-    else:
-        s = qk * (sm_scale * 1.4426950408889634)
-    if USE_ALIBI:
-        distance = (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
-        s += (slopes * 1.4426950408889634)[:, None] * distance
-    if MASK == 1:
-        s = tl.where(valid[None, :], s, float("-inf"))
-    if MASK == 2:
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & valid[None, :]
-        if USE_WINDOW:
-            allowed &= q_pos[:, None] - k_pos[None, :] < window
-        s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if DOT_FP32:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return acc * alpha[:, None] + pv, m_new, l_i
+from attnserve.attention.ops.triton_common import AttentionParams, KernelConfig, attend_tile
 
 
 # Step-dependent arguments are not specialised on, so each kernel compiles once per model

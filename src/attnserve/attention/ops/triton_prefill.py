@@ -31,9 +31,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from attnserve.attention.ops.triton_cache import cache_storage
-from attnserve.attention.ops.triton_decode import (
+from attnserve.attention.ops.triton_common import (
     AttentionParams,
     KernelConfig,
+    attend_plain_tile,
     attend_tile,
     load_kv,
 )
@@ -48,43 +49,6 @@ class PrefillVariant:
     fastest source the call allows (`fresh_keys_for`)."""
 
     fresh_keys: FreshKeys | None = None
-
-
-@triton.jit
-def _softmax_update(  # type: ignore[no-untyped-def]
-    acc,
-    m_i,
-    l_i,
-    q,
-    k,
-    v,
-    allowed,
-    qk_scale,
-    MASKED: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    """Fold K/V [N, D] into the online softmax of plain causal attention (qk_scale: softmax
-    scale times log2(e)). Every row's running maximum is finite from its first tile on (a query
-    tile's first key tile starts at key 0), so no guard against an all -inf row."""
-    if DOT_FP32:
-        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    if MASKED:
-        s = tl.where(allowed, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if DOT_FP32:
-        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -131,7 +95,7 @@ def _attend_cached(  # type: ignore[no-untyped-def]
                 stride_kv, HEAD_SIZE, HEAD_PAD == HEAD_SIZE, BLOCK_SIZE, MASKED, FP8, q.dtype,
             )  # fmt: skip
             allowed = (k_pos[None, :] <= q_pos[:, None]) & valid[None, :]
-            acc, m_i, l_i = _softmax_update(
+            acc, m_i, l_i = attend_plain_tile(
                 acc, m_i, l_i, q, k, v, allowed, sm_scale * 1.4426950408889634, MASKED, DOT_FP32
             )
         else:
@@ -185,7 +149,9 @@ def _attend_fresh(  # type: ignore[no-untyped-def]
                 k = tl.load(k_src + offsets)
                 v = tl.load(v_src + offsets)
         allowed = index[None, :] <= token[:, None]
-        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, MASKED, DOT_FP32)
+        acc, m_i, l_i = attend_plain_tile(
+            acc, m_i, l_i, q, k, v, allowed, qk_scale, MASKED, DOT_FP32
+        )
     return acc, m_i, l_i
 
 
@@ -304,31 +270,39 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
 
 
 def default_prefill_config(
-    device: torch.device, head_size: int, dtype: torch.dtype, params: AttentionParams
+    device: torch.device, head_size: int, dtype: torch.dtype, fresh: FreshKeys
 ) -> KernelConfig:
-    """Tiles measured on an H200 (bf16, head 128): 256x64 is fastest for plain causal
-    attention; alibi / soft-cap / window variants keep 128x64, whose 8 warps leave ptxas room
-    (4 warps with 128 rows crashed ptxas on one such variant)."""
+    """Tiles measured on an H200 (bf16, head 128, docs/benchmarks.md): with the new keys read
+    by TMA, 64x64 (16 tokens x 4 heads) on 4 warps; gathering every key from the cache, 256x64
+    on 8 warps for plain causal attention (`fresh` "pointers"), else 128x64, whose 8 warps leave
+    ptxas room for ALiBi / soft-cap / window (4 warps with 128 rows crashed ptxas on one)."""
     if device.type != "cuda":
         return KernelConfig(block_m=256, block_n=128, num_warps=4, num_stages=1)
     if head_size > 128 or dtype == torch.float32:
         return KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    plain = params.alibi_slopes is None and params.soft_cap is None
-    if plain and params.sliding_window is None and head_size == 128:
+    if fresh == "tma":
+        return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    if fresh == "pointers" and head_size == 128:
         return KernelConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
     return KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
 def fresh_keys_for(
-    query: torch.Tensor, kv_cache: torch.Tensor, params: AttentionParams
+    query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor, params: AttentionParams
 ) -> FreshKeys:
-    """Where a call reads the new tokens' keys by default: from the step's K/V with plain loads
-    when it can (module docstring); TMA measured slower on the H200 (docs/benchmarks.md)."""
+    """Where a call reads the new tokens' keys by default (module docstring): from the step's
+    K/V when the call is plain causal attention over a cache of the query's dtype, by TMA where
+    the GPU has it and the rows are 16-byte aligned."""
     plain = params.alibi_slopes is None and params.soft_cap is None
     head_size = query.shape[-1]
-    if not plain or params.sliding_window is not None or kv_cache.dtype != query.dtype:
+    if key is None or not plain or params.sliding_window is not None:
         return "cache"
-    return "cache" if head_size & (head_size - 1) else "pointers"
+    if kv_cache.dtype != query.dtype or head_size & (head_size - 1):
+        return "cache"
+    aligned = key.data_ptr() % 16 == 0 and key.stride(0) * key.element_size() % 16 == 0
+    if aligned and query.is_cuda and torch.cuda.get_device_capability(query.device)[0] >= 9:
+        return "tma"
+    return "pointers"
 
 
 def _resolve_fresh_keys(
@@ -339,22 +313,27 @@ def _resolve_fresh_keys(
     wanted: FreshKeys | None,
 ) -> FreshKeys:
     """`wanted`, or the default, where the call allows reading keys from the step."""
-    allowed = fresh_keys_for(query, kv_cache, params)
-    if key is None or allowed == "cache":
-        if wanted not in (None, "cache"):
-            raise ValueError(
-                f"fresh_keys={wanted!r} needs the step's key/value and a plain bf16/fp16/fp32 "
-                "call (no fp8 cache, ALiBi, soft-cap or window, a power-of-two head size)"
-            )
-        return "cache"
-    return wanted or allowed
+    allowed = fresh_keys_for(query, key, kv_cache, params)
+    if allowed == "cache" and wanted not in (None, "cache"):
+        raise ValueError(
+            f"fresh_keys={wanted!r} needs the step's key/value and a plain bf16/fp16/fp32 call "
+            "(no fp8 cache, ALiBi, soft-cap or window, a power-of-two head size)"
+        )
+    return allowed if allowed == "cache" else wanted or allowed
 
 
 def _fresh_sources(
-    key: torch.Tensor, value: torch.Tensor, fresh: FreshKeys, block_n: int
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    fresh: FreshKeys,
+    block_n: int,
+    placeholder: torch.Tensor,
 ) -> tuple[object, object]:
-    """The kernel's K/V arguments: the tensors, or descriptors of their [T, KV heads * D] rows."""
-    if fresh != "tma":
+    """The kernel's K/V arguments: the tensors, descriptors of their [T, KV heads * D] rows,
+    or (keys from the cache) a placeholder the kernel never reads."""
+    if key is None or value is None or fresh == "cache":
+        return placeholder, placeholder
+    if fresh == "pointers":
         return key, value
     tokens, num_kv_heads, head_size = key.shape
 
@@ -395,12 +374,10 @@ def paged_prefill(
     for name, tensor in (("query", query), ("out", out), ("key", key), ("value", value)):
         if tensor is not None and tensor.stride()[1:] != (head_size, 1):
             raise ValueError(f"{name} must be contiguous within each token's heads")
-    cfg = config or default_prefill_config(query.device, head_size, query.dtype, params)
-    switches = variant or PrefillVariant()
-    fresh = _resolve_fresh_keys(query, key, kv_cache, params, switches.fresh_keys)
-    k_src, v_src = (query, query)
-    if key is not None and value is not None and fresh != "cache":
-        k_src, v_src = _fresh_sources(key, value, fresh, cfg.block_n)
+    wanted = (variant or PrefillVariant()).fresh_keys
+    fresh = _resolve_fresh_keys(query, key, kv_cache, params, wanted)
+    cfg = config or default_prefill_config(query.device, head_size, query.dtype, fresh)
+    k_src, v_src = _fresh_sources(key, value, fresh, cfg.block_n, query)
     storage = cache_storage(kv_cache)
     num_kv_heads = kv_cache.shape[2]
     group = num_heads // num_kv_heads
