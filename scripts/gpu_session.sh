@@ -16,9 +16,10 @@
 #            then, one at a time on GPU 0: bench throughput of both models with TRITON and
 #            FLASHINFER (+ breakdown), Llama-3.2-1B's HF baseline, bench kernels
 #   phase 4  both: tensor-parallel greedy parity, TP=1 vs TP=2 (scripts/tp_parity.py)
-#   phase 5  GPU 1: the cuda suite of TRITON and FLEX_ATTENTION (+ FLASHINFER's padding test)
-#            GPU 0: TRITON prefill and decode sweeps; then alone: bench kernels, a first and a
-#                   second TRITON throughput run on the fresh machine, TRITON greedy parity
+#   phase 5  GPU 1: the cuda suite of TRITON and FLEX_ATTENTION (+ FLASHINFER's padding test),
+#                   TRITON's own kernel tests
+#            GPU 0: TRITON prefill sweep, host cost of a backend call; then alone: bench kernels,
+#                   a first and a second TRITON throughput run (own Triton cache), TRITON parity
 # Knobs: PHASES (default "1 2 3 4"; phase 5 on request).
 set -uo pipefail
 
@@ -117,23 +118,31 @@ if [[ $phases == *" 4 "* ]]; then
         >"$R/tp_parity.log" 2>&1
 fi
 if [[ $phases == *" 5 "* ]]; then
-    # session 4: the prefill kernel reads the new tokens' keys from the step; FLEX_ATTENTION on
-    # torch's standard kernel. The engine is host-bound: the kernel bench, the throughput runs
-    # and parity each run alone.
-    conformance conformance 300 -n 8 -rfE \
-        -k "cuda and (TRITON or FLEX or (FLASHINFER and padding))" &
+    # session 4: the prefill kernel reads the new tokens' keys from the step (TMA on Hopper);
+    # FLEX_ATTENTION on torch's standard kernel. The engine is host-bound: the kernel bench, the
+    # throughput runs and parity each run alone. The throughput runs get their own Triton cache,
+    # so the first compiles everything; the kernels it compiled while timed are listed.
+    {
+        conformance conformance 300 -n 8 -rfE \
+            -k "cuda and (TRITON or FLEX or (FLASHINFER and padding))"
+        on 1 120 triton_ops python3 -m pytest -o addopts= -q -p no:cacheprovider -rfE \
+            tests/attention/test_triton_prefill.py tests/attention/test_triton_ops.py
+    } &
     on 0 200 prefill_sweep python3 scripts/sweep_triton_prefill.py --budget-s 150 \
         --json "$R/prefill_sweep.json"
-    on 0 150 decode_sweep python3 scripts/bench_triton_kernels.py --only decode --sweep \
-        --splits 3,6,12 --json "$R/decode_sweep.json"
+    on 0 60 launch_overhead python3 scripts/launch_overhead.py --backends TRITON,FLASHINFER
     wait
     on 0 90 kernels python3 -m attnserve.cli bench kernels --backends TRITON,FLASHINFER \
         --json "$R/kernels.json"
     pack
+    export TRITON_CACHE_DIR=/tmp/engine_triton_cache
     for run in first second; do
         throughput "qwen3_triton_$run" 70 --model qwen3-0.6b --attention-backend TRITON
     done
-    grep -h "profile run\|KV cache:" "$R"/qwen3_triton_first.log
+    find "$TRITON_CACHE_DIR" -name "*.json" ! -name "__grp__*" -printf "%TT %f\n" | sort \
+        >"$R/engine_kernels_compiled.txt"
+    unset TRITON_CACHE_DIR
+    grep -h "profile run\|KV cache:\|timing\|tok/s" "$R"/qwen3_triton_first.log
     pack
     on 1 200 parity python3 scripts/gpu_parity.py --models qwen3-0.6b --backends TRITON \
         --dtypes bfloat16,float32 --eager 0 --tokens 32 --json "$R/parity.json"
