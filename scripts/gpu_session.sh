@@ -18,8 +18,8 @@
 #   phase 4  both: tensor-parallel greedy parity, TP=1 vs TP=2 (scripts/tp_parity.py)
 #   phase 5  GPU 1: the cuda suite of TRITON and FLEX_ATTENTION (+ FLASHINFER's padding test),
 #                   TRITON's own kernel tests
-#            GPU 0: TRITON prefill sweep, host cost of a backend call; then alone: bench kernels,
-#                   a first and a second TRITON throughput run (own Triton cache), TRITON parity
+#            GPU 0: TRITON prefill sweep; then alone: bench kernels, a first and a second
+#                   TRITON throughput run (own Triton cache), TRITON parity (PARITY=0: none)
 # Knobs: PHASES (default "1 2 3 4"; phase 5 on request).
 set -uo pipefail
 
@@ -130,7 +130,6 @@ if [[ $phases == *" 5 "* ]]; then
     } &
     on 0 200 prefill_sweep python3 scripts/sweep_triton_prefill.py --budget-s 150 \
         --json "$R/prefill_sweep.json"
-    on 0 60 launch_overhead python3 scripts/launch_overhead.py --backends TRITON,FLASHINFER
     wait
     on 0 90 kernels python3 -m attnserve.cli bench kernels --backends TRITON,FLASHINFER \
         --json "$R/kernels.json"
@@ -142,10 +141,11 @@ if [[ $phases == *" 5 "* ]]; then
     find "$TRITON_CACHE_DIR" -name "*.json" ! -name "__grp__*" -printf "%TT %f\n" | sort \
         >"$R/engine_kernels_compiled.txt"
     unset TRITON_CACHE_DIR
-    grep -h "profile run\|KV cache:\|timing\|tok/s" "$R"/qwen3_triton_first.log
-    pack
-    on 1 200 parity python3 scripts/gpu_parity.py --models qwen3-0.6b --backends TRITON \
-        --dtypes bfloat16,float32 --eager 0 --tokens 32 --json "$R/parity.json"
+    grep -h "profile run\|KV cache:\|timing\|tok/s" "$R"/qwen3_triton_*.log
+    if [[ ${PARITY:-1} == 1 ]]; then
+        on 1 200 parity python3 scripts/gpu_parity.py --models qwen3-0.6b --backends TRITON \
+            --dtypes bfloat16,float32 --eager 0 --tokens 32 --json "$R/parity.json"
+    fi
 fi
 pack
 cat "$R/summary.txt"

@@ -177,7 +177,7 @@ def sweep_shape(shape: Shape, deadline: float, atol: float) -> dict[str, object]
         runs.append(run)
         print("  " + _row(run), flush=True)
 
-    default_tile = default_prefill_config(torch.device(DEVICE), HEAD, DTYPE, "tma")
+    default_tile = default_prefill_config(torch.device(DEVICE), HEAD, DTYPE, "tma", shape[1])
     measure(SESSION3_TILE, CACHE_ONLY)
     for fresh, cfg in GRID:
         measure(cfg, PrefillVariant(fresh_keys=fresh))

@@ -18,7 +18,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if BACKEND.unavailable_reason() or DEVICE not in BACKEND.capabilities.devices:
     pytest.skip("TRITON does not run here", allow_module_level=True)
 
-from attnserve.attention.ops.triton_cache import reshape_and_cache  # noqa: E402
 from attnserve.attention.ops.triton_common import AttentionParams, KernelConfig  # noqa: E402
 from attnserve.attention.ops.triton_prefill import (  # noqa: E402
     FreshKeys,
@@ -45,8 +44,9 @@ class Step:
         self.values = [torch.randn_like(k) for k in self.keys]
         for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
             pos = torch.arange(k.shape[0])
-            slots = self.table[i, pos // BLOCK].long() * BLOCK + pos % BLOCK
-            reshape_and_cache(k.to(DTYPE), v.to(DTYPE), self.cache, slots, 1.0, 1.0)
+            pages, offsets = self.table[i, pos // BLOCK].long(), pos % BLOCK
+            self.cache[pages, 0, :, offsets] = k.to(DTYPE)  # [block, K/V, head, offset, dim]
+            self.cache[pages, 1, :, offsets] = v.to(DTYPE)
         self.context, self.new = context, new
         self.q = torch.randn(sum(new), HEADS, HEAD, generator=gen)
         self.k_new = torch.cat([k[c:] for k, c in zip(self.keys, context, strict=True)])
@@ -99,9 +99,10 @@ def test_every_key_source_matches_dense_attention(
 
 def test_keys_from_the_step_need_a_plain_call() -> None:
     step = Step([5], [9])
+    q, k, v = (t.to(DEVICE, DTYPE) for t in (step.q, step.k_new, step.v_new))
     with pytest.raises(ValueError, match="fresh_keys='tma' needs"):
         paged_prefill(
-            step.q, step.k_new, step.v_new, step.cache, step.table, step.seq_lens, step.starts,
-            9, torch.empty_like(step.q), AttentionParams(scale=0.1, soft_cap=30.0),
-            variant=PrefillVariant(fresh_keys="tma"),
+            q, k, v, step.cache.to(DEVICE), step.table.to(DEVICE), step.seq_lens.to(DEVICE),
+            step.starts.to(DEVICE), 9, torch.empty_like(q),
+            AttentionParams(scale=0.1, soft_cap=30.0), variant=PrefillVariant(fresh_keys="tma"),
         )  # fmt: skip

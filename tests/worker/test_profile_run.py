@@ -28,9 +28,11 @@ def test_profile_batch_fills_the_limits(
 ) -> None:
     batch = profile_batch(max_num_seqs, max_tokens, max_model_len, block_size=4)
     assert [len(s.token_ids) for s in batch.seqs] == lengths
+    # the first continues a chunked prefill: a block of context where the model length allows
+    assert batch.seqs[0].context_len == min(4, max_model_len - lengths[0])
     for seq in batch.seqs:
-        assert seq.context_len == 0
-        assert seq.block_table == [0] * -(-len(seq.token_ids) // 4)
+        assert seq.context_len == 0 or seq is batch.seqs[0]
+        assert seq.block_table == [0] * -(-(seq.context_len + len(seq.token_ids)) // 4)
         assert seq.sampling is PROFILE_SAMPLING
     assert PROFILE_SAMPLING.top_k > 0 and PROFILE_SAMPLING.top_p < 1
 

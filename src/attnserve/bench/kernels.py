@@ -3,8 +3,11 @@ the GPU, through the backend API alone, beside the card's copy bandwidth and tor
 `scaled_dot_product_attention` on contiguous tensors, measured in the same run.
 
 Each backend is driven the same way: `get_kv_cache_shape` for its cache (random bf16, pages
-shuffled over the pool), `builder.build` once, then `impl.forward` timed with CUDA events after
-a warm-up (which also absorbs any just-in-time compilation). Decode is reported in TB/s of KV
+shuffled over the pool), its metadata built once, then `impl.forward` timed with CUDA events
+after a warm-up (which also absorbs any just-in-time compilation). Decode runs as the engine runs
+it: replays of a CUDA graph of the call, for SDPA and for backends that capture graphs (metadata
+from `build_for_cuda_graph`), so the timing is the kernels' and not the host's launch work;
+prefill (eager in the engine) runs eagerly. Decode is reported in TB/s of KV
 read (K and V of every context token, once) and as a fraction of a device-to-device copy;
 prefill in TFLOP/s counting the causal half (2·B·H·L²·D) and as a fraction of SDPA.
 """
@@ -96,6 +99,17 @@ def _random(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device=DEVICE, dtype=DTYPE)
 
 
+def _as_graph(fn: Callable[[], object]) -> Callable[[], object]:
+    """Replays of a CUDA graph of `fn` (run twice first: compiles and lazy set-up stay out)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _backend_step(
     backend: type[AttentionBackend],
     batch: int,
@@ -104,19 +118,26 @@ def _backend_step(
     heads: tuple[int, int],
 ) -> Callable[[], object]:
     """A ready-to-time call of `impl.forward` for one step: `batch` sequences, each with
-    `context` cached tokens and `query` new ones, on pages shuffled over the pool."""
+    `context` cached tokens and `query` new ones, on pages shuffled over the pool; a decode
+    step (query 1) of a backend that captures graphs is a graph replay."""
     num_heads, num_kv_heads = heads
     pages = -(-(context + query) // BLOCK_SIZE)
     order = torch.randperm(batch * pages).view(batch, pages).tolist()
     shape = backend.get_kv_cache_shape(batch * pages, BLOCK_SIZE, num_kv_heads, HEAD_SIZE)
     cache = _random(*shape)
     builder = backend.get_builder_cls()(BLOCK_SIZE, DEVICE)
-    meta = builder.build(order, [context] * batch, [query] * batch)
+    graphed = query == 1 and backend.capabilities.cuda_graphs
+    if graphed:
+        builder.init_cuda_graph_buffers(batch, pages)
+        meta = builder.build_for_cuda_graph(batch, order, [context] * batch)
+    else:
+        meta = builder.build(order, [context] * batch, [query] * batch)
     impl = backend.get_impl_cls()(num_heads, HEAD_SIZE, 1 / math.sqrt(HEAD_SIZE), num_kv_heads)
     tokens = batch * query
     q = _random(tokens, num_heads * HEAD_SIZE)
     k, v = _random(tokens, num_kv_heads * HEAD_SIZE), _random(tokens, num_kv_heads * HEAD_SIZE)
-    return lambda: impl.forward(q, k, v, cache, meta)
+    step = partial(impl.forward, q, k, v, cache, meta)
+    return _as_graph(step) if graphed else step
 
 
 def _sdpa_step(
@@ -128,7 +149,8 @@ def _sdpa_step(
     k = _random(batch, num_kv_heads, length, HEAD_SIZE)
     v = _random(batch, num_kv_heads, length, HEAD_SIZE)
     causal, gqa = queries > 1, num_kv_heads != num_heads
-    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    step = partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal, enable_gqa=gqa)
+    return step if causal else _as_graph(step)
 
 
 def _measure(step: Callable[[], Callable[[], object]]) -> tuple[float | None, str | None]:

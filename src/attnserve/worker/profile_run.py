@@ -5,8 +5,10 @@ measures the peak memory it takes (vLLM's `profile_run`), so the cache leaves th
 `gpu_memory_utilization` share free. The batch fills both limits at once: `max_num_batched_tokens`
 new tokens in all, spread over as many sequences as may run together (`max_num_seqs`, each at
 most `max_model_len` long), every one sampling with top-k and top-p so the sampler takes its
-costliest path over `max_num_seqs` rows of logits. Every block-table entry is block 0: the writes
-and reads stay inside the one-block cache, and the outputs are garbage nobody reads.
+costliest path over `max_num_seqs` rows of logits. The first sequence continues a chunked prefill
+(up to one block of cached context), so the step takes that attention path too and whatever it
+compiles on first use is ready before the first request. Every block-table entry is block 0: the
+writes and reads stay inside the one-block cache, and the outputs are garbage nobody reads.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ def profile_batch(
     seqs = []
     for index in range(num_seqs):
         length = base + (index < extra)
+        context = min(block_size, max_model_len - length) if index == 0 else 0
         seqs.append(
             SequenceInput(
                 token_ids=[0] * length,
-                context_len=0,
-                block_table=[0] * -(-length // block_size),
+                context_len=context,
+                block_table=[0] * -(-(context + length) // block_size),
                 sampling=PROFILE_SAMPLING,
             )
         )

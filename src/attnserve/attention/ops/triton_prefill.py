@@ -270,16 +270,18 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
 
 
 def default_prefill_config(
-    device: torch.device, head_size: int, dtype: torch.dtype, fresh: FreshKeys
+    device: torch.device, head_size: int, dtype: torch.dtype, fresh: FreshKeys, max_query_len: int
 ) -> KernelConfig:
-    """Tiles measured on an H200 (bf16, head 128, docs/benchmarks.md): with the new keys read
-    by TMA, 64x64 (16 tokens x 4 heads) on 4 warps; gathering every key from the cache, 256x64
-    on 8 warps for plain causal attention (`fresh` "pointers"), else 128x64, whose 8 warps leave
-    ptxas room for ALiBi / soft-cap / window (4 warps with 128 rows crashed ptxas on one)."""
+    """Tiles measured on an H200 (bf16, head 128, docs/benchmarks.md). New keys read by TMA:
+    128x128 on 8 warps for prompts of 2048+ tokens, else 64x64 (16 tokens x 4 heads) on 4.
+    Every key gathered from the cache: 256x64 on 8 warps for plain causal attention ("pointers"),
+    else 128x64, whose 8 warps leave ptxas room for ALiBi / soft-cap / window."""
     if device.type != "cuda":
         return KernelConfig(block_m=256, block_n=128, num_warps=4, num_stages=1)
     if head_size > 128 or dtype == torch.float32:
         return KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if fresh == "tma" and max_query_len >= 2048:
+        return KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     if fresh == "tma":
         return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     if fresh == "pointers" and head_size == 128:
@@ -376,7 +378,9 @@ def paged_prefill(
             raise ValueError(f"{name} must be contiguous within each token's heads")
     wanted = (variant or PrefillVariant()).fresh_keys
     fresh = _resolve_fresh_keys(query, key, kv_cache, params, wanted)
-    cfg = config or default_prefill_config(query.device, head_size, query.dtype, fresh)
+    cfg = config or default_prefill_config(
+        query.device, head_size, query.dtype, fresh, max_query_len
+    )
     k_src, v_src = _fresh_sources(key, value, fresh, cfg.block_n, query)
     storage = cache_storage(kv_cache)
     num_kv_heads = kv_cache.shape[2]
