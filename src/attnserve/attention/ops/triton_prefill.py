@@ -273,9 +273,9 @@ def default_prefill_config(
     device: torch.device, head_size: int, dtype: torch.dtype, fresh: FreshKeys, max_query_len: int
 ) -> KernelConfig:
     """Tiles measured on an H200 (bf16, head 128, docs/benchmarks.md). New keys read by TMA:
-    128x128 on 8 warps for prompts of 2048+ tokens, else 64x64 (16 tokens x 4 heads) on 4.
-    Every key gathered from the cache: 256x64 on 8 warps for plain causal attention ("pointers"),
-    else 128x64, whose 8 warps leave ptxas room for ALiBi / soft-cap / window."""
+    128x128 on 8 warps for prompts of 2048+ tokens, else 64x64 (16 tokens x 4 heads) on 4; by
+    plain loads (GPUs without TMA): 256x64 on 8 warps; every key gathered from the cache:
+    128x64, whose 8 warps leave ptxas room for ALiBi / soft-cap / window."""
     if device.type != "cuda":
         return KernelConfig(block_m=256, block_n=128, num_warps=4, num_stages=1)
     if head_size > 128 or dtype == torch.float32:
