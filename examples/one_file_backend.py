@@ -41,10 +41,7 @@ class OneFileBuilder(AttentionMetadataBuilder[OneFileMetadata]):
     ) -> OneFileMetadata:
         layout = build_step_layout(block_tables, context_lens, query_lens, self.block_size)
         return OneFileMetadata(
-            num_prefills=layout.num_prefills,
-            num_prefill_tokens=layout.num_prefill_tokens,
-            num_decode_tokens=layout.num_decode_tokens,
-            slot_mapping=layout.slot_mapping.to(self.device),
+            **layout.common_metadata(self.device),
             block_tables=[list(t) for t in block_tables],
             context_lens=list(context_lens),
             query_lens=list(query_lens),

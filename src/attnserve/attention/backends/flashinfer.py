@@ -219,10 +219,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     ) -> FlashInferMetadata:
         layout = build_step_layout(block_tables, context_lens, query_lens, self.block_size)
         return FlashInferMetadata(
-            num_prefills=layout.num_prefills,
-            num_prefill_tokens=layout.num_prefill_tokens,
-            num_decode_tokens=layout.num_decode_tokens,
-            slot_mapping=to_device(layout.slot_mapping, self.device),
+            **layout.common_metadata(self.device),
             block_size=self.block_size,
             prefill=_paged_group(
                 layout, range(0, layout.num_prefills), self.block_size, self.device

@@ -154,10 +154,7 @@ class FlexMetadataBuilder(AttentionMetadataBuilder[FlexMetadata]):
         prefills = range(0, layout.num_prefills)
         decodes = range(layout.num_prefills, layout.num_seqs)
         return FlexMetadata(
-            num_prefills=layout.num_prefills,
-            num_prefill_tokens=layout.num_prefill_tokens,
-            num_decode_tokens=layout.num_decode_tokens,
-            slot_mapping=to_device(layout.slot_mapping, self.device),
+            **layout.common_metadata(self.device),
             prefill=_flex_group(layout, prefills, self.block_size, self.device),
             decode=_flex_group(layout, decodes, self.block_size, self.device),
         )

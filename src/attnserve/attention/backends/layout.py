@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
+
+from attnserve.host_copy import to_device
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,16 @@ class StepLayout:
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.numel())
+
+    def common_metadata(self, device: torch.device | str) -> dict[str, Any]:
+        """The fields of `AttentionMetadata` (every backend's metadata starts with them): the
+        step's counts, and the slot mapping on `device`."""
+        return {
+            "num_prefills": self.num_prefills,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "num_decode_tokens": self.num_decode_tokens,
+            "slot_mapping": to_device(self.slot_mapping, device),
+        }
 
 
 def _int64s(values: Sequence[int]) -> np.ndarray:

@@ -86,10 +86,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         prefills = range(0, layout.num_prefills)
         decodes = range(layout.num_prefills, layout.num_seqs)
         return TorchSDPAMetadata(
-            num_prefills=layout.num_prefills,
-            num_prefill_tokens=layout.num_prefill_tokens,
-            num_decode_tokens=layout.num_decode_tokens,
-            slot_mapping=to_device(layout.slot_mapping, self.device),
+            **layout.common_metadata(self.device),
             prefill=_dense_group(layout, prefills, self.block_size, self.device),
             decode=_dense_group(layout, decodes, self.block_size, self.device),
         )

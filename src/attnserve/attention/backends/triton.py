@@ -94,10 +94,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             self.num_sms,
         )
         return TritonMetadata(
-            num_prefills=layout.num_prefills,
-            num_prefill_tokens=layout.num_prefill_tokens,
-            num_decode_tokens=layout.num_decode_tokens,
-            slot_mapping=to_device(layout.slot_mapping, self.device),
+            **layout.common_metadata(self.device),
             block_table=self._int32(layout.block_table),
             seq_lens=self._int32(layout.seq_lens),
             query_start_loc=self._int32(layout.query_start_loc),
