@@ -33,7 +33,12 @@ from attnserve.attention.backends.abstract import (
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout, build_step_layout, write_to_slots
+from attnserve.attention.backends.layout import (
+    StepLayout,
+    build_step_layout,
+    query_grid,
+    write_to_slots,
+)
 from attnserve.host_copy import to_device
 
 if TYPE_CHECKING:
@@ -100,16 +105,8 @@ def _flex_group(
 ) -> FlexGroup | None:
     if len(seqs) == 0:
         return None
-    loc = layout.query_start_loc
-    tokens = slice(int(loc[seqs.start]), int(loc[seqs.stop]))
-    token_seq = layout.token_seq[tokens] - seqs.start
-    column = torch.arange(tokens.start, tokens.stop) - loc[layout.token_seq[tokens]]
-    num_rows = int(layout.query_lens[seqs.start : seqs.stop].max())
-    row_of_token = token_seq * num_rows + column
-    grid_token = torch.zeros(len(seqs) * num_rows, dtype=torch.int64)
-    grid_token[row_of_token] = torch.arange(tokens.start, tokens.stop)
-    query_pos = torch.full((len(seqs) * num_rows,), -1, dtype=torch.int64)
-    query_pos[row_of_token] = layout.token_pos[tokens]
+    grid = query_grid(layout, seqs, padding_pos=-1)
+    num_rows = grid.num_rows
     seq_lens = layout.seq_lens[seqs.start : seqs.stop]
     num_pages = -(-seq_lens // block_size)
     table = layout.block_table[seqs.start : seqs.stop, : int(num_pages.max())]
@@ -125,16 +122,16 @@ def _flex_group(
     # page p is KV tiles p * per_page .. p * per_page + per_page - 1
     per_page = block_size // KV_SPARSE_BLOCK
     tile_ids = (table[:, :, None] * per_page + torch.arange(per_page)).flatten(1)
-    query_grid = to_device(query_pos.view(len(seqs), num_rows), device)
+    query_pos = to_device(grid.query_pos.view(len(seqs), num_rows), device)
     kv_indices = tile_ids[:, None, None, :].expand(-1, 1, tiles, -1)
     return FlexGroup(
-        token_slice=tokens,
-        row_of_token=to_device(row_of_token, device),
-        grid_token=to_device(grid_token.view(len(seqs), num_rows), device),
+        token_slice=grid.tokens,
+        row_of_token=to_device(grid.row_of_token, device),
+        grid_token=to_device(grid.grid_token.view(len(seqs), num_rows), device),
         kv_len=(int(table.max()) + 1) * block_size,
         kv_num_blocks=to_device((kv_num_blocks * per_page)[:, None].to(torch.int32), device),
         kv_indices=to_device(kv_indices.to(torch.int32), device),
-        positions=_positions(table, num_pages, query_grid, block_size),
+        positions=_positions(table, num_pages, query_pos, block_size),
     )
 
 

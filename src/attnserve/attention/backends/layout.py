@@ -3,7 +3,8 @@
 Builders differ in what they hand their kernels; they all need the same facts first: which
 sequence and position each new token has, its cache slot, and the padded block table. This
 module computes them with a handful of tensor ops (no Python loop over tokens). It also holds
-the plain-torch slot write shared by layouts whose K and V planes flatten to [slots, Hkv, D].
+the dense query grid of backends that pad queries into [B, Q] batches, and the plain-torch slot
+write shared by layouts whose K and V planes flatten to [slots, Hkv, D].
 """
 
 from __future__ import annotations
@@ -126,6 +127,33 @@ def build_step_layout(
         token_pos=token_pos,
         slot_mapping=token_blocks * block_size + token_pos % block_size,
     )
+
+
+@dataclass(frozen=True)
+class QueryGrid:
+    """Some sequences' new tokens padded into a [B, Q] grid of query rows (host tensors), for
+    backends whose kernels take dense batches."""
+
+    tokens: slice  # the sequences' new tokens in the flat batch
+    num_rows: int  # Q: their longest query
+    row_of_token: torch.Tensor  # [Tg] flat index of each token's row in the [B * Q] grid
+    grid_token: torch.Tensor  # [B * Q] flat-batch token of each row (padding: 0)
+    query_pos: torch.Tensor  # [B * Q] position of each row (padding: `padding_pos`)
+
+
+def query_grid(layout: StepLayout, seqs: range, padding_pos: int) -> QueryGrid:
+    """The query grid of the layout's sequences `seqs` (consecutive, at least one)."""
+    loc = layout.query_start_loc
+    tokens = slice(int(loc[seqs.start]), int(loc[seqs.stop]))
+    token_seq = layout.token_seq[tokens]
+    column = torch.arange(tokens.start, tokens.stop) - loc[token_seq]
+    num_rows = int(layout.query_lens[seqs.start : seqs.stop].max())
+    row_of_token = (token_seq - seqs.start) * num_rows + column
+    grid_token = torch.zeros(len(seqs) * num_rows, dtype=torch.int64)
+    grid_token[row_of_token] = torch.arange(tokens.start, tokens.stop)
+    query_pos = torch.full((len(seqs) * num_rows,), padding_pos, dtype=torch.int64)
+    query_pos[row_of_token] = layout.token_pos[tokens]
+    return QueryGrid(tokens, num_rows, row_of_token, grid_token, query_pos)
 
 
 @dataclass(frozen=True)

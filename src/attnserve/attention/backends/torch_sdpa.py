@@ -23,7 +23,12 @@ from attnserve.attention.backends.abstract import (
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout, build_step_layout, write_to_slots
+from attnserve.attention.backends.layout import (
+    StepLayout,
+    build_step_layout,
+    query_grid,
+    write_to_slots,
+)
 from attnserve.host_copy import to_device
 
 
@@ -50,26 +55,17 @@ def _dense_group(
 ) -> DenseGroup | None:
     if len(seqs) == 0:
         return None
-    loc = layout.query_start_loc
-    tokens = slice(int(loc[seqs.start]), int(loc[seqs.stop]))
-    token_seq = layout.token_seq[tokens] - seqs.start
-    column = torch.arange(tokens.start, tokens.stop) - loc[layout.token_seq[tokens]]
-    num_rows = int(layout.query_lens[seqs.start : seqs.stop].max())
-    row_of_token = token_seq * num_rows + column
-    grid_token = torch.zeros(len(seqs) * num_rows, dtype=torch.int64)
-    grid_token[row_of_token] = torch.arange(tokens.start, tokens.stop)
-    query_pos = torch.zeros(len(seqs) * num_rows, dtype=torch.int64)
-    query_pos[row_of_token] = layout.token_pos[tokens]
+    grid = query_grid(layout, seqs, padding_pos=0)
     seq_lens = layout.seq_lens[seqs.start : seqs.stop]
     key_pos = torch.arange(int(seq_lens.max()))
     table = layout.block_table[seqs.start : seqs.stop]
     block_col = (key_pos // block_size).clamp(max=table.shape[1] - 1)
     key_slots = table[:, block_col] * block_size + key_pos % block_size
     return DenseGroup(
-        token_slice=tokens,
-        row_of_token=to_device(row_of_token, device),
-        grid_token=to_device(grid_token.view(len(seqs), num_rows), device),
-        query_pos=to_device(query_pos.view(len(seqs), num_rows), device),
+        token_slice=grid.tokens,
+        row_of_token=to_device(grid.row_of_token, device),
+        grid_token=to_device(grid.grid_token.view(len(seqs), grid.num_rows), device),
+        query_pos=to_device(grid.query_pos.view(len(seqs), grid.num_rows), device),
         key_slots=to_device(key_slots, device),
         key_valid=to_device(key_pos[None, :] < seq_lens[:, None], device),
     )
