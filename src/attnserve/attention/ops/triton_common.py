@@ -163,7 +163,8 @@ def attend_plain_tile(  # type: ignore[no-untyped-def]
     DOT_FP32: tl.constexpr,
 ):
     """Fold K/V [N, D] into the online softmax of plain causal attention (qk_scale: softmax
-    scale times log2(e)). Every row's running maximum is finite from its first tile on (a query
+    scale times log2(e), applied in the multiply-add that subtracts the running maximum; P @ V
+    accumulates in place). Every row's running maximum is finite from its first tile on (a query
     tile's first key tile starts at key 0), so no guard against an all -inf row."""
     if DOT_FP32:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")

@@ -16,8 +16,6 @@ Where the new tokens' keys come from (`PrefillVariant.fresh_keys`):
   are read from the step's own K/V tensors, rows of one sequence back to back: plain loads, or
   Hopper's bulk tensor copies (a host `TensorDescriptor`, Triton 3.4+, compute capability 9+),
   which land K/V tiles in shared memory without the registers and address math of a gather.
-  For plain causal attention the log2-domain softmax scale is applied in the same multiply-add
-  that subtracts the running maximum, and P @ V accumulates in place.
 """
 
 from __future__ import annotations
