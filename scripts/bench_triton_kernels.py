@@ -61,7 +61,7 @@ def copy_tbps() -> float:
 
 
 def bench_decode(
-    shape: tuple[int, int, int, int], sweep: bool, splits: list[int]
+    shape: tuple[int, int, int, int], sweep: bool, extra_splits: list[int]
 ) -> list[dict[str, object]]:
     batch, length, heads, kv_heads = shape
     cache, table = paged_kv(batch, length, kv_heads)
@@ -75,7 +75,7 @@ def bench_decode(
     if sweep:
         runs += [(cfg, auto) for cfg in DECODE_SWEEP]
         runs += [(None, s) for s in (1, 2, 4, 8, 16) if s != auto]
-    runs += [(None, s) for s in splits if s != auto]
+    runs += [(None, s) for s in extra_splits if s != auto]
     kv_bytes = 2 * batch * length * kv_heads * HEAD * cache.element_size()
     rows = []
     for cfg, splits in runs:
