@@ -252,15 +252,15 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
     if FRESH != 0:
         diagonal = q_tile * TOKENS // BLOCK_N * BLOCK_N
         fresh_end = tl.minimum(q_tile * TOKENS + TOKENS, query_len)
+        head_col = kv_head * HEAD_SIZE
+        qk_scale = sm_scale * 1.4426950408889634
         acc, m_i, l_i = _attend_fresh(  # the new tokens before the tile: unmasked
-            acc, m_i, l_i, q, token, k_src, v_src, query_start, kv_head * HEAD_SIZE, dims, 0,
-            diagonal, query_len, sm_scale * 1.4426950408889634, stride_fresh, BLOCK_N, False,
-            FRESH == 2, DOT_FP32,
+            acc, m_i, l_i, q, token, k_src, v_src, query_start, head_col, dims, 0, diagonal,
+            query_len, qk_scale, stride_fresh, BLOCK_N, False, FRESH == 2, DOT_FP32,
         )  # fmt: skip
         acc, m_i, l_i = _attend_fresh(  # the diagonal: causal mask
-            acc, m_i, l_i, q, token, k_src, v_src, query_start, kv_head * HEAD_SIZE, dims,
-            diagonal, fresh_end, query_len, sm_scale * 1.4426950408889634, stride_fresh, BLOCK_N,
-            True, FRESH == 2, DOT_FP32,
+            acc, m_i, l_i, q, token, k_src, v_src, query_start, head_col, dims, diagonal,
+            fresh_end, query_len, qk_scale, stride_fresh, BLOCK_N, True, FRESH == 2, DOT_FP32,
         )  # fmt: skip
     result = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]  # 0: rows past the end
     out_offsets = tokens[:, None] * stride_out_tok + heads[:, None] * HEAD_SIZE + dims[None, :]
@@ -287,15 +287,20 @@ def default_prefill_config(
     return KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
+def _is_plain(params: AttentionParams) -> bool:
+    """Plain causal attention: no ALiBi, soft-cap or sliding window."""
+    no_window = params.sliding_window is None
+    return params.alibi_slopes is None and params.soft_cap is None and no_window
+
+
 def fresh_keys_for(
     query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor, params: AttentionParams
 ) -> FreshKeys:
     """Where a call reads the new tokens' keys by default (module docstring): from the step's
     K/V when the call is plain causal attention over a cache of the query's dtype, by TMA where
     the GPU has it and the rows are 16-byte aligned."""
-    plain = params.alibi_slopes is None and params.soft_cap is None
     head_size = query.shape[-1]
-    if key is None or not plain or params.sliding_window is not None:
+    if key is None or not _is_plain(params):
         return "cache"
     if kv_cache.dtype != query.dtype or head_size & (head_size - 1):
         return "cache"
@@ -386,7 +391,6 @@ def paged_prefill(
     group_pad = triton.next_power_of_2(group)
     block_m = max(cfg.block_m, group_pad)
     num_q_tiles = triton.cdiv(max_query_len, block_m // group_pad)
-    plain = params.alibi_slopes is None and params.soft_cap is None
     _paged_prefill_kernel[(num_q_tiles * num_seqs * num_kv_heads,)](
         query, k_src, v_src, storage, block_table, seq_lens, query_start_loc,
         params.alibi_slopes if params.alibi_slopes is not None else query,
@@ -403,7 +407,7 @@ def paged_prefill(
         USE_SOFTCAP=params.soft_cap is not None,
         FP8=kv_cache.dtype == torch.float8_e4m3fn,
         DOT_FP32=query.dtype == torch.float32 or query.device.type == "cpu",
-        PLAIN=plain and params.sliding_window is None,
+        PLAIN=_is_plain(params),
         HAS_CONTEXT=fresh == "cache" or max_context_len != 0,
         FRESH=_FRESH_CODE[fresh],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
