@@ -35,7 +35,7 @@ PROMPT_LENS = (7, 33, 130, 517)
 def hf_greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     """HF `generate`, one prompt at a time (no padding), on the engine's weights."""
     engine = llm.llm_engine
-    hf = to_hf_model(engine.runner.model, engine.model_config)
+    hf = to_hf_model(engine.executor.driver_runner.model, engine.model_config)
     hf.generation_config.eos_token_id = None
     outputs = []
     with torch.no_grad():
@@ -73,9 +73,10 @@ def parting_margins(
     """For each prompt whose tokens part from HF's: the step, both tokens, and HF's logit gap
     (its token minus ours) after the shared prefix, in the run's dtype and in fp32."""
     engine = llm.llm_engine
+    runner = engine.executor.driver_runner
     models = {
-        "run_dtype": to_hf_model(engine.runner.model, engine.model_config),
-        "fp32": to_hf_model(engine.runner.model, engine.model_config, dtype=torch.float32),
+        "run_dtype": to_hf_model(runner.model, engine.model_config),
+        "fp32": to_hf_model(runner.model, engine.model_config, dtype=torch.float32),
     }
     margins: list[dict[str, Any] | None] = []
     with torch.no_grad():
@@ -84,7 +85,7 @@ def parting_margins(
             if step >= min(len(mine), len(reference)):
                 margins.append(None)
                 continue
-            ids = torch.tensor([prompt + reference[:step]], device=engine.runner.device)
+            ids = torch.tensor([prompt + reference[:step]], device=runner.device)
             record: dict[str, Any] = {"step": step, "hf_token": reference[step]}
             record["our_token"] = mine[step]
             for name, hf in models.items():

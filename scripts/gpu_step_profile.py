@@ -44,7 +44,7 @@ def main() -> None:
     ):
         engine.step()
     timings: collections.defaultdict[str, float] = collections.defaultdict(float)
-    runner = engine.runner
+    runner = engine.executor.driver_runner
     wrap(engine.scheduler, "schedule", "schedule", timings)
     wrap(engine.scheduler, "advance", "advance", timings)
     wrap(engine.scheduler, "resolve", "resolve", timings)

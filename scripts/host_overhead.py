@@ -45,7 +45,7 @@ def wrap(owner: Any, name: str, key: str, timings: Timings) -> None:
 
 def instrument(llm: LLM, timings: Timings) -> None:
     eng = llm.llm_engine
-    runner = eng.runner
+    runner = eng.executor.driver_runner
     wrap(eng.scheduler, "schedule", "schedule", timings)
     wrap(eng.scheduler, "advance", "advance", timings)
     wrap(eng.scheduler, "resolve", "resolve", timings)
