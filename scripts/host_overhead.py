@@ -24,6 +24,7 @@ from typing import Any
 import attnserve.engine.llm_engine as le
 from attnserve import LLM, SamplingParams
 from attnserve.attention.backends.layout import build_step_layout, pad_decode_step
+from attnserve.core import is_prefill
 from attnserve.sampling_params import RequestOutputKind
 from attnserve.worker.step_future import StepFuture
 
@@ -70,8 +71,9 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, profile: boo
     profiler = cProfile.Profile() if profile else None
     while eng.has_unfinished_requests():
         timings.clear()
-        decode_only = not eng.scheduler.waiting and all(
-            0 < s.num_computed_tokens == len(s.token_ids) - 1 for s in eng.scheduler.running
+        decode_only = not eng.scheduler.waiting and not any(
+            is_prefill(len(s.token_ids) - s.num_computed_tokens, s.num_computed_tokens)
+            for s in eng.scheduler.running
         )
         if profiler is not None and decode_only:
             profiler.enable()
