@@ -7,9 +7,9 @@ step as one query batch; a block mask built from the block tables lists, for eac
 query tile, exactly its own pages up to the causal limit (in 16-slot tiles), so the kernel
 reads only those pages and never copies K/V into logical order. Its mask_mod maps a
 physical slot back to the sequence's logical position (causal, sliding window); its score_mod
-applies soft-cap, then ALiBi. The builder prepares the per-step tensors once; the block mask of
-each sliding window is made on the first layer's call and cached in the metadata. Prefills and
-decodes are two calls. flex_attention is compiled once (`torch.compile`) and reused.
+applies soft-cap, then ALiBi. The builder prepares the per-step tensors and the block mask (for
+its spec's sliding window) once for all layers. Prefills and decodes are two calls.
+flex_attention is compiled once (`torch.compile`) and reused.
 
 CPU: eager flex_attention gives correct results (the conformance suite passed on CPU), but each
 new head count, dtype or feature mix re-traces inside it (about 1.5 s a case), so the suite took
@@ -19,9 +19,9 @@ new head count, dtype or feature mix re-traces inside it (about 1.5 s a case), s
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -31,14 +31,10 @@ from attnserve.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
+    AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import (
-    StepLayout,
-    build_step_layout,
-    query_grid,
-    write_to_slots,
-)
+from attnserve.attention.backends.layout import StepLayout, query_grid, write_to_slots
 from attnserve.host_copy import to_device
 
 if TYPE_CHECKING:
@@ -58,7 +54,7 @@ ScoreMod = Callable[
 Positions = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass
+@dataclass(frozen=True)
 class FlexGroup:
     """A padded [B, Q] query grid over some sequences of the step (prefills or decodes), and
     the pages they read: the cache's physical slots 0 .. kv_len - 1, one key/value batch."""
@@ -67,13 +63,11 @@ class FlexGroup:
     row_of_token: torch.Tensor  # [Tg] flat index into the [B * Q] query grid
     grid_token: torch.Tensor  # [B, Q] flat-batch token of each query row (padding: any)
     kv_len: int  # slots up to the end of the highest page the group uses
-    kv_num_blocks: torch.Tensor  # [B, 1, Q tiles] int32: KV tiles each query tile may read
-    kv_indices: torch.Tensor  # [B, 1, Q tiles, max KV tiles] int32: those tiles, in order
     positions: Positions  # (b, q_idx, kv_idx) -> (query position, logical key position)
-    block_masks: dict[int | None, BlockMask] = field(default_factory=dict)  # by sliding window
+    block_mask: BlockMask  # each query tile's own pages up to its causal (and window) limit
 
 
-@dataclass
+@dataclass(frozen=True)
 class FlexMetadata(AttentionMetadata):
     prefill: FlexGroup | None
     decode: FlexGroup | None
@@ -101,11 +95,11 @@ def _positions(
 
 
 def _flex_group(
-    layout: StepLayout, seqs: range, block_size: int, device: torch.device
+    layout: StepLayout, seqs: range, spec: AttentionSpec, device: torch.device
 ) -> FlexGroup | None:
     if len(seqs) == 0:
         return None
-    grid = query_grid(layout, seqs, padding_pos=-1)
+    grid, block_size = query_grid(layout, seqs, padding_pos=-1), spec.block_size
     num_rows = grid.num_rows
     seq_lens = layout.seq_lens[seqs.start : seqs.stop]
     num_pages = -(-seq_lens // block_size)
@@ -124,36 +118,41 @@ def _flex_group(
     tile_ids = (table[:, :, None] * per_page + torch.arange(per_page)).flatten(1)
     query_pos = to_device(grid.query_pos.view(len(seqs), num_rows), device)
     kv_indices = tile_ids[:, None, None, :].expand(-1, 1, tiles, -1)
+    positions = _positions(table, num_pages, query_pos, block_size)
+    kv_len = (int(table.max()) + 1) * block_size
+    block_mask = BlockMask.from_kv_blocks(
+        to_device((kv_num_blocks * per_page)[:, None].to(torch.int32), device),
+        to_device(kv_indices.to(torch.int32), device),
+        BLOCK_SIZE=(Q_SPARSE_BLOCK, KV_SPARSE_BLOCK),
+        mask_mod=_mask_mod(positions, spec.sliding_window),
+        seq_lengths=(num_rows, kv_len),
+        compute_q_blocks=False,
+    )
     return FlexGroup(
         token_slice=grid.tokens,
         row_of_token=to_device(grid.row_of_token, device),
         grid_token=to_device(grid.grid_token.view(len(seqs), num_rows), device),
-        kv_len=(int(table.max()) + 1) * block_size,
-        kv_num_blocks=to_device((kv_num_blocks * per_page)[:, None].to(torch.int32), device),
-        kv_indices=to_device(kv_indices.to(torch.int32), device),
-        positions=_positions(table, num_pages, query_pos, block_size),
+        kv_len=kv_len,
+        positions=positions,
+        block_mask=block_mask,
     )
 
 
 class FlexMetadataBuilder(AttentionMetadataBuilder[FlexMetadata]):
-    def __init__(self, block_size: int, device: torch.device | str, **kwargs: Any) -> None:
-        super().__init__(block_size, device, **kwargs)
-        if block_size % KV_SPARSE_BLOCK != 0:
-            raise ValueError(f"FLEX_ATTENTION needs a block size multiple of 16, got {block_size}")
+    def __init__(self, spec: AttentionSpec, device: torch.device | str) -> None:
+        super().__init__(spec, device)
+        if spec.block_size % KV_SPARSE_BLOCK != 0:
+            raise ValueError(
+                f"FLEX_ATTENTION needs a block size multiple of 16, got {spec.block_size}"
+            )
 
-    def build(
-        self,
-        block_tables: Sequence[Sequence[int]],
-        context_lens: Sequence[int],
-        query_lens: Sequence[int],
-    ) -> FlexMetadata:
-        layout = build_step_layout(block_tables, context_lens, query_lens, self.block_size)
+    def build(self, layout: StepLayout) -> FlexMetadata:
         prefills = range(0, layout.num_prefills)
         decodes = range(layout.num_prefills, layout.num_seqs)
         return FlexMetadata(
             **layout.common_metadata(self.device),
-            prefill=_flex_group(layout, prefills, self.block_size, self.device),
-            decode=_flex_group(layout, decodes, self.block_size, self.device),
+            prefill=_flex_group(layout, prefills, self.spec, self.device),
+            decode=_flex_group(layout, decodes, self.spec, self.device),
         )
 
 
@@ -186,20 +185,6 @@ def _score_mod(positions: Positions, cap: float | None, slopes: torch.Tensor | N
         return score
 
     return score_mod
-
-
-def _block_mask(group: FlexGroup, window: int | None) -> BlockMask:
-    """The group's block mask for one sliding window."""
-    if window not in group.block_masks:  # once per step and window, shared by the layers
-        group.block_masks[window] = BlockMask.from_kv_blocks(
-            group.kv_num_blocks,
-            group.kv_indices,
-            BLOCK_SIZE=(Q_SPARSE_BLOCK, KV_SPARSE_BLOCK),
-            mask_mod=_mask_mod(group.positions, window),
-            seq_lengths=(group.grid_token.shape[1], group.kv_len),
-            compute_q_blocks=False,
-        )
-    return group.block_masks[window]
 
 
 @functools.cache
@@ -267,7 +252,7 @@ class FlexImpl(AttentionImpl[FlexMetadata]):
             k_cache[: group.kv_len].transpose(0, 1)[None],  # [1, Hkv, slots, D], physical order
             v_cache[: group.kv_len].transpose(0, 1)[None],
             _score_mod(group.positions, self.logits_soft_cap, slopes) if use_score_mod else None,
-            _block_mask(group, self.sliding_window),
+            group.block_mask,
             self.scale,
             self.num_heads != self.num_kv_heads,
         )
@@ -278,9 +263,7 @@ class FlexImpl(AttentionImpl[FlexMetadata]):
 class FlexAttentionBackend(AttentionBackend):
     name = "FLEX_ATTENTION"
     impl_cls = FlexImpl
-    metadata_cls = FlexMetadata
     builder_cls = FlexMetadataBuilder
-    kv_cache_block_dim = 1
     capabilities = BackendCapabilities(
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         devices=("cuda",),
