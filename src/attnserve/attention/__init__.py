@@ -9,7 +9,14 @@ from attnserve.attention.backends.abstract import (
     BackendCapabilities,
 )
 from attnserve.attention.backends.layout import StepLayout, build_step_layout, pad_for_cuda_graph
-from attnserve.attention.forward_context import StepMetadata, set_forward_context
+from attnserve.attention.forward_context import (
+    Builders,
+    StepMetadata,
+    build_graph_metadata,
+    build_metadata,
+    metadata_builders,
+    set_forward_context,
+)
 from attnserve.attention.layer import (
     Attention,
     attention_layers,
@@ -28,6 +35,7 @@ __all__ = [
     "AttentionMetadataBuilder",
     "AttentionSpec",
     "BackendCapabilities",
+    "Builders",
     "StepLayout",
     "StepMetadata",
     "attention_layers",
@@ -35,10 +43,13 @@ __all__ = [
     "backend_names",
     "bind_attention_backend",
     "bind_kv_caches",
+    "build_graph_metadata",
+    "build_metadata",
     "build_step_layout",
     "get_attn_backend",
     "get_backend_cls",
     "get_model_attn_backend",
+    "metadata_builders",
     "pad_for_cuda_graph",
     "register_backend",
     "set_forward_context",

@@ -1,18 +1,49 @@
 """The per-step forward context: the attention metadata every `Attention` layer reads.
 
-The model runner builds the metadata once per step, one object per distinct `AttentionSpec` of
-the model, and sets them here around the model's forward, so models pass only hidden states,
-never backend inputs; each layer takes the metadata of its own spec.
+The model runner makes one metadata builder per distinct `AttentionSpec` of the model
+(`metadata_builders`), builds the metadata once per step from the step's layout
+(`build_metadata`, or `build_graph_metadata` for a padded CUDA-graph step) and sets it here
+around the model's forward, so models pass only hidden states, never backend inputs; each layer
+takes the metadata of its own spec. The conformance harness builds through the same functions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
-from attnserve.attention.backends.abstract import AttentionMetadata, AttentionSpec
+import torch
+
+from attnserve.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionSpec,
+)
+from attnserve.attention.backends.layout import StepLayout
 
 StepMetadata = Mapping[AttentionSpec, AttentionMetadata]
+Builders = Mapping[AttentionSpec, AttentionMetadataBuilder[Any]]
+
+
+def metadata_builders(
+    backend: type[AttentionBackend], specs: Iterable[AttentionSpec], device: torch.device | str
+) -> dict[AttentionSpec, AttentionMetadataBuilder[Any]]:
+    """One builder of `backend` for each spec."""
+    return {spec: backend.get_builder_cls()(spec, device) for spec in specs}
+
+
+def build_metadata(builders: Builders, layout: StepLayout) -> StepMetadata:
+    """Every spec's metadata for one step."""
+    return {spec: builder.build(layout) for spec, builder in builders.items()}
+
+
+def build_graph_metadata(builders: Builders, padded: StepLayout) -> StepMetadata:
+    """Every spec's metadata for a decode step padded to a capture bucket, written into the
+    builders' persistent buffers."""
+    return {spec: builder.build_for_cuda_graph(padded) for spec, builder in builders.items()}
+
 
 _current: StepMetadata | None = None
 

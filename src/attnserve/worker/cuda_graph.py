@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
 from attnserve.attention import (
-    AttentionMetadataBuilder,
-    AttentionSpec,
+    Builders,
     StepLayout,
     StepMetadata,
+    build_graph_metadata,
     build_step_layout,
     pad_for_cuda_graph,
     set_forward_context,
@@ -48,7 +47,7 @@ class CUDAGraphRunner:
     def __init__(
         self,
         model: CausalLM,
-        builders: Mapping[AttentionSpec, AttentionMetadataBuilder[Any]],
+        builders: Builders,
         max_num_seqs: int,
         max_blocks_per_seq: int,
         device: torch.device,
@@ -96,10 +95,7 @@ class CUDAGraphRunner:
         names block 0 twice, so it holds them whatever the block size)."""
         block_size = next(iter(self.builders)).block_size
         layout = build_step_layout([[0, 0]] * size, [1] * size, [1] * size, block_size)
-        return self._write_buffers(pad_for_cuda_graph(layout, size))
-
-    def _write_buffers(self, padded: StepLayout) -> StepMetadata:
-        return {spec: b.build_for_cuda_graph(padded) for spec, b in self.builders.items()}
+        return build_graph_metadata(self.builders, pad_for_cuda_graph(layout, size))
 
     def run(
         self,
@@ -113,7 +109,7 @@ class CUDAGraphRunner:
         num_seqs = layout.num_seqs
         size = next(s for s in self.sizes if s >= num_seqs)
         padded = pad_for_cuda_graph(layout, size)
-        self._write_buffers(padded)
+        build_graph_metadata(self.builders, padded)
         host = torch.zeros(2, size, dtype=torch.int64)
         host[0, :num_seqs] = token_ids
         host[1] = padded.token_pos

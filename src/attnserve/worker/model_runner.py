@@ -23,12 +23,13 @@ import torch
 
 from attnserve.attention import (
     StepLayout,
-    StepMetadata,
     attention_specs,
     bind_attention_backend,
     bind_kv_caches,
+    build_metadata,
     build_step_layout,
     get_model_attn_backend,
+    metadata_builders,
     set_forward_context,
 )
 from attnserve.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
@@ -74,7 +75,7 @@ class ModelRunner:
         specs = attention_specs(self.model)
         self.backend = get_model_attn_backend(specs, attention_backend)
         bind_attention_backend(self.model, self.backend)
-        self.builders = {spec: self.backend.get_builder_cls()(spec, device) for spec in specs}
+        self.builders = metadata_builders(self.backend, specs, device)
         self.sampler = Sampler()
         self._last_tokens: torch.Tensor | None = None  # the last step's first draw per row
         self.cuda_graphs: CUDAGraphRunner | None = None
@@ -289,12 +290,9 @@ class ModelRunner:
             last_token = (layout.query_start_loc[1:] - 1).tolist()
             index, values = self._carried(batch, last_token)
             input_ids[index] = values
-        with set_forward_context(self._metadata(layout)):
+        with set_forward_context(build_metadata(self.builders, layout)):
             hidden: torch.Tensor = self.model(input_ids, positions)
         return hidden
-
-    def _metadata(self, layout: StepLayout) -> StepMetadata:
-        return {spec: builder.build(layout) for spec, builder in self.builders.items()}
 
     def _add_prompt_logprobs(
         self,
