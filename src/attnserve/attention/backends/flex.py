@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 Q_SPARSE_BLOCK = 128  # query rows per block-mask tile
 # key slots per block-mask tile, and the kernel's KV tile: pages are multiples of it. One value
 # for every block size, so the compiled kernel never sees it change (a changed int would turn
-# into a dynamic shape, which flex_attention's lowering rejected on torch 2.11)
+# into a dynamic shape, which flex_attention's lowering rejects on torch 2.11)
 KV_SPARSE_BLOCK = 16
 RECOMPILE_LIMIT = 64  # configurations of the compiled flex_attention call per process
 
@@ -192,7 +192,7 @@ def _compiled_flex() -> Callable[..., torch.Tensor]:
     """flex_attention compiled once and reused by every layer and step (new shapes extend it,
     dynamically after the first), with a KV tile as wide as the block mask's (a constant), on
     the standard kernel: torch's flex-decoding kernel, which it would pick for short query
-    grids, found no valid tile for fp32 at head size 128 or for groups of 8 on the H200."""
+    grids, finds no valid tile for fp32 at head size 128 or for groups of 8 on the H200."""
     kernel_options: FlexKernelOptions = {"BLOCK_N": KV_SPARSE_BLOCK, "BACKEND": "TRITON"}
 
     def run(
@@ -210,7 +210,7 @@ def _compiled_flex() -> Callable[..., torch.Tensor]:
 
     # each new head count, dtype or feature mix is a recompile of the one call; a process
     # serving several models (or the conformance suite) may need more than dynamo's 8. Raised
-    # once here: patching the config around every call cost ~0.3 ms a call on the host.
+    # once here: patching the config around every call would cost ~0.3 ms a call on the host.
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     compiled: Callable[..., torch.Tensor] = torch.compile(run, fullgraph=True)
@@ -267,11 +267,11 @@ class FlexAttentionBackend(AttentionBackend):
     capabilities = BackendCapabilities(
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         devices=("cuda",),
-        # Head size 80 failed to compile on the H200 once the call had turned dynamic (inductor
-        # NoValidChoicesError, fp16, 2026-11-30): powers of two only, which compiled every time.
+        # Head size 80 does not compile on the H200 once the call has turned dynamic (inductor
+        # NoValidChoicesError, fp16, torch 2.11): powers of two only, which compile.
         head_sizes=(64, 128, 256),
-        # Larger pages failed to compile on the H200 (inductor NoValidChoicesError, block size
-        # 32 with window + ALiBi + soft-cap, 2026-11-30): only 16 is declared until that is fixed.
+        # Larger pages do not compile on the H200 (inductor NoValidChoicesError, block size
+        # 32 with window + ALiBi + soft-cap, torch 2.11): only 16 is declared.
         min_block_size=16,
         max_block_size=16,
         sliding_window=True,
