@@ -118,7 +118,7 @@ if [[ $phases == *" 4 "* ]]; then
         >"$R/tp_parity.log" 2>&1
 fi
 if [[ $phases == *" 5 "* ]]; then
-    # session 4: the prefill kernel reads the new tokens' keys from the step (TMA on Hopper);
+    # phase 5 checks the prefill kernel that reads the new keys from the step (TMA on Hopper) and
     # FLEX_ATTENTION on torch's standard kernel. The engine is host-bound: the kernel bench, the
     # throughput runs and parity each run alone. The throughput runs get their own Triton cache,
     # so the first compiles everything; the kernels it compiled while timed are listed.

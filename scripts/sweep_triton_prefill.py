@@ -5,7 +5,7 @@ Prompts only (no cached context), as `attnserve bench kernels` runs them.
 For each prefill shape of scripts/bench_triton_kernels.py (B x L = 4x4096 and 16x1024, 32 query /
 8 KV heads, head 128, bf16, block 16, causal) it builds that script's random paged cache
 (shuffled pages), times SDPA on contiguous tensors (K/V repeated per query head), then runs
-the session-3 kernel (every key from the cache, default tile) and the tile grid under each
+the every-key-from-the-cache variant (on a 256x64 tile) and the tile grid under each
 source of the new tokens' keys (plain loads, TMA). Every run is first checked against an fp32
 reference (max abs error <= --atol); one that fails to compile, runs out of resources or is
 wrong is reported with the reason and not timed.
@@ -42,7 +42,7 @@ from scripts.bench_triton_kernels import DTYPE, HEAD, PREFILL_SHAPES, gather_kv,
 Shape = tuple[int, int, int, int]  # batch, prompt length, query heads, KV heads
 PARAMS = AttentionParams(scale=HEAD**-0.5)
 DEVICE = "cuda"
-CACHE_ONLY = PrefillVariant(fresh_keys="cache")  # the session-3 kernel, on its default tile
+CACHE_ONLY = PrefillVariant(fresh_keys="cache")  # every key gathered from the cache
 SESSION3_TILE = KernelConfig(256, 64, 8, 3)
 # (source of the new keys, tile: rows (tokens x 4 query heads) x keys, warps, stages)
 GRID: list[tuple[FreshKeys, KernelConfig]] = [

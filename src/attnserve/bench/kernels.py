@@ -27,7 +27,13 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from attnserve.attention import AttentionBackend, AttentionSpec, backend_names, get_backend_cls
+from attnserve.attention import (
+    AttentionBackend,
+    AttentionSpec,
+    backend_names,
+    build_step_layout,
+    get_backend_cls,
+)
 
 HEAD_SIZE = 128
 BLOCK_SIZE = 16
@@ -91,8 +97,15 @@ def copy_bandwidth_tbs(
     return 2 * num_bytes / us / 1e6
 
 
-def _spec() -> AttentionSpec:
-    return AttentionSpec(head_size=HEAD_SIZE, dtype=DTYPE, block_size=BLOCK_SIZE, device=DEVICE)
+def _spec(num_heads: int = 32, num_kv_heads: int = 8) -> AttentionSpec:
+    return AttentionSpec(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=HEAD_SIZE,
+        dtype=DTYPE,
+        block_size=BLOCK_SIZE,
+        device=DEVICE,
+    )
 
 
 def _random(*shape: int) -> torch.Tensor:
@@ -125,13 +138,14 @@ def _backend_step(
     order = torch.randperm(batch * pages).view(batch, pages).tolist()
     shape = backend.get_kv_cache_shape(batch * pages, BLOCK_SIZE, num_kv_heads, HEAD_SIZE)
     cache = _random(*shape)
-    builder = backend.get_builder_cls()(BLOCK_SIZE, DEVICE)
+    builder = backend.get_builder_cls()(_spec(num_heads, num_kv_heads), DEVICE)
+    layout = build_step_layout(order, [context] * batch, [query] * batch, BLOCK_SIZE)
     graphed = query == 1 and backend.capabilities.cuda_graphs
     if graphed:
         builder.init_cuda_graph_buffers(batch, pages)
-        meta = builder.build_for_cuda_graph(batch, order, [context] * batch)
+        meta = builder.build_for_cuda_graph(layout)
     else:
-        meta = builder.build(order, [context] * batch, [query] * batch)
+        meta = builder.build(layout)
     impl = backend.get_impl_cls()(num_heads, HEAD_SIZE, 1 / math.sqrt(HEAD_SIZE), num_kv_heads)
     tokens = batch * query
     q = _random(tokens, num_heads * HEAD_SIZE)

@@ -2,9 +2,11 @@
 
 Builders differ in what they hand their kernels; they all need the same facts first: which
 sequence and position each new token has, its cache slot, and the padded block table. This
-module computes them with a handful of tensor ops (no Python loop over tokens). It also holds
-the dense query grid of backends that pad queries into [B, Q] batches, and the plain-torch slot
-write shared by layouts whose K and V planes flatten to [slots, Hkv, D].
+module computes them with a handful of tensor ops (no Python loop over tokens), once per step
+for the model runner and every builder (the model's positions are `token_pos`). It also pads a
+decode step to a CUDA-graph bucket, and holds the dense query grid of backends that pad queries
+into [B, Q] batches, and the plain-torch slot write shared by layouts whose K and V planes
+flatten to [slots, Hkv, D].
 """
 
 from __future__ import annotations
@@ -56,13 +58,13 @@ def _int64s(values: Sequence[int]) -> np.ndarray:
 
 
 def _padded_table(
-    block_tables: Sequence[Sequence[int]], lens: np.ndarray, num_rows: int, width: int
+    block_tables: Sequence[Sequence[int]], lens: np.ndarray, width: int
 ) -> torch.Tensor:
-    """The tables as one [num_rows, width] int64 tensor, padded with 0 (and with zero rows past
-    the tables), built from one flat array rather than a tensor per table."""
+    """The tables as one [B, width] int64 tensor, padded with 0, built from one flat array
+    rather than a tensor per table."""
     flat = np.fromiter(chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum()))
-    table = np.zeros((num_rows, width), dtype=np.int64)
-    table[: len(lens)][np.arange(width) < lens[:, None]] = flat
+    table = np.zeros((len(lens), width), dtype=np.int64)
+    table[np.arange(width) < lens[:, None]] = flat
     return torch.from_numpy(table)
 
 
@@ -104,7 +106,7 @@ def build_step_layout(
     ctx_np, qry_np = _int64s(context_lens), _int64s(query_lens)
     num_prefills = _validate(lens, ctx_np, qry_np, block_size)
     width = max(int(lens.max(initial=0)), 1)
-    table = _padded_table(block_tables, lens, len(block_tables), width)
+    table = _padded_table(block_tables, lens, width)
     if table.numel() and int(table.min()) < 0:
         raise ValueError("block ids must be >= 0")
     ctx, qry = torch.from_numpy(ctx_np), torch.from_numpy(qry_np)
@@ -156,41 +158,32 @@ def query_grid(layout: StepLayout, seqs: range, padding_pos: int) -> QueryGrid:
     return QueryGrid(tokens, num_rows, row_of_token, grid_token, query_pos)
 
 
-@dataclass(frozen=True)
-class PaddedDecodeStep:
-    """Host (CPU) int64 tensors of a decode-only step padded to a capture bucket of S sequences:
-    the real decodes first, then padding sequences of one token in block 0 that write nothing."""
-
-    block_table: torch.Tensor  # [S, max_blocks], padded with 0
-    seq_lens: torch.Tensor  # [S]: context + 1 (1 for padding)
-    slot_mapping: torch.Tensor  # [S]: the new token's slot (-1 for padding)
-
-
-def pad_decode_step(
-    block_tables: Sequence[Sequence[int]],
-    context_lens: Sequence[int],
-    num_padded_seqs: int,
-    block_size: int,
-) -> PaddedDecodeStep:
-    """Validate a decode-only step (each sequence adds one token after its cached context) and
-    pad it to `num_padded_seqs` sequences."""
-    num_seqs = len(block_tables)
-    if num_seqs != len(context_lens) or not 0 < num_seqs <= num_padded_seqs:
+def pad_for_cuda_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
+    """A decode-only layout padded to `num_padded_seqs` sequences (a capture bucket): the real
+    decodes first, then padding sequences of one token at position 0 in block 0 (context 0,
+    slot -1: they write nothing, and their outputs are ignored). They count as decodes."""
+    num_seqs = layout.num_seqs
+    if layout.num_prefills or not 0 < num_seqs <= num_padded_seqs:
         raise ValueError(
-            f"{num_seqs} block tables and {len(context_lens)} context lengths for a step padded "
-            f"to {num_padded_seqs} sequences"
+            f"a step of {layout.num_prefills} prefills and {layout.num_decode_tokens} decodes "
+            f"cannot be padded to a decode-only step of {num_padded_seqs} sequences"
         )
-    lens, ctx_np = _int64s([len(t) for t in block_tables]), _int64s(context_lens)
-    if (ctx_np < 1).any() or (ctx_np // block_size >= lens).any():
-        raise ValueError("every decode needs a cached context and a block for its new token")
-    table = _padded_table(block_tables, lens, num_padded_seqs, int(lens.max()))
-    ctx = torch.from_numpy(ctx_np)
-    seq_lens = torch.ones(num_padded_seqs, dtype=torch.int64)
-    seq_lens[:num_seqs] = ctx + 1
-    slots = torch.full((num_padded_seqs,), -1, dtype=torch.int64)
-    rows = torch.arange(num_seqs)
-    slots[:num_seqs] = table[rows, ctx // block_size] * block_size + ctx % block_size
-    return PaddedDecodeStep(table, seq_lens, slots)
+    extra, width = num_padded_seqs - num_seqs, layout.block_table.shape[1]
+    zeros, ones = torch.zeros(extra, dtype=torch.int64), torch.ones(extra, dtype=torch.int64)
+    rows = torch.arange(num_padded_seqs)
+    return StepLayout(
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decode_tokens=num_padded_seqs,
+        context_lens=torch.cat([layout.context_lens, zeros]),
+        query_lens=torch.cat([layout.query_lens, ones]),
+        seq_lens=torch.cat([layout.seq_lens, ones]),
+        query_start_loc=torch.arange(num_padded_seqs + 1),
+        block_table=torch.cat([layout.block_table, layout.block_table.new_zeros(extra, width)]),
+        token_seq=rows,
+        token_pos=torch.cat([layout.token_pos, zeros]),
+        slot_mapping=torch.cat([layout.slot_mapping, torch.full((extra,), -1)]),
+    )
 
 
 def write_to_slots(
