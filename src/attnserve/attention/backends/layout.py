@@ -59,13 +59,13 @@ def _int64s(values: Sequence[int]) -> np.ndarray:
 
 def _padded_table(
     block_tables: Sequence[Sequence[int]], lens: np.ndarray, width: int
-) -> torch.Tensor:
-    """The tables as one [B, width] int64 tensor, padded with 0, built from one flat array
-    rather than a tensor per table."""
+) -> np.ndarray:
+    """The tables as one [B, width] int64 array, padded with 0, built from one flat array
+    rather than one per table."""
     flat = np.fromiter(chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum()))
     table = np.zeros((len(lens), width), dtype=np.int64)
     table[np.arange(width) < lens[:, None]] = flat
-    return torch.from_numpy(table)
+    return table
 
 
 def _validate(lens: np.ndarray, ctx: np.ndarray, qry: np.ndarray, block_size: int) -> int:
@@ -103,31 +103,32 @@ def build_step_layout(
             f"query_lens ({len(query_lens)}) must have one entry per sequence"
         )
     lens = _int64s([len(t) for t in block_tables])
-    ctx_np, qry_np = _int64s(context_lens), _int64s(query_lens)
-    num_prefills = _validate(lens, ctx_np, qry_np, block_size)
+    ctx, qry = _int64s(context_lens), _int64s(query_lens)
+    num_prefills = _validate(lens, ctx, qry, block_size)
     width = max(int(lens.max(initial=0)), 1)
     table = _padded_table(block_tables, lens, width)
-    if table.numel() and int(table.min()) < 0:
+    if table.size and int(table.min()) < 0:
         raise ValueError("block ids must be >= 0")
-    ctx, qry = torch.from_numpy(ctx_np), torch.from_numpy(qry_np)
-    start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-    torch.cumsum(qry, 0, out=start_loc[1:])
-    token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), qry)
-    token_pos = torch.arange(int(start_loc[-1])) - start_loc[token_seq] + ctx[token_seq]
+    start_loc = np.zeros(len(qry) + 1, dtype=np.int64)
+    np.cumsum(qry, out=start_loc[1:])
+    num_tokens = int(start_loc[-1])
+    token_seq = np.repeat(np.arange(len(qry)), qry)
+    token_pos = np.arange(num_tokens) - start_loc[token_seq] + ctx[token_seq]
     token_blocks = table[token_seq, token_pos // block_size]
     num_prefill_tokens = int(start_loc[num_prefills])
+    as_tensor = torch.from_numpy
     return StepLayout(
         num_prefills=num_prefills,
         num_prefill_tokens=num_prefill_tokens,
-        num_decode_tokens=int(start_loc[-1]) - num_prefill_tokens,
-        context_lens=ctx,
-        query_lens=qry,
-        seq_lens=ctx + qry,
-        query_start_loc=start_loc,
-        block_table=table,
-        token_seq=token_seq,
-        token_pos=token_pos,
-        slot_mapping=token_blocks * block_size + token_pos % block_size,
+        num_decode_tokens=num_tokens - num_prefill_tokens,
+        context_lens=as_tensor(ctx),
+        query_lens=as_tensor(qry),
+        seq_lens=as_tensor(ctx + qry),
+        query_start_loc=as_tensor(start_loc),
+        block_table=as_tensor(table),
+        token_seq=as_tensor(token_seq),
+        token_pos=as_tensor(token_pos),
+        slot_mapping=as_tensor(token_blocks * block_size + token_pos % block_size),
     )
 
 
@@ -168,21 +169,25 @@ def pad_for_cuda_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
             f"a step of {layout.num_prefills} prefills and {layout.num_decode_tokens} decodes "
             f"cannot be padded to a decode-only step of {num_padded_seqs} sequences"
         )
-    extra, width = num_padded_seqs - num_seqs, layout.block_table.shape[1]
-    zeros, ones = torch.zeros(extra, dtype=torch.int64), torch.ones(extra, dtype=torch.int64)
-    rows = torch.arange(num_padded_seqs)
+
+    def padded(values: torch.Tensor, fill: int) -> torch.Tensor:
+        out = np.full((num_padded_seqs, *values.shape[1:]), fill, dtype=np.int64)
+        out[:num_seqs] = values.numpy()
+        return torch.from_numpy(out)
+
+    rows = torch.from_numpy(np.arange(num_padded_seqs + 1))
     return StepLayout(
         num_prefills=0,
         num_prefill_tokens=0,
         num_decode_tokens=num_padded_seqs,
-        context_lens=torch.cat([layout.context_lens, zeros]),
-        query_lens=torch.cat([layout.query_lens, ones]),
-        seq_lens=torch.cat([layout.seq_lens, ones]),
-        query_start_loc=torch.arange(num_padded_seqs + 1),
-        block_table=torch.cat([layout.block_table, layout.block_table.new_zeros(extra, width)]),
-        token_seq=rows,
-        token_pos=torch.cat([layout.token_pos, zeros]),
-        slot_mapping=torch.cat([layout.slot_mapping, torch.full((extra,), -1)]),
+        context_lens=padded(layout.context_lens, 0),
+        query_lens=padded(layout.query_lens, 1),
+        seq_lens=padded(layout.seq_lens, 1),
+        query_start_loc=rows,
+        block_table=padded(layout.block_table, 0),
+        token_seq=rows[:-1],
+        token_pos=padded(layout.token_pos, 0),
+        slot_mapping=padded(layout.slot_mapping, -1),
     )
 
 
