@@ -7,6 +7,11 @@ length or spread uniformly by `--range-ratio`; each asks for exactly `--output-l
 per second (`inf`: all at once), at most `--max-concurrency` in flight. Per request: time to
 first token (TTFT), time per output token after the first (TPOT), the gaps between streamed
 tokens (ITL) and end-to-end latency (E2EL); reported as mean / median / p99 in ms.
+
+`--launch "SERVE ARGS"` starts `attnserve serve SERVE ARGS` itself (a free loopback port; warmed
+by a few short requests first) and stops it after the run; `--compare-generate` then runs the same
+requests through `LLM.generate` with the same engine arguments, in this process with the server
+gone, and prints both output rates and their ratio (serve / generate).
 """
 
 from __future__ import annotations
@@ -61,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
     parser.add_argument("--result-json", default=None, help="also write the summary here")
+    parser.add_argument(
+        "--launch", default=None, metavar="SERVE_ARGS",
+        help="start `attnserve serve SERVE_ARGS` (quoted; no --port) and benchmark it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compare-generate", action="store_true",
+        help="with --launch: also time LLM.generate of the same requests; print the ratio",
+    )  # fmt: skip
     parser.set_defaults(handler=run)
 
 
@@ -208,9 +221,49 @@ def format_report(summary: dict[str, Any]) -> str:
     return "\n".join([*lines, "=" * 50])
 
 
+def _with(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def _launched_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Start the server of `--launch`, warm it with a few short requests, benchmark it, stop it;
+    then, with `--compare-generate`, the `LLM.generate` baseline of the same requests."""
+    from attnserve.bench.launch import LaunchedServer, generate_baseline, parse_serve_args
+
+    serve_args = parse_serve_args(args.launch)
+    server = LaunchedServer(serve_args)
+    try:
+        asyncio.run(benchmark(_with(args, base_url=server.url, num_prompts=4, output_len=4)))
+        summary = asyncio.run(benchmark(_with(args, base_url=server.url)))
+    finally:
+        server.stop()
+    if args.compare_generate:
+        requests = sample_requests(args)
+        seconds = generate_baseline(serve_args, requests)
+        rate = sum(n for _, n in requests) / seconds
+        summary["generate"] = {"duration_s": seconds, "output_throughput": rate}
+        summary["serve_over_generate"] = summary["output_throughput"] / rate
+    return summary
+
+
+def format_comparison(summary: dict[str, Any]) -> str:
+    generate = summary["generate"]
+    return "\n".join(
+        [
+            f"{'LLM.generate, same requests (s):':<40}{generate['duration_s']:>10.2f}",
+            f"{'LLM.generate output tok/s:':<40}{generate['output_throughput']:>10.2f}",
+            f"{'Serve / generate output throughput:':<40}{summary['serve_over_generate']:>10.2f}",
+        ]
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    summary = asyncio.run(benchmark(args))
+    if args.compare_generate and not args.launch:
+        raise ValueError("--compare-generate needs --launch (the server's engine arguments)")
+    summary = asyncio.run(benchmark(args)) if args.launch is None else _launched_benchmark(args)
     print(format_report(summary))
+    if "generate" in summary:
+        print(format_comparison(summary))
     if args.result_json:
         with open(args.result_json, "w") as f:
             date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
