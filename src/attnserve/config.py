@@ -73,14 +73,18 @@ class ParallelConfig:
     """tensor_parallel_size ranks each hold a shard of the model and run every step together;
     distributed_executor_backend says how the ranks are started: "uni" (one rank, in the engine
     process), "mp" (one process per rank on this host) or "ray" (one Ray actor per rank, across
-    the hosts of a Ray cluster). None picks "uni" for one rank, else "mp"."""
+    the hosts of a Ray cluster). None picks "uni" for one rank, else "mp". data_parallel_size
+    engine cores, each with its own tensor_parallel_size ranks, share one front end."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(

@@ -14,7 +14,7 @@ from attnserve.engine.arg_utils import EngineArgs
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive int"),
         ({"tensor_parallel_size": 3}, "does not divide its 4 attention heads"),
         ({"distributed_executor_backend": "mpi"}, "unknown distributed_executor_backend 'mpi'"),
         (

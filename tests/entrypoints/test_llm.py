@@ -58,7 +58,7 @@ def test_greedy_matches_hf(
     stats = llm.llm_engine.stats()
     if "preemption" in setup:
         assert stats["num_preemptions"] > 0
-    assert llm.llm_engine.allocator.num_free_blocks == llm.llm_engine.allocator.num_blocks
+    assert llm.llm_engine.stats()["kv_cache_usage"] == 0
 
 
 def test_prefix_cache_hits_keep_outputs(
@@ -69,7 +69,7 @@ def test_prefix_cache_hits_keep_outputs(
     again = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     assert [o.outputs[0].token_ids for o in again] == expected
-    assert llm.llm_engine.allocator.prefix_hit_rate > 0.3
+    assert llm.llm_engine.stats()["prefix_cache_hit_rate"] > 0.3
 
 
 def test_parallel_sampling_and_seeds(tiny_llama_dir: Path, prompts: list[list[int]]) -> None:
@@ -81,7 +81,7 @@ def test_parallel_sampling_and_seeds(tiny_llama_dir: Path, prompts: list[list[in
     assert len(set(samples)) > 1  # independent draws
     mixed = llm.generate(prompts, [GREEDY, params, GREEDY, GREEDY], use_tqdm=False)
     assert [tuple(c.token_ids) for c in mixed[1].outputs] == samples  # batch-independent
-    assert llm.llm_engine.allocator.num_free_blocks == llm.llm_engine.allocator.num_blocks
+    assert llm.llm_engine.stats()["kv_cache_usage"] == 0
 
 
 def test_greedy_n_copies_and_best_of(
@@ -143,7 +143,7 @@ def test_bad_requests_are_value_errors_and_leak_nothing(
     with pytest.raises(ValueError, match=message):
         llm.generate([[3, 4], prompt], GREEDY, use_tqdm=False)  # type: ignore[list-item]
     assert not llm.llm_engine.has_unfinished_requests()
-    assert llm.llm_engine.allocator.num_free_blocks == llm.llm_engine.allocator.num_blocks
+    assert llm.llm_engine.stats()["kv_cache_usage"] == 0
 
 
 def test_bad_engine_arguments_are_value_errors(tiny_llama_dir: Path) -> None:

@@ -137,15 +137,18 @@ def kernel_records(trace: dict[str, Any]) -> list[OpRecord]:
     return records
 
 
-def _prefill_everything(engine: LLMEngine, workload: Workload) -> None:
-    """Add the workload's requests and step until each has drawn its first token."""
+def _prefill_everything(engine: LLMEngine, workload: Workload) -> list[str]:
+    """Add the workload's requests and step until each has drawn its first token; their ids."""
+    ids = []
     for index, (prompt, params) in enumerate(
         zip(workload.prompts, sampling_params(workload), strict=True)
     ):
-        engine.add_request(f"profile-{index}", prompt, params)
-    scheduler = engine.scheduler
+        ids.append(f"profile-{index}")
+        engine.add_request(ids[-1], prompt, params)
+    scheduler = engine.engine_core.scheduler
     while scheduler.waiting or any(s.num_output_tokens == 0 for s in scheduler.running):
         engine.step()
+    return ids
 
 
 def _timed_steps(engine: LLMEngine, steps: int) -> tuple[int, float]:
@@ -162,13 +165,13 @@ def _timed_steps(engine: LLMEngine, steps: int) -> tuple[int, float]:
 def profile_engine(engine: LLMEngine, workload: Workload, steps: int) -> Breakdown:
     """The breakdown of `steps` decode steps of `workload` (see the module docstring)."""
     on_device = engine.config.device.type == "cuda"
-    _prefill_everything(engine, workload)
+    request_ids = _prefill_everything(engine, workload)
     _timed_steps(engine, 1)  # lets the first decode step's one-off work out of the figures
     timed, wall_ms = _timed_steps(engine, steps)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     with profile(activities=activities) as prof:
         profiled, _ = _timed_steps(engine, steps)
-    for request_id in list(engine.requests):
+    for request_id in request_ids:
         engine.abort_request(request_id)
     if not timed or not profiled:
         raise ValueError("the workload is too short for --profile-steps: use longer outputs")

@@ -200,7 +200,7 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
         "bound_rule": BOUND_RULE,
         "copy_tb_per_s": rates.copy_bytes_per_s / 1e12,
         "matmul_tflop_per_s": rates.matmul_flops_per_s / 1e12,
-        "prefix_cache_hit_rate": llm.llm_engine.allocator.prefix_hit_rate,
+        "prefix_cache_hit_rate": llm.llm_engine.stats()["prefix_cache_hit_rate"],
     }
     if args.batch_sizes:
         result["sweep"] = _sweep(llm, args, shape, rates)

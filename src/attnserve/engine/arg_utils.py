@@ -88,6 +88,17 @@ class EngineArgs:
         f"how the ranks start: one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)} "
         "(default: uni for one rank, else mp)",
     )
+    data_parallel_size: int = _arg(
+        1,
+        "engine cores behind one front end, each a process of its own (on CUDA with its own "
+        "tensor_parallel_size GPUs)",
+    )
+    engine_core_process: bool | None = _arg(
+        None,
+        "run the scheduler and the model in a process of their own, apart from the front end's "
+        "tokenizing, detokenizing and HTTP (default: on for serve, off for LLM, generate, chat; "
+        "always on with data_parallel_size > 1)",
+    )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -95,6 +106,13 @@ class EngineArgs:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         return torch.device(self.device)
+
+    def uses_core_process(self, default: bool) -> bool:
+        """Whether the engine core runs in its own process(es): `engine_core_process`, or when
+        unset, `default` (the entry point's) or data parallelism."""
+        if self.engine_core_process is not None:
+            return self.engine_core_process
+        return default or self.data_parallel_size > 1
 
     def create_engine_config(self) -> EngineConfig:
         device = self.resolved_device()
@@ -135,18 +153,26 @@ class EngineArgs:
         )
 
     def create_parallel_config(self, device: torch.device) -> ParallelConfig:
-        config = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
-        tp = config.tensor_parallel_size
-        if tp > 1 and device.type == "cuda":
+        config = ParallelConfig(
+            self.tensor_parallel_size, self.distributed_executor_backend, self.data_parallel_size
+        )
+        tp, dp = config.tensor_parallel_size, config.data_parallel_size
+        if dp > 1 and self.engine_core_process is False:
+            raise ValueError(
+                f"data_parallel_size {dp} runs each engine core in a process of its own: "
+                "engine_core_process cannot be off"
+            )
+        if (tp > 1 or dp > 1) and device.type == "cuda":
             if device.index is not None:
                 raise ValueError(
-                    f"device {str(device)!r} names one GPU; tensor_parallel_size {tp} takes "
-                    "GPUs 0..N-1 of each host: use device 'cuda'"
+                    f"device {str(device)!r} names one GPU; tensor_parallel_size {tp} x "
+                    f"data_parallel_size {dp} takes GPUs 0..N-1 of the host: use device 'cuda'"
                 )
             available = torch.cuda.device_count()
-            if config.executor_backend == "mp" and tp > available:
+            if config.executor_backend != "ray" and tp * dp > available:  # Ray ranks: anywhere
                 raise ValueError(
-                    f"tensor_parallel_size {tp} needs {tp} GPUs; this host has {available}"
+                    f"tensor_parallel_size {tp} x data_parallel_size {dp} needs {tp * dp} GPUs; "
+                    f"this host has {available}"
                 )
         if config.executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend 'ray' needs ray: pip install ray")

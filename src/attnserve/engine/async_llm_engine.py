@@ -1,154 +1,170 @@
-"""`AsyncLLMEngine`: the same engine core, stepped by a background thread, for asyncio callers.
+"""`AsyncLLMEngine`: an `LLMEngine` for asyncio callers, its engine core in a process of its own
+by default (`engine_core_process`), its outputs read by a background thread.
 
 `generate(...)` is an async iterator of `RequestOutput`s for one request (cumulative by default;
-`SamplingParams(output_kind=RequestOutputKind.DELTA)` gives only what is new). New requests are
-queued to the engine thread, which takes them between steps, so the event loop never waits for a
-step. `abort(request_id)` frees every block of the request as soon as the step in flight ends; a
-consumer that stops iterating early aborts its request the same way.
+`SamplingParams(output_kind=RequestOutputKind.DELTA)` gives only what is new). A request is
+checked and sent to the core at once (a bad one raises ValueError in its caller); the event loop
+never waits for a step. The output thread takes each core step's outputs through the output
+processor (detokenizing, stop strings) and hands each event loop its requests' outputs in one
+callback per step. A consumer that falls behind gets everything produced since its last output
+merged into one (DELTA outputs joined by `RequestOutput.merge`, otherwise the newest), so a slow
+client costs one output, not one per token.
+`abort(request_id)` ends a request (a consumer that stops iterating early aborts its request the
+same way); when the core dies, every waiting and later request raises `EngineDeadError`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import queue
 import threading
+from collections import defaultdict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from attnserve.engine.arg_utils import EngineArgs
+from attnserve.engine.core_client import EngineDeadError
 from attnserve.engine.llm_engine import LLMEngine
 from attnserve.outputs import RequestOutput
-from attnserve.sampling_params import SamplingParams
+from attnserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_Sink = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+__all__ = ["AsyncLLMEngine", "EngineDeadError"]
+
+_Item = RequestOutput | BaseException
+_Queue = asyncio.Queue[_Item]
+_Sink = tuple[asyncio.AbstractEventLoop, _Queue]
+IDLE_POLL_S = 0.5  # an idle output thread looks at the core's health this often
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; no request can be served any more."""
+def _put_all(items: list[tuple[_Queue, _Item]]) -> None:
+    for sink, item in items:
+        sink.put_nowait(item)
 
 
-@dataclass
-class _NewRequest:
-    """A request waiting for the engine thread to add it; `added` settles once it has."""
+def _post(entries: list[tuple[_Sink, _Item]]) -> None:
+    """Each item to its sink, from any thread: one callback per event loop."""
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[_Queue, _Item]]] = defaultdict(list)
+    for (loop, sink), item in entries:
+        batches[loop].append((sink, item))
+    for loop, items in batches.items():
+        with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody waits
+            loop.call_soon_threadsafe(_put_all, items)
 
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue[RequestOutput | BaseException]
-    added: asyncio.Future[None]
 
-    def settle(self, error: BaseException | None) -> None:
-        def resolve() -> None:
-            if self.added.done():
-                return
-            if error is None:
-                self.added.set_result(None)
-            else:
-                self.added.set_exception(error)
-
-        self.loop.call_soon_threadsafe(resolve)
+def _next_merged(sink: _Queue, first: _Item, delta: bool) -> _Item:
+    """`first` and every output queued behind it, as one: DELTA outputs joined, otherwise the
+    newest (each holds everything so far); an error ends the merge."""
+    merged = first
+    while isinstance(merged, RequestOutput) and not sink.empty():
+        following = sink.get_nowait()
+        if isinstance(following, BaseException) or not delta:
+            merged = following
+        else:
+            merged = merged.merge(following)
+    return merged
 
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the sinks
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}
-        self._commands: queue.SimpleQueue[_NewRequest] = queue.SimpleQueue()
         self._stopped = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="attnserve-engine", daemon=True)
+        self._error: EngineDeadError | None = None
+        self._last_stats: dict[str, float] | None = None
+        self._thread = threading.Thread(target=self._loop, name="attnserve-outputs", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
-        return cls(LLMEngine(args))
+        return cls(LLMEngine(args, default_core_process=True, thread_safe=True))
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    @property
+    def error(self) -> EngineDeadError | None:
+        """Why the engine is dead, once it is."""
+        return self._error
+
+    @property
+    def errored(self) -> bool:
+        """The engine core has failed or is gone (checked now, even with nothing running)."""
+        if self._error is None:
+            try:
+                self.engine.check_health()
+            except EngineDeadError as error:
+                self._fail(error)
+        return self._error is not None
+
     def _loop(self) -> None:
         while not self._stopped:
-            with self._lock:
-                self._run_commands()
-                busy = self.engine.has_unfinished_requests()
-                try:
-                    outputs = self.engine.step() if busy else []
-                except BaseException as error:  # handed to every waiting caller
-                    logger.exception("engine step failed")
-                    self._fail(error)
+            if not self.engine.has_unfinished_requests():
+                if self._wake.wait(timeout=IDLE_POLL_S):
+                    self._wake.clear()
+                elif self.errored:
                     return
-                sinks = [(self._sinks.get(o.request_id), o) for o in outputs]
-                for output in outputs:
-                    if output.finished:
-                        self._sinks.pop(output.request_id, None)
-            for sink, output in sinks:
-                if sink is not None:
-                    sink[0].call_soon_threadsafe(sink[1].put_nowait, output)
-            if not busy:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-
-    def _queued(self) -> list[_NewRequest]:
-        found = []
-        while True:
-            try:
-                found.append(self._commands.get_nowait())
-            except queue.Empty:
-                return found
-
-    def _run_commands(self) -> None:
-        """New requests queued by callers, taken in between steps (engine thread, locked)."""
-        for new in self._queued():
-            try:
-                self.engine.add_request(new.request_id, new.prompt, new.params)
-            except Exception as error:  # a bad request: raised in its caller
-                new.settle(error)
                 continue
-            self._sinks[new.request_id] = (new.loop, new.outputs)
-            new.settle(None)
+            try:
+                outputs = self.engine.step()
+            except BaseException as error:  # handed to every waiting caller
+                if self._stopped:
+                    return
+                logger.error("the engine failed: %s", error)
+                self._fail(error if isinstance(error, EngineDeadError) else EngineDeadError(error))
+                return
+            self._deliver(outputs)
 
-    def _fail_queued(self) -> None:
-        for new in self._queued():
-            new.settle(EngineDeadError(f"the engine has failed: {self._error}"))
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        entries: list[tuple[_Sink, _Item]] = []
+        with self._lock:
+            for output in outputs:
+                sink = self._sinks.get(output.request_id)
+                if sink is not None:
+                    entries.append((sink, output))
+                    if output.finished:
+                        del self._sinks[output.request_id]
+        _post(entries)
 
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        for request_id, (loop, sink) in list(self._sinks.items()):
-            self.engine.abort_request(request_id)
-            loop.call_soon_threadsafe(sink.put_nowait, EngineDeadError(str(error)))
-        self._sinks.clear()
-        self._fail_queued()
+    def _fail(self, error: EngineDeadError) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            sinks, self._sinks = list(self._sinks.values()), {}
+        _post([(sink, error) for sink in sinks])
 
     async def generate(
         self,
         prompt: str | list[int],
         sampling_params: SamplingParams,
         request_id: str,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they are produced; ValueError for a bad request."""
-        if self._error is not None:
+        if self.errored:
             raise EngineDeadError(f"the engine has failed: {self._error}")
-        loop = asyncio.get_running_loop()
-        new = _NewRequest(
-            request_id, prompt, sampling_params, loop, asyncio.Queue(), loop.create_future()
-        )
-        self._commands.put(new)  # the event loop never waits for a step to end
+        sink: _Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._sinks:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._sinks[request_id] = (asyncio.get_running_loop(), sink)
+        try:
+            self.engine.add_request(request_id, prompt, sampling_params, data_parallel_rank)
+        except BaseException:
+            with self._lock:
+                self._sinks.pop(request_id, None)
+            raise
         self._wake.set()
-        if self._error is not None:  # the engine died after the check above
-            self._fail_queued()
-        await new.added
+        delta = sampling_params.output_kind is RequestOutputKind.DELTA
         finished = False
         try:
             while not finished:
-                item = await new.outputs.get()
+                item = _next_merged(sink, await sink.get(), delta)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -158,18 +174,26 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """End a request; its blocks are free when this returns."""
+        """End a request; no output of it comes any more, and its blocks are freed by the core
+        before anything sent after this."""
         with self._lock:
             self._sinks.pop(request_id, None)
+        if self._error is None:
             self.engine.abort_request(request_id)
 
     def stats(self) -> dict[str, float]:
-        with self._lock:
-            return self.engine.stats()
+        """The core's gauges (the last ones it gave, once it is gone)."""
+        if not self.errored:
+            try:
+                self._last_stats = self.engine.stats()
+            except EngineDeadError as error:
+                self._fail(error)
+        if self._last_stats is None:
+            raise EngineDeadError(f"the engine has failed: {self._error}")
+        return self._last_stats
 
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():  # mid-step ranks are left to the exit-time cleanup
-            self.engine.shutdown()
+        self.engine.shutdown()  # a step being waited for ends with EngineDeadError
+        self._thread.join(timeout=10)

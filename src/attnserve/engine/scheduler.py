@@ -53,6 +53,7 @@ class SchedulerOutput:
     swap_in: BlockPairs = field(default_factory=list)  # (host block, device block)
     swap_out: BlockPairs = field(default_factory=list)  # (device block, host block)
     copies: BlockPairs = field(default_factory=list)  # (device src, device dst)
+    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler itself
 
 
 class Scheduler:
@@ -169,6 +170,7 @@ class Scheduler:
                 if victim is seq and len(self.running) == 1:
                     logger.warning("request %s outgrew the whole KV cache", seq.request_id)
                     self.finish(seq, "length")
+                    out.finished.append(seq)
                     return False
                 self._preempt(victim, out)
                 if victim is seq:

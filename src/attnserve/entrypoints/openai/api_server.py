@@ -2,17 +2,23 @@
 `run_server` (`attnserve serve`: load the engine, then serve it with uvicorn).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or server-sent events with
-`stream: true`), `GET /v1/models`, `GET /health` (503 once the engine has failed) and
-`GET /metrics` (Prometheus text). Errors are OpenAI-style objects (see `errors`).
+`stream: true`), `GET /v1/models`, `GET /health` (503 while the warm-up runs and once the engine
+has failed) and `GET /metrics` (Prometheus text). Errors are OpenAI-style objects (see `errors`).
+
+The engine core runs in a process of its own by default (`--engine-core-process`); this process
+does HTTP, JSON, tokenizing, detokenizing, stop strings and SSE. On start-up the app warms the
+engine (`engine.warmup`) in the background; `/health` answers 200 only after that.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from attnserve import __version__
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
+from attnserve.engine.warmup import warm_up
 from attnserve.entrypoints.openai.cli_args import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
 from attnserve.entrypoints.openai.errors import (
     ApiError,
@@ -55,7 +62,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (404, "unknown model"),
         (413, "request body too large"),
         (422, "the body does not match the schema"),
-        (503, "the engine has failed"),
+        (503, "the engine has failed (or, on /health, is still warming up)"),
     ]
 }
 _SSE_EVENT = {  # each server-sent event, as decoded from the stream
@@ -76,18 +83,43 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    warm: bool = True,
 ) -> FastAPI:
+    """The app; with `warm`, its start-up (lifespan) warms the engine before /health says 200."""
     metrics = ServerMetrics(engine.stats)
     completion = OpenAIServingCompletion(engine, model_name, metrics)
     chat = OpenAIServingChat(engine, model_name, metrics)
-    app = FastAPI(title="attnserve", version=__version__, summary="OpenAI-compatible API")
+    ready = asyncio.Event()
+    if not warm:
+        ready.set()
+
+    async def warm_then_ready() -> None:
+        try:
+            await warm_up(engine)
+        except Exception:  # the engine failed: /health says so
+            logger.exception("the warm-up failed")
+            return
+        ready.set()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(warm_then_ready()) if warm else None
+        yield
+        if task is not None:
+            task.cancel()
+
+    app = FastAPI(
+        title="attnserve", version=__version__, summary="OpenAI-compatible API", lifespan=lifespan
+    )
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _on_disconnect)
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503]})
     async def health() -> HealthResponse:
-        if completion.engine_dead or chat.engine_dead:
-            raise ApiError(503, "the engine has failed")
+        if engine.errored:
+            raise ApiError(503, f"the engine has failed: {engine.error}")
+        if not ready.is_set():
+            raise ApiError(503, "the engine is warming up")
         return HealthResponse()
 
     @app.get("/metrics", response_class=PlainTextResponse)

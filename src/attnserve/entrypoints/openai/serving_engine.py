@@ -87,7 +87,6 @@ class OpenAIServing:
         config = engine.engine.model_config
         self.max_model_len = config.max_model_len
         self.vocab_size = config.vocab_size
-        self.engine_dead = False
 
     @property
     def tokenizer(self) -> Any:
@@ -179,8 +178,7 @@ class OpenAIServing:
         except ValueError as error:
             raise ApiError(400, str(error)) from error
         except EngineDeadError as error:
-            self.engine_dead = True
-            raise ApiError(503, str(error)) from error
+            raise ApiError(503, f"the engine has failed: {error}") from error
 
     async def sse(
         self,

@@ -1,0 +1,156 @@
+"""The engine core's busy loop, and the entry point of an engine core process.
+
+`run_core` serves one `EngineCore` until it is told to stop: it takes every queued command
+between steps (adds, aborts, stop-string finishes, calls), runs one step and emits ONE
+`EngineCoreOutputs` for it, and when it has nothing to do it blocks until a command comes. The
+transport is two callables, so the same loop runs in a thread (queues) or in a process of its own
+(`run_engine_core_process`: `multiprocessing.connection` pipes, pickle protocol 5).
+
+The core process imports the engine's lower half only (this module, `EngineCore`, the executor
+and the model), never the front end's tokenizer or server stack. It ignores SIGINT (the front end
+decides when it stops), and it exits when its front end goes away: the command pipe then reads
+EOF, and a watcher thread ends the process if the parent dies while a step is running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+
+import torch
+
+from attnserve.engine.core_messages import (
+    CALLABLE_METHODS,
+    PICKLE_PROTOCOL,
+    CallReply,
+    Command,
+    CoreCommand,
+    CoreFailed,
+    CoreMessage,
+)
+from attnserve.engine.engine_core import EngineCore
+from attnserve.engine_config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+Take = Callable[[bool], list[Command]]  # block (nothing to do) -> the queued commands
+Emit = Callable[[CoreMessage], None]
+
+
+class TransportClosed(Exception):
+    """The front end's end of the channel is gone: stop quietly."""
+
+
+def _apply(core: EngineCore, command: Command, emit: Emit) -> bool:
+    """Carry out one command; False for shutdown."""
+    kind, payload = command
+    if kind is CoreCommand.ADD:
+        core.add_request(payload)
+    elif kind is CoreCommand.ABORT:
+        core.abort_requests(payload)
+    elif kind is CoreCommand.FINISH:
+        core.finish_sequences(payload)
+    elif kind is CoreCommand.CALL:
+        call_id, method = payload
+        if method not in CALLABLE_METHODS:
+            raise ValueError(f"the engine core has no call {method!r}")
+        emit(CallReply(call_id, getattr(core, method)()))
+    return kind is not CoreCommand.SHUTDOWN
+
+
+def run_core(core: EngineCore, take: Take, emit: Emit) -> bool:
+    """Serve `core` until a shutdown command (or the channel closes), then shut it down; False
+    after a failure, which is emitted as `CoreFailed` first."""
+    try:
+        while True:
+            for command in take(not core.has_work()):
+                if not _apply(core, command, emit):
+                    return True
+            if core.has_work():
+                outputs = core.step()
+                if outputs.outputs or outputs.finished_requests:
+                    emit(outputs)
+    except TransportClosed:
+        logger.info("the front end went away: the engine core stops")
+        return True
+    except BaseException as error:
+        logger.exception("the engine core failed")
+        with contextlib.suppress(TransportClosed):
+            emit(CoreFailed.from_error(error))
+        return False
+    finally:
+        core.shutdown()
+
+
+def pipe_take(conn: Connection) -> Take:
+    """Commands from a pipe: block for the first when asked to, then whatever is queued."""
+
+    def take(block: bool) -> list[Command]:
+        commands = []
+        try:
+            if block:
+                commands.append(pickle.loads(conn.recv_bytes()))
+            while conn.poll():
+                commands.append(pickle.loads(conn.recv_bytes()))
+        except (EOFError, OSError) as error:
+            raise TransportClosed from error
+        return commands
+
+    return take
+
+
+def pipe_emit(conn: Connection) -> Emit:
+    def emit(message: CoreMessage) -> None:
+        try:
+            data = pickle.dumps(message, protocol=PICKLE_PROTOCOL)
+        except Exception:  # a failure whose exception does not pickle: its message does
+            if not isinstance(message, CoreFailed):
+                raise
+            data = pickle.dumps(CoreFailed(message.message), protocol=PICKLE_PROTOCOL)
+        try:
+            conn.send_bytes(data)
+        except OSError as error:
+            raise TransportClosed from error
+
+    return emit
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+
+def run_engine_core_process(
+    config: EngineConfig,
+    commands: Connection,
+    messages: Connection,
+    num_threads: int | None,
+    log_level: int,
+) -> None:
+    """The body of an engine core process: build the core, report `CoreReady` (or
+    `CoreFailed`), then `run_core` over the two pipes; exit code 1 after a failure."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, name="attnserve-parent-watch", daemon=True).start()
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    emit = pipe_emit(messages)
+    try:
+        core = EngineCore(config)
+    except BaseException as error:
+        logger.exception("the engine core could not start")
+        with contextlib.suppress(TransportClosed):
+            emit(CoreFailed.from_error(error))
+        raise SystemExit(1) from error
+    emit(core.ready_message())
+    if not run_core(core, pipe_take(commands), emit):
+        raise SystemExit(1)

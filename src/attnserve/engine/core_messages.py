@@ -1,0 +1,100 @@
+"""What crosses between the front end and the engine core (vLLM V1's EngineCore protocol).
+
+The front end (`LLMEngine`, and through it `AsyncLLMEngine` and the server) tokenizes, checks and
+sends each request as an `EngineCoreRequest`; the core schedules and runs the model and answers
+with ONE `EngineCoreOutputs` per step, carrying every sequence that advanced: the token drawn for
+it, its log-probabilities, how it finished. Detokenizing, stop strings and `RequestOutput`s are
+the front end's; when it finds a stop string it tells the core to finish that sequence.
+
+Commands to the core are `(CoreCommand, payload)` tuples; the core answers a call with a
+`CallReply`, reports once that it is up with `CoreReady` and, when it fails, `CoreFailed`. Over a
+process boundary every message is pickled (protocol 5) and sent through a
+`multiprocessing.connection` pipe; in a thread the same objects go through queues.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from attnserve.core import TokenLogprobs
+from attnserve.sampling_params import SamplingParams
+
+PICKLE_PROTOCOL = 5  # of every message over a pipe (out-of-band buffers, fast bytes)
+# What a call may ask the core for (methods of `EngineCore` without arguments).
+CALLABLE_METHODS = ("stats",)
+
+
+class CoreCommand(enum.Enum):
+    ADD = "add"  # payload: EngineCoreRequest
+    ABORT = "abort"  # payload: request ids
+    FINISH = "finish"  # payload: (request id, sequence index) pairs, ended by a stop string
+    CALL = "call"  # payload: (call id, method name)
+    SHUTDOWN = "shutdown"  # payload: None
+
+
+Command = tuple[CoreCommand, Any]
+
+
+@dataclass
+class EngineCoreRequest:
+    """A checked request: `request_id` is the core's own id (unique per `add_request`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one sequence got in one step. A parallel-sampling fork first appears with its index;
+    `prompt_logprobs` come once, with the first sequence's first token. Built for every
+    sequence every step, so a plain dataclass."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None  # when the request asked for logprobs
+    cumulative_logprob: float | None = None  # when log-probabilities are computed
+    finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One step: every sequence that advanced, and the requests the core has ended since its
+    last report (all their sequences finished; the core holds nothing of them any more)."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    finished_requests: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CoreReady:
+    """The core is up: what the front end needs to know of it."""
+
+    num_blocks: int
+    block_size: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class CallReply:
+    call_id: int
+    result: Any
+
+
+@dataclass(frozen=True)
+class CoreFailed:
+    """The core stopped on `error` (kept where it pickles; the core logs its traceback)."""
+
+    message: str
+    error: BaseException | None = None
+
+    @classmethod
+    def from_error(cls, error: BaseException) -> CoreFailed:
+        return cls(f"{type(error).__name__}: {error}", error)
+
+
+CoreMessage = EngineCoreOutputs | CoreReady | CallReply | CoreFailed

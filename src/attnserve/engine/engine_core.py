@@ -1,0 +1,208 @@
+"""`EngineCore`: the scheduler, the KV block pool and the executor — `EngineCoreRequest`s in, one
+`EngineCoreOutputs` out per step (vLLM V1's EngineCore).
+
+It knows token ids only: no tokenizer, no text, no stop strings (the front end's
+`OutputProcessor` turns its outputs into `RequestOutput`s and tells it, through
+`finish_sequences`, which sequences a stop string ended). It runs in the front end's process
+(`InprocClient`), in a thread of it, or in a process of its own (`core_process`), unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from attnserve.core import AsyncStepOutput
+from attnserve.engine.block_allocator import BlockAllocator
+from attnserve.engine.block_table import BlockTable
+from attnserve.engine.core_messages import (
+    CoreReady,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+)
+from attnserve.engine.scheduler import Scheduler, SchedulerOutput
+from attnserve.engine.sequence import Sequence
+from attnserve.engine.step_inputs import build_batch
+from attnserve.engine_config import EngineConfig
+from attnserve.executor import get_executor_class
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _LaunchedStep:
+    scheduled: SchedulerOutput
+    future: AsyncStepOutput
+    draw_index: dict[int, int]  # id(sequence) -> its (first) draw's index among the step's draws
+
+
+def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
+    """Whether a step needs every drawn token on the host first (penalties read the outputs)."""
+    return any(i.samples and i.seq.sampling_params.has_penalties for i in scheduled.scheduled)
+
+
+def _output(seq: Sequence) -> EngineCoreOutput:
+    """What `seq` got this step: its one new token (none when the scheduler ended it)."""
+    params = seq.sampling_params
+    drew = seq.num_output_tokens > 0 and not seq.has_pending_token
+    first = seq.index == 0 and seq.num_output_tokens == 1
+    return EngineCoreOutput(
+        request_id=seq.request_id,
+        index=seq.index,
+        new_token_ids=[seq.token_ids[-1]] if drew else [],
+        new_logprobs=[seq.logprobs[-1]] if drew and params.logprobs is not None else None,
+        cumulative_logprob=seq.cumulative_logprob if seq.logprobs else None,
+        finish_reason=seq.finish_reason,
+        prompt_logprobs=seq.prompt_logprobs
+        if first and params.prompt_logprobs is not None
+        else None,
+    )
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        self.config = config
+        cache_config = config.cache_config
+        scheduler_config = config.scheduler_config
+        parallel_config = config.parallel_config
+        torch.manual_seed(config.seed)
+        self.executor = get_executor_class(parallel_config)(config)
+        self.block_size = cache_config.block_size
+        self.allocator = BlockAllocator(
+            self.executor.num_blocks, cache_config.enable_prefix_caching
+        )
+        swap_blocks = self.executor.num_swap_blocks
+        self.scheduler = Scheduler(
+            scheduler_config,
+            self.allocator,
+            BlockAllocator(swap_blocks) if swap_blocks else None,
+        )
+        self.eos_token_ids = list(config.model_config.eos_token_ids)
+        self.requests: dict[str, dict[int, Sequence]] = {}  # request id -> index -> sequence
+        self._ended: list[str] = []  # requests ended since the last report
+        self._in_flight: _LaunchedStep | None = None
+        self.num_requests_added = 0
+        # Several ranks run each step synchronously: nothing to overlap, so no lookahead.
+        self.async_scheduling = (
+            scheduler_config.async_scheduling and parallel_config.world_size == 1
+        )
+        logger.info("engine core ready in %.1f s", time.perf_counter() - started)
+
+    def ready_message(self) -> CoreReady:
+        return CoreReady(self.allocator.num_blocks, self.block_size, os.getpid())
+
+    def shutdown(self) -> None:
+        """Stop the executor's ranks (worker processes, Ray actors); idempotent."""
+        self.executor.shutdown()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request the front end has checked (ids unique, prompt in range)."""
+        block_table = BlockTable(self.allocator, self.block_size)
+        seq = Sequence(
+            request.request_id, request.prompt_token_ids, request.sampling_params, block_table
+        )
+        self.requests[request.request_id] = {0: seq}
+        self.scheduler.add(seq)
+        self.num_requests_added += 1
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """End requests now; every block they held is free when this returns."""
+        for request_id in request_ids:
+            self.scheduler.abort(request_id)
+            self.requests.pop(request_id, None)
+
+    def finish_sequences(self, sequences: list[tuple[str, int]]) -> None:
+        """End the sequences (request id, index) whose text reached a stop string."""
+        for request_id, index in sequences:
+            seqs = self.requests.get(request_id, {})
+            seq = seqs.get(index)
+            if seq is None or seq.is_finished:
+                continue
+            self.scheduler.finish(seq, "stop")
+            if all(s.is_finished for s in seqs.values()):
+                self._end(request_id)
+
+    def _end(self, request_id: str) -> None:
+        del self.requests[request_id]
+        self._ended.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Requests to run, or ended ones not reported yet."""
+        return bool(self.requests or self._ended)
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule and launch one step; the outputs of every sequence that advanced.
+
+        With async scheduling the step launched here is read back during the next call (its
+        tokens meanwhile feed the next step on the device), so the host's work for one step
+        overlaps the device's work for the previous one; each call reports the step launched by
+        the call before.
+        """
+        scheduled = self.scheduler.schedule()
+        out = EngineCoreOutputs()
+        self._report(scheduled.finished, out)
+        if self._in_flight is not None and _needs_host_tokens(scheduled):
+            self._drain(out)
+            scheduled.scheduled = [i for i in scheduled.scheduled if not i.seq.is_finished]
+        if scheduled.scheduled:
+            launched = self._launch(scheduled)
+            self._drain(out)
+            self.scheduler.advance(scheduled)
+            self._in_flight = launched
+        if not self.async_scheduling or not scheduled.scheduled:
+            self._drain(out)
+        out.finished_requests, self._ended = self._ended, []
+        return out
+
+    def _drain(self, out: EngineCoreOutputs) -> None:
+        """Read back the step in flight, if there is one."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None:
+            results = launched.future.result()
+            touched = self.scheduler.resolve(launched.scheduled, results, self.eos_token_ids)
+            self._report(touched, out)
+
+    def _report(self, seqs: list[Sequence], out: EngineCoreOutputs) -> None:
+        """Each sequence's output (forks join their request here); then end every request
+        whose sequences have all finished."""
+        for seq in seqs:
+            out.outputs.append(_output(seq))
+            self.requests[seq.request_id].setdefault(seq.index, seq)
+        for seq in seqs:
+            request = self.requests.get(seq.request_id) if seq.is_finished else None
+            if request is not None and all(s.is_finished for s in request.values()):
+                self._end(seq.request_id)
+
+    def _launch(self, scheduled: SchedulerOutput) -> _LaunchedStep:
+        draws = self._in_flight.draw_index if self._in_flight is not None else {}
+        carried = [
+            (row, draws[id(item.seq)])
+            for row, item in enumerate(scheduled.scheduled)
+            if item.samples and item.seq.has_pending_token
+        ]
+        batch = build_batch(scheduled, self.eos_token_ids, carried)
+        sampling = (item.seq for item in scheduled.scheduled if item.samples)
+        draw_index = {id(seq): j for j, seq in enumerate(sampling)}
+        return _LaunchedStep(scheduled, self.executor.execute_model_async(batch), draw_index)
+
+    def stats(self) -> dict[str, float]:
+        """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate."""
+        used = self.allocator.num_blocks - self.allocator.num_free_blocks
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            "kv_cache_usage": used / self.allocator.num_blocks,
+            "prefix_cache_hit_rate": self.allocator.prefix_hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_requests_added": self.num_requests_added,
+        }

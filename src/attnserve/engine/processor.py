@@ -1,0 +1,62 @@
+"""`Processor`: a prompt (text or token ids) to a checked `EngineCoreRequest`, in the front end.
+
+Everything the core would refuse is refused here, up front, with a ValueError naming the
+problem: an empty prompt, one that leaves no room under `max_model_len`, token ids outside the
+vocabulary, a prompt larger than the whole KV cache. Each request gets a core id of its own
+(`request id#n`), so that a request id may be used again at once after its request has ended,
+while the core may still be reporting on the old one.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from transformers import PreTrainedTokenizerBase
+
+from attnserve.engine.core_messages import EngineCoreRequest
+from attnserve.model.config import ModelConfig
+from attnserve.sampling_params import SamplingParams
+
+
+class Processor:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+        kv_cache_tokens: int,
+    ) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.kv_cache_tokens = kv_cache_tokens
+        self._counter = itertools.count()
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token id lists")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        max_len = self.model_config.max_model_len
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens leaves no room under max_model_len {max_len}"
+            )
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        if len(token_ids) + 1 > self.kv_cache_tokens:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens does not fit the KV cache "
+                f"({self.kv_cache_tokens} tokens)"
+            )
+
+    def process(
+        self, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> EngineCoreRequest:
+        """The checked request, under a fresh core id."""
+        self.check_prompt(token_ids)
+        return EngineCoreRequest(f"{request_id}#{next(self._counter)}", token_ids, params)
