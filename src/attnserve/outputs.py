@@ -1,12 +1,12 @@
 """What generation returns: `RequestOutput`, one `CompletionOutput` per sample (vLLM names).
 
-`RequestOutput.merge` joins two successive DELTA outputs of one request into one (what a
-streaming consumer that fell behind receives).
+`RequestOutput.merged` joins successive DELTA outputs of one request into one (what a streaming
+consumer that fell behind receives).
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from attnserve.core import TokenLogprobs
@@ -25,14 +25,21 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def extend(self, following: CompletionOutput) -> None:
-        """Append the DELTA output that follows this one."""
-        self.text += following.text
-        self.token_ids = self.token_ids + following.token_ids
-        if self.logprobs is not None and following.logprobs is not None:
-            self.logprobs = self.logprobs + following.logprobs
-        self.cumulative_logprob = following.cumulative_logprob
-        self.finish_reason = following.finish_reason
+    @staticmethod
+    def joined(parts: Sequence[CompletionOutput]) -> CompletionOutput:
+        """Successive DELTA outputs of one completion as one."""
+        last = parts[-1]
+        logprobs = None
+        if all(p.logprobs is not None for p in parts):
+            logprobs = [entry for p in parts for entry in p.logprobs or ()]
+        return CompletionOutput(
+            index=last.index,
+            text="".join(p.text for p in parts),
+            token_ids=[token for p in parts for token in p.token_ids],
+            cumulative_logprob=last.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=last.finish_reason,
+        )
 
 
 @dataclass
@@ -44,19 +51,21 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
-    def merge(self, following: RequestOutput) -> RequestOutput:
-        """This DELTA output and the one that follows it, as one output (a new object)."""
-        completions = {c.index: dataclasses.replace(c) for c in self.outputs}
-        for completion in following.outputs:
-            if completion.index in completions:
-                completions[completion.index].extend(completion)
-            else:
-                completions[completion.index] = dataclasses.replace(completion)
+    @staticmethod
+    def merged(outputs: Sequence[RequestOutput]) -> RequestOutput:
+        """Successive DELTA outputs of one request as one (the first one if it is alone)."""
+        if len(outputs) == 1:
+            return outputs[0]
+        parts: dict[int, list[CompletionOutput]] = {}
+        for output in outputs:
+            for completion in output.outputs:
+                parts.setdefault(completion.index, []).append(completion)
+        first, last = outputs[0], outputs[-1]
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[completions[index] for index in sorted(completions)],
-            finished=following.finished,
-            prompt_logprobs=self.prompt_logprobs or following.prompt_logprobs,
+            request_id=first.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[CompletionOutput.joined(parts[index]) for index in sorted(parts)],
+            finished=last.finished,
+            prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None),
         )

@@ -4,6 +4,7 @@ Prometheus metrics parsed, and a tiny random Llama that carries the default mode
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -90,15 +91,52 @@ class ServerProcess:
                 return metrics
             time.sleep(0.1)
 
-    def stop(self) -> None:
+    def children(self) -> list[int]:
+        """The server's child processes (engine cores, multiprocessing's resource tracker)."""
+        return child_pids(self.proc.pid)
+
+    def engine_core_pids(self) -> list[int]:
+        return [pid for pid in self.children() if "resource_tracker" not in _cmdline(pid)]
+
+    def stop(self) -> int:
+        """SIGTERM, then (past a generous grace) SIGKILL; the exit code."""
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=15)
+            code = self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait()
+            code = self.proc.wait()
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
+        return code
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def child_pids(parent: int) -> list[int]:
+    """The live children of `parent`, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and is_running(int(entry.name)):
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == parent:
+                    found.append(int(entry.name))
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def tiny_model_with_tokenizer(path: Path) -> Path:

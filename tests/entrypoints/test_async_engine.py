@@ -177,9 +177,7 @@ def test_merged_deltas_equal_the_whole_output(tiny_llama_dir: Path) -> None:
         for out in llm.step():
             outputs[out.request_id].append(out)
     deltas = outputs["delta"]
-    merged = deltas[0]
-    for following in deltas[1:]:
-        merged = merged.merge(following)
+    merged = RequestOutput.merged(deltas)
     whole = outputs["whole"][-1]
     assert merged.finished and len(deltas) >= 9  # a fork may run a step behind
     assert [c.token_ids for c in merged.outputs] == [c.token_ids for c in whole.outputs]

@@ -236,6 +236,34 @@ def test_64_concurrent_streams_all_complete_and_free_their_blocks(server: Server
     print(f"64 streams x 8 tokens: {time.monotonic() - started:.1f} s")
 
 
+def test_streamed_text_equals_whole_text_with_many_streams(client: openai.OpenAI) -> None:
+    """32 streams at once (a busy front end merges each stream's queued deltas into one event):
+    every streamed text adds up to the non-streamed text, stop strings included."""
+    prompts = [f"{i} apples and {i + 1}" for i in range(32)]
+    stops = [["\n"] if i % 2 else None for i in range(32)]
+    common: dict[str, Any] = {"model": MODEL, "max_tokens": 16, "temperature": 0}
+    whole = [
+        client.completions.create(prompt=p, stop=s, **common).choices[0]
+        for p, s in zip(prompts, stops, strict=True)
+    ]
+    streaming = openai.AsyncOpenAI(base_url=client.base_url, api_key=KEY, max_retries=0)
+
+    async def one(prompt: str, stop: list[str] | None) -> tuple[str, str | None, int]:
+        stream = await streaming.completions.create(prompt=prompt, stop=stop, stream=True, **common)
+        chunks = [chunk async for chunk in stream]
+        text = "".join(c.choices[0].text for c in chunks)
+        return text, chunks[-1].choices[0].finish_reason, len(chunks)
+
+    async def run() -> list[tuple[str, str | None, int]]:
+        async with streaming:
+            jobs = (one(p, s) for p, s in zip(prompts, stops, strict=True))
+            return await asyncio.wait_for(asyncio.gather(*jobs), 150)
+
+    streamed = asyncio.run(run())
+    assert [(t, r) for t, r, _ in streamed] == [(c.text, c.finish_reason) for c in whole]
+    print(f"events per stream: {[n for _, _, n in streamed]}")
+
+
 async def _open_streams(server: ServerProcess, count: int) -> None:
     """`count` long streams: read each one's first event, then drop every connection."""
     body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 400, "stream": True}

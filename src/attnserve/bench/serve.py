@@ -23,6 +23,7 @@ import math
 import os
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +97,17 @@ def sample_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     ]
 
 
+async def _event_data(response: Any) -> AsyncIterator[bytes]:
+    """The data of each server-sent event, framed by hand from the raw bytes (much cheaper per
+    event than decoding lines, so the client takes less of the machine from the server)."""
+    pending = b""
+    async for received in response.aiter_raw():
+        *events, pending = (pending + received).split(b"\n\n")
+        for event in events:
+            if event.startswith(b"data: "):
+                yield event[len(b"data: ") :]
+
+
 async def send_request(
     http: Any, url: str, model: str, prompt: list[int], output_len: int
 ) -> RequestResult:
@@ -116,10 +128,10 @@ async def send_request(
         if response.status_code != 200:
             result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
             return result
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for data in _event_data(response):
+            if data == b"[DONE]":
                 continue
-            chunk = json.loads(line[len("data: ") :])
+            chunk = json.loads(data)
             if "error" in chunk:
                 result.error = str(chunk["error"].get("message"))
                 return result

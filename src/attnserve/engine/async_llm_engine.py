@@ -7,7 +7,7 @@ checked and sent to the core at once (a bad one raises ValueError in its caller)
 never waits for a step. The output thread takes each core step's outputs through the output
 processor (detokenizing, stop strings) and hands each event loop its requests' outputs in one
 callback per step. A consumer that falls behind gets everything produced since its last output
-merged into one (DELTA outputs joined by `RequestOutput.merge`, otherwise the newest), so a slow
+merged into one (DELTA outputs joined by `RequestOutput.merged`, otherwise the newest), so a slow
 client costs one output, not one per token.
 `abort(request_id)` ends a request (a consumer that stops iterating early aborts its request the
 same way); when the core dies, every waiting and later request raises `EngineDeadError`.
@@ -56,15 +56,15 @@ def _post(entries: list[tuple[_Sink, _Item]]) -> None:
 
 def _next_merged(sink: _Queue, first: _Item, delta: bool) -> _Item:
     """`first` and every output queued behind it, as one: DELTA outputs joined, otherwise the
-    newest (each holds everything so far); an error ends the merge."""
-    merged = first
-    while isinstance(merged, RequestOutput) and not sink.empty():
-        following = sink.get_nowait()
-        if isinstance(following, BaseException) or not delta:
-            merged = following
-        else:
-            merged = merged.merge(following)
-    return merged
+    newest (each holds everything so far); an error wins."""
+    waiting = [first]
+    while not sink.empty():
+        waiting.append(sink.get_nowait())
+    error = next((item for item in waiting if isinstance(item, BaseException)), None)
+    if error is not None:
+        return error
+    outputs = [item for item in waiting if isinstance(item, RequestOutput)]
+    return RequestOutput.merged(outputs) if delta else outputs[-1]
 
 
 class AsyncLLMEngine:

@@ -88,6 +88,7 @@ class EngineCore:
         self._ended: list[str] = []  # requests ended since the last report
         self._in_flight: _LaunchedStep | None = None
         self.num_requests_added = 0
+        self.num_steps = 0
         # Several ranks run each step synchronously: nothing to overlap, so no lookahead.
         self.async_scheduling = (
             scheduler_config.async_scheduling and parallel_config.world_size == 1
@@ -147,6 +148,7 @@ class EngineCore:
         overlaps the device's work for the previous one; each call reports the step launched by
         the call before.
         """
+        self.num_steps += 1
         scheduled = self.scheduler.schedule()
         out = EngineCoreOutputs()
         self._report(scheduled.finished, out)
@@ -205,4 +207,5 @@ class EngineCore:
             "prefix_cache_hit_rate": self.allocator.prefix_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_requests_added": self.num_requests_added,
+            "num_steps": self.num_steps,
         }

@@ -85,7 +85,9 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     warm: bool = True,
 ) -> FastAPI:
-    """The app; with `warm`, its start-up (lifespan) warms the engine before /health says 200."""
+    """The app. Its start-up (lifespan) warms the engine, with `warm`, before /health says 200;
+    its shutdown (after uvicorn has drained or cut the connections, e.g. on SIGTERM) shuts the
+    engine down, so the engine core is stopped before the process exits."""
     metrics = ServerMetrics(engine.stats)
     completion = OpenAIServingCompletion(engine, model_name, metrics)
     chat = OpenAIServingChat(engine, model_name, metrics)
@@ -107,6 +109,7 @@ def build_app(
         yield
         if task is not None:
             task.cancel()
+        await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(
         title="attnserve", version=__version__, summary="OpenAI-compatible API", lifespan=lifespan

@@ -165,13 +165,17 @@ class OpenAIServing:
         streams = [
             self.engine.generate(ids, params, f"{request_id}-{i}") for i, ids in enumerate(prompts)
         ]
+        merged = (
+            _merge(streams, self.metrics) if len(streams) > 1 else _one(streams[0], self.metrics)
+        )
         try:
-            async with aclosing(_merge(streams, self.metrics)) as merged:
-                async for i, output in merged:
+            async with aclosing(merged):
+                async for batch in merged:
                     yield [
                         Delta(
                             i * params.n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason
                         )
+                        for i, output in batch
                         for c in output.outputs
                         if c.token_ids or c.text or c.finish_reason
                     ]
@@ -187,16 +191,18 @@ class OpenAIServing:
         render: Callable[[list[Delta]], Iterable[BaseModel]],
         final: Callable[[int], BaseModel | None],
     ) -> AsyncIterator[str]:
-        """Server-sent events: `render`'s chunks for each batch of deltas, `final(tokens)` (the
-        usage chunk, if asked for), an error event if the engine fails, then `[DONE]`."""
+        """Server-sent events: `render`'s chunks for each batch of deltas (written at once),
+        `final(tokens)` (the usage chunk, if asked for), an error event if the engine fails,
+        then `[DONE]`."""
         tokens = 0
         try:
             async with aclosing(stream):
                 deltas: list[Delta] | None = first
                 while deltas is not None:
                     tokens += sum(len(d.token_ids) for d in deltas)
-                    for chunk in render(deltas):
-                        yield _event(chunk.model_dump_json(exclude_none=True))
+                    yield "".join(
+                        _event(c.model_dump_json(exclude_none=True)) for c in render(deltas)
+                    )
                     deltas = await anext(stream, None)
             tail = final(tokens)
             if tail is not None:
@@ -273,10 +279,26 @@ def usage(prompts: list[list[int]], completion_tokens: int) -> UsageInfo:
     )
 
 
+Batch = list[tuple[int, RequestOutput]]  # (prompt index, output)
+
+
+async def _one(
+    stream: AsyncIterator[RequestOutput], metrics: ServerMetrics
+) -> AsyncGenerator[Batch, None]:
+    """One prompt's outputs, read straight from the engine (which merges those queued behind a
+    slow consumer)."""
+    tracker = metrics.tracker()
+    async with aclosing(stream):  # type: ignore[type-var]
+        async for output in stream:
+            tracker.observe(output)
+            yield [(0, output)]
+
+
 async def _merge(
     streams: list[AsyncIterator[RequestOutput]], metrics: ServerMetrics
-) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """Interleave the streams as their outputs arrive; leaving early cancels (aborts) them all."""
+) -> AsyncGenerator[Batch, None]:
+    """Interleave the streams as their outputs arrive, every output waiting at once in one
+    batch; leaving early cancels (aborts) them all."""
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
@@ -293,13 +315,19 @@ async def _merge(
     try:
         remaining = len(tasks)
         while remaining:
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item is None:
-                remaining -= 1
-            else:
-                yield i, item
+            waiting = [await queue.get()]
+            while not queue.empty():
+                waiting.append(queue.get_nowait())
+            batch: Batch = []
+            for i, item in waiting:
+                if isinstance(item, Exception):
+                    raise item
+                if item is None:
+                    remaining -= 1
+                else:
+                    batch.append((i, item))
+            if batch:
+                yield batch
     finally:
         for task in tasks:
             task.cancel()
