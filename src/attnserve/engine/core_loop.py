@@ -15,6 +15,7 @@ EOF, and a watcher thread ends the process if the parent dies while a step is ru
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -151,6 +152,7 @@ def run_engine_core_process(
         with contextlib.suppress(TransportClosed):
             emit(CoreFailed.from_error(error))
         raise SystemExit(1) from error
+    gc.freeze()  # what start-up built lives as long as the process: keep it out of collections
     emit(core.ready_message())
     if not run_core(core, pipe_take(commands), emit):
         raise SystemExit(1)

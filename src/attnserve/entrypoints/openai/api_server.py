@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import logging
 import os
@@ -189,6 +190,7 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     name = args.served_model_name or served_model_name(engine_args)
     app = build_app(engine, name, api_key, args.max_request_bytes)
+    gc.freeze()  # the modules and engine state built so far stay: keep them out of collections
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
     try:
         uvicorn.run(
