@@ -1,5 +1,5 @@
 """Graph buckets and the padded decode step that captured graphs read (CPU-checkable parts;
-capture and replay themselves run in scripts/gpu_parity.py on the GPU)."""
+capture and replay themselves run in tests/gpu/test_hf_parity.py on the GPU)."""
 
 from __future__ import annotations
 
