@@ -20,20 +20,31 @@ import torch
 from attnserve import LLM
 from attnserve.attention import backend_names, get_attn_backend, get_backend_cls
 from attnserve.model import ModelConfig
-from tests.gpu.conftest import ENGINE, MODEL, NEW_TOKENS, Reference, engine_tokens, first_difference
+from tests.gpu.reference import (
+    ENGINE,
+    MODEL,
+    NEW_TOKENS,
+    Reference,
+    engine_tokens,
+    first_difference,
+)
 
 pytestmark = pytest.mark.cuda
 
 BF16_MAX_STEPS = 3
 
 
-def _engine(backend: str, dtype: str, enforce_eager: bool) -> LLM:
-    """A fresh engine on `backend`; the test is skipped when the backend cannot serve it here."""
+def _skip_unless_servable(backend: str, dtype: str) -> None:
     config = ModelConfig.resolve(MODEL, dtype=dtype, load_format="dummy", device="cuda")
     try:
         get_attn_backend(config.head_size, config.dtype, device="cuda", attention_backend=backend)
     except ValueError as error:
         pytest.skip(str(error))
+
+
+def _engine(backend: str, dtype: str, enforce_eager: bool) -> LLM:
+    """A fresh engine on `backend`; the test is skipped when the backend cannot serve it here."""
+    _skip_unless_servable(backend, dtype)
     return LLM(MODEL, dtype=dtype, attention_backend=backend, enforce_eager=enforce_eager, **ENGINE)
 
 
@@ -53,16 +64,36 @@ def bf16_spacing(value: float) -> float:
     return float(torch.finfo(torch.bfloat16).eps) * 2.0**exponent
 
 
+@pytest.fixture(scope="module")
+def fp32_eager_tokens(hf_reference: Callable[[str], Reference]) -> Callable[[str], list[list[int]]]:
+    """`fp32_eager_tokens(backend)`: the backend's eager fp32 tokens for the prompts, run once."""
+    runs: dict[str, list[list[int]]] = {}
+
+    def get(backend: str) -> list[list[int]]:
+        if backend not in runs:
+            runs[backend] = _tokens(backend, "float32", True, hf_reference("float32").prompts)
+        return runs[backend]
+
+    return get
+
+
 @pytest.mark.parametrize("backend", backend_names())
-def test_fp32_eager_tokens_equal_hf(backend: str, hf_reference: Callable[[str], Reference]) -> None:
-    reference = hf_reference("float32")
-    assert _tokens(backend, "float32", True, reference.prompts) == reference.tokens
+def test_fp32_eager_tokens_equal_hf(
+    backend: str,
+    hf_reference: Callable[[str], Reference],
+    fp32_eager_tokens: Callable[[str], list[list[int]]],
+) -> None:
+    assert fp32_eager_tokens(backend) == hf_reference("float32").tokens
 
 
 @pytest.mark.parametrize("backend", backend_names())
 def test_fp32_cuda_graph_replays_give_the_eager_tokens(
-    backend: str, hf_reference: Callable[[str], Reference], monkeypatch: pytest.MonkeyPatch
+    backend: str,
+    hf_reference: Callable[[str], Reference],
+    fp32_eager_tokens: Callable[[str], list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    _skip_unless_servable(backend, "float32")
     if not get_backend_cls(backend).capabilities.cuda_graphs:
         pytest.skip(f"{backend} captures no CUDA graphs: it runs eagerly either way")
     reference = hf_reference("float32")
@@ -84,7 +115,7 @@ def test_fp32_cuda_graph_replays_give_the_eager_tokens(
         llm.shutdown()
     # one prefill step for every prompt, then every decode step of the batch from a graph
     assert replays >= NEW_TOKENS - 1
-    assert graphed == _tokens(backend, "float32", True, reference.prompts)
+    assert graphed == fp32_eager_tokens(backend)
     assert graphed == reference.tokens
 
 

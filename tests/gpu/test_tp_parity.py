@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from attnserve import LLM
-from tests.gpu.conftest import ENGINE, MODEL, Reference, engine_tokens
+from tests.gpu.reference import ENGINE, MODEL, Reference, engine_tokens
 
 pytestmark = pytest.mark.cuda(gpus=2)
 
