@@ -1,7 +1,8 @@
 """A complete attention backend in one file: a block-first KV layout and a simple operator.
 
-Layout [num_blocks, 2, block_size, num_kv_heads, head_size]. The builder hands the operator each
-sequence's block ids and lengths; the operator gathers each sequence's keys and values and calls
+Layout [num_blocks, 2, block_size, num_kv_heads, head_size]. The builder (made once per spec,
+`OneFileBuilder(spec, device)`) hands the operator each sequence's block ids and lengths from the
+step's `StepLayout`; the operator gathers each sequence's keys and values and calls
 `scaled_dot_product_attention` per sequence. Slow, but correct: it passes the conformance suite
 (`tests/attention`), which is how a backend author knows a new backend is right.
 Register it with `attnserve.attention.register_backend("ONE_FILE", OneFileBackend)`.
@@ -9,7 +10,6 @@ Register it with `attnserve.attention.register_backend("ONE_FILE", OneFileBacken
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +22,10 @@ from attnserve.attention.backends.abstract import (
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import build_step_layout
+from attnserve.attention.backends.layout import StepLayout
 
 
-@dataclass
+@dataclass(frozen=True)
 class OneFileMetadata(AttentionMetadata):
     block_tables: list[list[int]]
     context_lens: list[int]
@@ -33,18 +33,12 @@ class OneFileMetadata(AttentionMetadata):
 
 
 class OneFileBuilder(AttentionMetadataBuilder[OneFileMetadata]):
-    def build(
-        self,
-        block_tables: Sequence[Sequence[int]],
-        context_lens: Sequence[int],
-        query_lens: Sequence[int],
-    ) -> OneFileMetadata:
-        layout = build_step_layout(block_tables, context_lens, query_lens, self.block_size)
+    def build(self, layout: StepLayout) -> OneFileMetadata:
         return OneFileMetadata(
             **layout.common_metadata(self.device),
-            block_tables=[list(t) for t in block_tables],
-            context_lens=list(context_lens),
-            query_lens=list(query_lens),
+            block_tables=layout.block_table.tolist(),
+            context_lens=layout.context_lens.tolist(),
+            query_lens=layout.query_lens.tolist(),
         )
 
 
@@ -91,9 +85,7 @@ class OneFileImpl(AttentionImpl[OneFileMetadata]):
 class OneFileBackend(AttentionBackend):
     name = "ONE_FILE"
     impl_cls = OneFileImpl
-    metadata_cls = OneFileMetadata
     builder_cls = OneFileBuilder
-    kv_cache_block_dim = 0
     capabilities = BackendCapabilities(
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         devices=("cpu", "cuda"),

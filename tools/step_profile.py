@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 import attnserve.engine.llm_engine as llm_engine
+import attnserve.worker.model_runner as model_runner
 from attnserve import LLM, SamplingParams
 from attnserve.engine.llm_engine import LLMEngine
 from attnserve.worker.step_future import StepFuture
@@ -56,8 +57,8 @@ def instrument(engine: LLMEngine, timings: Timings) -> None:
     wrap(llm_engine, "build_batch", "build_batch", timings)
     wrap(runner, "execute_async", "execute", timings)
     wrap(runner, "_forward", "forward", timings)
-    wrap(runner, "_prepare_inputs", "prepare_inputs", timings)
-    wrap(runner.builder, "build", "builder.build", timings)
+    wrap(runner, "_layout", "layout", timings)
+    wrap(model_runner, "build_metadata", "build_metadata", timings)
     wrap(runner.model, "forward", "model", timings)
     wrap(runner.model, "compute_logits", "logits", timings)
     wrap(runner.sampler, "draw", "sampler", timings)

@@ -72,19 +72,19 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _backends(args: argparse.Namespace) -> int:
     spec = AttentionSpec(
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
         head_size=args.head_size,
         dtype=getattr(torch, args.dtype),
         block_size=args.block_size,
         device=args.device or default_device(),
     )
     print(f"attention backends for {spec}:")
-    for name, reasons in backend_report(spec).items():
+    for name, reasons in backend_report([spec]).items():
         print(f"  {name:<16} {'can serve it' if not reasons else 'no: ' + '; '.join(reasons)}")
         if name in registered_capabilities():
             print(f"  {'':<16} {describe_capabilities(registered_capabilities()[name])}")
-    chosen = get_attn_backend(
-        spec.head_size, spec.dtype, block_size=spec.block_size, device=spec.device
-    )
+    chosen = get_attn_backend(spec)
     print(f"selected: {chosen.get_name()} (highest priority among those that can serve it)")
     return 0
 
@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_server_args(_engine_parser(commands, "serve", "OpenAI-compatible server (loopback)"))
     backends = commands.add_parser("backends", help="list attention backends and whether they fit")
+    backends.add_argument("--num-heads", type=int, default=32, help="query heads per layer")
+    backends.add_argument("--num-kv-heads", type=int, default=8, help="key/value heads per layer")
     backends.add_argument("--head-size", type=int, default=128)
     backends.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     backends.add_argument("--block-size", type=int, default=16)

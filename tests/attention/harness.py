@@ -1,20 +1,39 @@
 """Drives any attention backend through its public API, and a dense fp32 reference to check it.
 
 The harness never looks inside a KV cache: context is written by running the backend itself on
-an earlier step, so a backend with any layout can be checked.
+an earlier step, so a backend with any layout can be checked. It builds everything as the model
+runner does: an `Attention` layer describes its spec, the backend is bound to it (checked
+against that spec), one builder is made per spec, each step's `StepLayout` comes from
+`build_step_layout`, and the layer runs under `set_forward_context`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from attnserve.attention import AttentionBackend, AttentionSpec
+from attnserve.attention import (
+    Attention,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionSpec,
+    StepLayout,
+    attention_specs,
+    bind_attention_backend,
+    bind_kv_caches,
+    build_metadata,
+    build_step_layout,
+    metadata_builders,
+    set_forward_context,
+)
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 FP8_TOLERANCE = 8e-2
@@ -50,6 +69,8 @@ class Case:
 
     def spec(self, device: str) -> AttentionSpec:
         return AttentionSpec(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
             dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype,
@@ -107,25 +128,57 @@ def num_cache_blocks(sequences: list[Sequence]) -> int:
     return max(max(s.blocks, default=0) for s in sequences) * 2 + 2
 
 
+@contextmanager
+def _building(dtype: torch.dtype, device: str) -> Iterator[None]:
+    """Modules made inside get `dtype` and `device` by default, as the model loader does."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 class Runner:
-    """A backend's builder + impl + one KV cache (filled with garbage first)."""
+    """One `Attention` layer bound to a backend, its spec's builder and one KV cache (filled
+    with garbage first)."""
 
     def __init__(
         self, backend: type[AttentionBackend], case: Case, num_blocks: int, device: str
     ) -> None:
         self.backend, self.case, self.device = backend, case, device
-        self.builder = backend.get_builder_cls()(case.block_size, device)
-        self.impl = backend.get_impl_cls()(
-            case.num_heads,
-            case.head_size,
-            1.0 / math.sqrt(case.head_size),
-            case.num_kv_heads,
-            alibi_slopes=case.alibi_slopes(),
-            sliding_window=case.sliding_window,
-            logits_soft_cap=case.soft_cap,
-            kv_cache_dtype=case.kv_cache_dtype,
-        )
+        with _building(case.dtype, device):
+            self.layer = Attention(
+                case.num_heads,
+                case.head_size,
+                1.0 / math.sqrt(case.head_size),
+                case.num_kv_heads,
+                alibi_slopes=case.alibi_slopes(),
+                sliding_window=case.sliding_window,
+                logits_soft_cap=case.soft_cap,
+                kv_cache_dtype=case.kv_cache_dtype,
+                block_size=case.block_size,
+            )
+        bind_attention_backend(self.layer, backend)
+        self.builders = metadata_builders(backend, attention_specs(self.layer), device)
         self.kv_cache = self.new_cache(num_blocks, device)
+
+    @property
+    def spec(self) -> AttentionSpec:
+        return self.layer.spec
+
+    @property
+    def builder(self) -> AttentionMetadataBuilder[Any]:
+        return self.builders[self.spec]
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.layer.kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, cache: torch.Tensor) -> None:
+        bind_kv_caches(self.layer, [cache])
 
     def new_cache(self, num_blocks: int, device: str) -> torch.Tensor:
         c = self.case
@@ -135,21 +188,29 @@ class Runner:
         dtype = self.backend.get_kv_cache_torch_dtype(c.kv_cache_dtype, c.dtype)
         return (torch.randn(shape) * 100).to(dtype=dtype, device=device)
 
+    def layout(self, seqs: list[Sequence], spans: list[tuple[int, int]]) -> StepLayout:
+        """The step over token spans [start, end) of each sequence."""
+        return build_step_layout(
+            [s.blocks for s in seqs],
+            [a for a, _ in spans],
+            [b - a for a, b in spans],
+            self.case.block_size,
+        )
+
     def step(self, seqs: list[Sequence], spans: list[tuple[int, int]]) -> torch.Tensor:
         """Run one step over token spans [start, end) of each sequence; return [T, H, D]."""
-        meta = self.builder.build(
-            [s.blocks for s in seqs], [a for a, _ in spans], [b - a for a, b in spans]
-        )
-        return self.forward(seqs, spans, meta)
+        metadata = build_metadata(self.builders, self.layout(seqs, spans))
+        return self.forward(seqs, spans, metadata[self.spec])
 
     def forward(
-        self, seqs: list[Sequence], spans: list[tuple[int, int]], meta: object
+        self, seqs: list[Sequence], spans: list[tuple[int, int]], meta: AttentionMetadata
     ) -> torch.Tensor:
         def flat(name: str) -> torch.Tensor:
             parts = [getattr(s, name)[a:b] for s, (a, b) in zip(seqs, spans, strict=True)]
             return torch.cat(parts).flatten(1).to(self.case.dtype).to(self.device)
 
-        out = self.impl.forward(flat("q"), flat("k"), flat("v"), self.kv_cache, meta)
+        with set_forward_context({self.spec: meta}):
+            out = self.layer(flat("q"), flat("k"), flat("v"))
         return out.float().cpu().view(-1, self.case.num_heads, self.case.head_size)
 
 
@@ -176,7 +237,3 @@ def reference(case: Case, seq: Sequence, start: int, end: int) -> torch.Tensor:
 def check_close(case: Case, got: torch.Tensor, want: torch.Tensor) -> None:
     tol = FP8_TOLERANCE if case.kv_cache_dtype == "fp8" else TOLERANCE[case.dtype]
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-
-
-def with_slot_mapping(meta: object, slot_mapping: torch.Tensor) -> object:
-    return dataclasses.replace(meta, slot_mapping=slot_mapping)  # type: ignore[type-var]

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from attnserve.attention import AttentionBackend
+from attnserve.attention import AttentionBackend, pad_for_cuda_graph, set_forward_context
 from tests.attention.harness import (
     Case,
     Runner,
@@ -24,7 +24,6 @@ from tests.attention.harness import (
     num_cache_blocks,
     reference,
     runs_interpreted,
-    with_slot_mapping,
 )
 
 FEATURES: list[dict[str, object]] = [
@@ -161,39 +160,28 @@ def test_copy_blocks_keeps_outputs(
 def test_padding_slots_are_never_written(
     backend_on_device: tuple[type[AttentionBackend], str],
 ) -> None:
+    """A layout whose slots are all -1 (padding) leaves the cache as it was."""
     backend, device = backend_on_device
     dtypes = backend.capabilities.dtypes  # fp32 where the backend has it, else bf16
     dtype = torch.float32 if torch.float32 in dtypes else torch.bfloat16
     case = Case(num_kv_heads=2, group=2, head_size=64, block_size=16, dtype=dtype)
     runner, seqs = _setup(backend, case, device)
     spans = [(0, s.length) for s in seqs]
-    meta = runner.builder.build([s.blocks for s in seqs], [0] * len(seqs), [s.length for s in seqs])
+    layout = runner.layout(seqs, spans)
+    padding = dataclasses.replace(layout, slot_mapping=torch.full_like(layout.slot_mapping, -1))
     before = runner.kv_cache.clone()
-    padded = with_slot_mapping(meta, torch.full_like(meta.slot_mapping, -1))
-    runner.forward(seqs, spans, padded)
+    runner.forward(seqs, spans, runner.builder.build(padding))
     assert torch.equal(before.view(torch.uint8), runner.kv_cache.view(torch.uint8))
 
 
-@pytest.mark.parametrize(
-    ("block_tables", "context_lens", "query_lens", "message"),
-    [
-        ([[0]], [0, 1], [1], "one entry per sequence"),
-        ([[0]], [0], [0], "query_len must be >= 1"),
-        ([[0]], [10], [10], "need 2 blocks"),
-        ([[0], [1]], [3, 0], [1, 4], "prefill after a decode"),
-    ],
-)
-def test_builder_rejects_bad_batches(
-    backend_on_device: tuple[type[AttentionBackend], str],
-    block_tables: list[list[int]],
-    context_lens: list[int],
-    query_lens: list[int],
-    message: str,
-) -> None:
+def test_metadata_is_frozen(backend_on_device: tuple[type[AttentionBackend], str]) -> None:
+    """One metadata object serves any number of forwards: the contract freezes it."""
     backend, device = backend_on_device
-    builder = backend.get_builder_cls()(16, device)
-    with pytest.raises(ValueError, match=message):
-        builder.build(block_tables, context_lens, query_lens)
+    dtype = backend.capabilities.dtypes[0]
+    runner, seqs = _setup(backend, Case(2, 2, 64, 16, dtype=dtype), device)
+    meta = runner.builder.build(runner.layout(seqs, [(0, s.length) for s in seqs]))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        meta.num_prefills = 0  # type: ignore[misc]
 
 
 def _storage(meta: object) -> dict[str, int]:
@@ -216,9 +204,13 @@ def test_cuda_graph_metadata_decodes_match_reference(
     runner.step(seqs, [(0, s.length - 1) for s in seqs])
     bucket = len(seqs) + 3
     runner.builder.init_cuda_graph_buffers(bucket, max(len(s.blocks) for s in seqs) + 1)
-    tables, contexts = [s.blocks for s in seqs], [s.length - 1 for s in seqs]
-    first = runner.builder.build_for_cuda_graph(bucket, tables[:1], contexts[:1])
-    meta = runner.builder.build_for_cuda_graph(bucket, tables, contexts)
+    spans = [(s.length - 1, s.length) for s in seqs]
+    first = runner.builder.build_for_cuda_graph(
+        pad_for_cuda_graph(runner.layout(seqs[:1], spans[:1]), bucket)
+    )
+    meta = runner.builder.build_for_cuda_graph(
+        pad_for_cuda_graph(runner.layout(seqs, spans), bucket)
+    )
     assert _storage(first) == _storage(meta)
 
     def padded(name: str) -> torch.Tensor:
@@ -226,7 +218,8 @@ def test_cuda_graph_metadata_decodes_match_reference(
         rows = torch.cat([rows, torch.zeros(bucket - len(seqs), rows.shape[1])])
         return rows.to(case.dtype).to(device)
 
-    out = runner.impl.forward(padded("q"), padded("k"), padded("v"), runner.kv_cache, meta)
+    with set_forward_context({runner.spec: meta}):
+        out = runner.layer(padded("q"), padded("k"), padded("v"))
     got = out.float().cpu().view(bucket, case.num_heads, case.head_size)[: len(seqs)]
     want = torch.cat([reference(case, s, s.length - 1, s.length) for s in seqs])
     check_close(case, got, want)

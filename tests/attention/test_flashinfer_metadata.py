@@ -1,11 +1,13 @@
-"""FLASHINFER's metadata builder on the CPU (it needs no flashinfer until a wrapper is planned):
-the CSR page metadata of a mixed step and of a padded CUDA-graph decode step, computed by hand."""
+"""FLASHINFER's page metadata on the CPU (it needs no flashinfer until a wrapper is planned): the
+CSR groups of a mixed step and of a padded CUDA-graph decode step, and the slot writes, against
+values computed by hand."""
 
 from __future__ import annotations
 
 import torch
 
-from attnserve.attention.backends.flashinfer import FlashInferMetadataBuilder
+from attnserve.attention import build_step_layout, pad_for_cuda_graph
+from attnserve.attention.backends.flashinfer import SlotWrites, paged_groups
 
 
 def _ints(tensor: torch.Tensor) -> list[int]:
@@ -14,11 +16,10 @@ def _ints(tensor: torch.Tensor) -> list[int]:
 
 
 def test_mixed_step_csr() -> None:
-    builder = FlashInferMetadataBuilder(block_size=4, device="cpu")
     # a prefill of 6 new tokens after 3 cached (9 tokens: 3 pages), a 5-token prompt (2 pages),
     # then decodes at contexts 4 (5 tokens: 2 pages) and 2 (3 tokens: 1 page)
-    meta = builder.build([[3, 1, 8], [6, 4], [7, 0], [2]], [3, 0, 4, 2], [6, 5, 1, 1])
-    prefill, decode = meta.prefill, meta.decode
+    layout = build_step_layout([[3, 1, 8], [6, 4], [7, 0], [2]], [3, 0, 4, 2], [6, 5, 1, 1], 4)
+    prefill, decode = paged_groups(layout, 4, torch.device("cpu"))
     assert prefill is not None and decode is not None
     assert prefill.token_slice == slice(0, 11) and decode.token_slice == slice(11, 13)
     assert _ints(prefill.qo_indptr) == [0, 6, 11]
@@ -29,17 +30,21 @@ def test_mixed_step_csr() -> None:
     assert _ints(decode.kv_indptr) == [0, 2, 3]
     assert _ints(decode.kv_indices) == [7, 0, 2]
     assert _ints(decode.kv_last_page_len) == [1, 3]
-    assert meta.slot_mapping.tolist()[:3] == [3 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1]
-    assert meta.slot_mapping.tolist()[-2:] == [0 * 4 + 0, 2 * 4 + 2]
+    writes = SlotWrites.from_slot_mapping(layout.slot_mapping, 4)
+    assert writes.blocks.tolist()[:3] == [3, 1, 1] and writes.offsets.tolist()[:3] == [3, 0, 1]
+    assert writes.blocks.tolist()[-2:] == [0, 2] and writes.offsets.tolist()[-2:] == [0, 2]
+    assert not writes.keep_old.any() and writes.source.tolist() == list(range(13))
 
 
 def test_graph_decode_step_is_padded_with_one_token_sequences() -> None:
-    builder = FlashInferMetadataBuilder(block_size=4, device="cpu")
-    builder.init_cuda_graph_buffers(max_num_seqs=4, max_blocks_per_seq=3)
-    meta = builder.build_for_cuda_graph(4, [[5, 2], [9]], [6, 1])
-    decode = meta.decode
-    assert decode is not None and meta.prefill is None and meta.graph_size == 4
+    layout = build_step_layout([[5, 2], [9]], [6, 1], [1, 1], 4)
+    prefill, decode = paged_groups(pad_for_cuda_graph(layout, 4), 4, torch.device("cpu"))
+    assert decode is not None and prefill is None
+    assert _ints(decode.qo_indptr) == [0, 1, 2, 3, 4]
     assert _ints(decode.kv_indptr) == [0, 2, 3, 4, 5]
     assert _ints(decode.kv_indices) == [5, 2, 9, 0, 0]  # padding reads block 0 ...
     assert _ints(decode.kv_last_page_len) == [3, 2, 1, 1]
-    assert meta.slot_mapping.tolist() == [2 * 4 + 2, 9 * 4 + 1, -1, -1]  # ... and writes nothing
+    writes = SlotWrites.from_slot_mapping(pad_for_cuda_graph(layout, 4).slot_mapping, 4)
+    # ... and writes nothing: padding rewrites the first real token's slot with its own values
+    assert writes.source.tolist() == [0, 1, 0, 0]
+    assert writes.blocks.tolist() == [2, 9, 2, 2] and writes.offsets.tolist() == [2, 1, 2, 2]

@@ -9,30 +9,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnserve.attention import registry
+from attnserve.attention import AttentionSpec, registry
 from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
-from attnserve.attention.selector import ENV_VAR, get_attn_backend
+from attnserve.attention.selector import ENV_VAR, get_attn_backend, get_model_attn_backend
+
+
+def _spec(head_size: int, dtype: torch.dtype, **features: object) -> AttentionSpec:
+    return AttentionSpec(4, 2, head_size, dtype, device="cpu", **features)  # type: ignore[arg-type]
 
 
 def test_cpu_default_is_torch_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert get_attn_backend(64, torch.float32, device="cpu") is TorchSDPABackend
+    assert get_attn_backend(_spec(64, torch.float32)) is TorchSDPABackend
 
 
 def test_env_var_forces_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "torch_sdpa")
-    assert get_attn_backend(128, torch.bfloat16, device="cpu").get_name() == "TORCH_SDPA"
+    assert get_attn_backend(_spec(128, torch.bfloat16)).get_name() == "TORCH_SDPA"
 
 
 def test_unknown_name_is_a_value_error_listing_backends(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "NO_SUCH_BACKEND")
     with pytest.raises(ValueError, match=r"unknown attention backend 'NO_SUCH_BACKEND'.*SDPA"):
-        get_attn_backend(64, torch.float32, device="cpu")
+        get_attn_backend(_spec(64, torch.float32))
 
 
 def test_argument_wins_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "NO_SUCH_BACKEND")
-    backend = get_attn_backend(64, torch.float32, device="cpu", attention_backend="TORCH_SDPA")
+    backend = get_attn_backend(_spec(64, torch.float32), attention_backend="TORCH_SDPA")
     assert backend is TorchSDPABackend
 
 
@@ -41,15 +45,60 @@ def test_forced_backend_that_cannot_serve_names_the_reason(
 ) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
     with pytest.raises(ValueError, match=r"TORCH_SDPA cannot serve.*block size 512"):
-        get_attn_backend(
-            64, torch.float32, block_size=512, device="cpu", attention_backend="TORCH_SDPA"
-        )
+        get_attn_backend(_spec(64, torch.float32, block_size=512), attention_backend="TORCH_SDPA")
 
 
 def test_request_no_backend_serves_is_a_value_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
     with pytest.raises(ValueError, match="no attention backend serves"):
-        get_attn_backend(64, torch.int8, device="cpu")
+        get_attn_backend(_spec(64, torch.int8))
+
+
+def test_model_backend_serves_every_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers that differ (a window on some) get one backend that serves them all; a forced
+    backend that cannot serve one of them is refused with that layer's reason."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    specs = [_spec(64, torch.float32), _spec(64, torch.float32, sliding_window=8)]
+    assert get_model_attn_backend(specs) is TorchSDPABackend
+    with pytest.raises(ValueError, match="no attention layers"):
+        get_model_attn_backend([])
+    with pytest.raises(ValueError, match=r"TORCH_SDPA cannot serve.*block size 512"):
+        get_model_attn_backend([*specs, _spec(64, torch.float32, block_size=512)], "TORCH_SDPA")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_heads": 6, "num_kv_heads": 4}, "multiple of num_kv_heads"),
+        ({"num_heads": 0}, "num_heads must be a positive int"),
+        ({"num_kv_heads": 2.0}, "num_kv_heads must be a positive int"),
+        ({"head_size": True}, "head_size must be a positive int"),
+        ({"dtype": "float32"}, "dtype must be a torch.dtype"),
+        ({"sliding_window": 0}, "sliding_window must be >= 1"),
+    ],
+)
+def test_spec_rejects_bad_fields(fields: dict[str, object], message: str) -> None:
+    values: dict[str, object] = {
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_size": 64,
+        "dtype": torch.float32,
+    }
+    with pytest.raises(ValueError, match=message):
+        AttentionSpec(**{**values, **fields})  # type: ignore[arg-type]
+
+
+def test_block_axis_is_read_off_the_kv_cache_shape() -> None:
+    class Flat(TorchSDPABackend):
+        @staticmethod
+        def get_kv_cache_shape(
+            num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+        ) -> tuple[int, ...]:
+            return (num_blocks * block_size, 2, num_kv_heads, head_size)
+
+    assert TorchSDPABackend.get_kv_cache_block_dim() == 1
+    with pytest.raises(ValueError, match="exactly one axis of num_blocks"):
+        registry.register_backend("FLAT", Flat)
 
 
 def test_register_backend_rejects_lower_case_names() -> None:
@@ -89,7 +138,7 @@ def test_entry_point_backend_is_registered_without_code_change(
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
     monkeypatch.delenv(ENV_VAR, raising=False)
     assert "MY_BACKEND" in registry.backend_names()
-    chosen = get_attn_backend(64, torch.float32, device="cpu")
+    chosen = get_attn_backend(_spec(64, torch.float32))
     assert chosen.get_name() == "MY_BACKEND"  # its priority beats TORCH_SDPA's
-    assert get_attn_backend(64, torch.bfloat16, device="cpu") is TorchSDPABackend
+    assert get_attn_backend(_spec(64, torch.bfloat16)) is TorchSDPABackend
     sys.modules.pop("my_backend", None)

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnserve.attention import get_attn_backend
 from attnserve.distributed import parallel_state
 from attnserve.model.config import ModelConfig
 from attnserve.model.layers import linear, vocab_parallel_embedding
@@ -141,11 +140,10 @@ def test_a_wrong_full_shape_is_a_value_error() -> None:
 
 def test_dummy_weights_do_not_depend_on_the_tensor_parallel_degree() -> None:
     config = ModelConfig.resolve("llama-tiny", dtype="float32")
-    backend = get_attn_backend(config.head_size, config.dtype, device="cpu")
 
     def shard_params(tp: int, rank: int) -> dict[str, torch.Tensor]:
         with as_rank(tp, rank):
-            model = build_model(config, backend, "cpu")
+            model = build_model(config, "cpu")
             init_dummy_weights(model)
         return dict(model.named_parameters())
 

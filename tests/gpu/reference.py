@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from attnserve import LLM, SamplingParams
-from attnserve.attention import get_attn_backend
 from attnserve.model import ModelConfig, load_model
 from attnserve.model.hf_export import to_hf_model
 
@@ -78,10 +77,7 @@ def build_reference(dtype: str) -> Reference:
     config = ModelConfig.resolve(
         MODEL, dtype=dtype, load_format="dummy", max_model_len=MAX_MODEL_LEN, device="cuda"
     )
-    backend = get_attn_backend(
-        config.head_size, config.dtype, device="cuda", sliding_window=config.sliding_window
-    )
-    model = load_model(config, backend, torch.device("cuda"))
+    model = load_model(config, torch.device("cuda"))
     hf = to_hf_model(model, config)
     del model
     torch.cuda.empty_cache()

@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
 from attnserve import LLM
-from attnserve.attention import backend_names, get_attn_backend, get_backend_cls
+from attnserve.attention import (
+    attention_specs,
+    backend_names,
+    get_backend_cls,
+    get_model_attn_backend,
+)
 from attnserve.model import ModelConfig
+from attnserve.model.loader import build_model
 from tests.gpu.reference import (
     ENGINE,
     MODEL,
@@ -35,9 +42,11 @@ BF16_MAX_STEPS = 3
 
 
 def _skip_unless_servable(backend: str, dtype: str) -> None:
+    """Select `backend` for the model's attention layers as the model runner does."""
     config = ModelConfig.resolve(MODEL, dtype=dtype, load_format="dummy", device="cuda")
+    specs = [replace(spec, device="cuda") for spec in attention_specs(build_model(config, "meta"))]
     try:
-        get_attn_backend(config.head_size, config.dtype, device="cuda", attention_backend=backend)
+        get_model_attn_backend(specs, backend)
     except ValueError as error:
         pytest.skip(str(error))
 

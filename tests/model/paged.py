@@ -1,31 +1,34 @@
 """Drives a model through the paged KV cache the way the model runner does: one flat prefill
-step for all prompts, then one-token decode steps, each under set_forward_context."""
+step for all prompts, then one-token decode steps, each step's metadata built from its layout by
+one builder per spec and set with set_forward_context."""
 
 from __future__ import annotations
 
 import torch
 
 from attnserve.attention import (
-    AttentionBackend,
+    attention_specs,
+    bind_attention_backend,
     bind_kv_caches,
-    get_attn_backend,
+    build_metadata,
+    build_step_layout,
+    get_model_attn_backend,
+    metadata_builders,
     set_forward_context,
 )
 from attnserve.model.config import ModelConfig
+from attnserve.model.loader import load_model
 from attnserve.model.models.llama import LlamaForCausalLM
 from attnserve.worker.cache_engine import CacheEngine
 
 BLOCK_SIZE = 4
 
 
-def reference_backend(config: ModelConfig, device: str = "cpu") -> type[AttentionBackend]:
-    return get_attn_backend(
-        config.head_size,
-        config.dtype,
-        device=device,
-        sliding_window=config.sliding_window,
-        attention_backend="TORCH_SDPA",
-    )
+def load_reference_model(config: ModelConfig) -> LlamaForCausalLM:
+    """The model on the CPU, with TORCH_SDPA bound as the model runner binds a backend."""
+    model = load_model(config, torch.device("cpu"), block_size=BLOCK_SIZE)
+    bind_attention_backend(model, get_model_attn_backend(attention_specs(model), "TORCH_SDPA"))
+    return model
 
 
 class PagedRunner:
@@ -40,6 +43,8 @@ class PagedRunner:
         device: str = "cpu",
     ) -> None:
         backend = model.model.layers[0].self_attn.attn.backend
+        if backend is None:
+            raise ValueError("bind an attention backend to the model first")
         blocks_per_seq = -(-max_len // BLOCK_SIZE)
         self.cache = CacheEngine(
             backend,
@@ -54,7 +59,7 @@ class PagedRunner:
         bind_kv_caches(model, self.cache.kv_caches)
         self.model = model
         self.device = device
-        self.builder = backend.get_builder_cls()(BLOCK_SIZE, device)
+        self.builders = metadata_builders(backend, attention_specs(model), device)
         self.tables = [[1 + s + j * seqs for j in range(blocks_per_seq)] for s in range(seqs)]
         self.lens = [0] * seqs
 
@@ -62,13 +67,10 @@ class PagedRunner:
     def step(self, new_tokens: list[list[int]]) -> list[torch.Tensor]:
         """Feed each sequence its new tokens; return each one's logits [len(new), vocab]."""
         query_lens = [len(t) for t in new_tokens]
-        metadata = self.builder.build(self.tables, self.lens, query_lens)
+        layout = build_step_layout(self.tables, self.lens, query_lens, BLOCK_SIZE)
         ids = torch.tensor([t for tokens in new_tokens for t in tokens], device=self.device)
-        positions = torch.cat(
-            [torch.arange(c, c + q) for c, q in zip(self.lens, query_lens, strict=True)]
-        )
-        with set_forward_context(metadata):
-            hidden = self.model(ids, positions.to(self.device))
+        with set_forward_context(build_metadata(self.builders, layout)):
+            hidden = self.model(ids, layout.token_pos.to(self.device))
         self.lens = [c + q for c, q in zip(self.lens, query_lens, strict=True)]
         return list(self.model.compute_logits(hidden).split(query_lens))
 

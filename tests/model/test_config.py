@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers
 
-from attnserve.model import ModelConfig, load_model
+from attnserve.model import ModelConfig
 from attnserve.model.loader import build_model
 from attnserve.model.presets import preset_hf_config
-from tests.model.paged import PagedRunner, reference_backend
+from tests.model.paged import PagedRunner, load_reference_model
 
 # Parameter counts of the released checkpoints (tied embeddings counted once).
 KNOWN_SIZES = {
@@ -26,7 +26,7 @@ KNOWN_SIZES = {
 @pytest.mark.parametrize("preset", list(KNOWN_SIZES))
 def test_dummy_preset_shapes(preset: str) -> None:
     config = ModelConfig.resolve(preset)
-    ours = build_model(config, reference_backend(config), "meta")
+    ours = build_model(config, "meta")
     with torch.device("meta"):
         hf_model = transformers.AutoModelForCausalLM.from_config(preset_hf_config(preset))
     ours_shapes = {name: p.shape for name, p in ours.named_parameters()}
@@ -54,7 +54,7 @@ def test_dummy_weights_are_seeded_and_usable() -> None:
     assert config.tokenizer is None and config.load_format == "dummy"
     logits = []
     for _ in range(2):
-        model = load_model(config, reference_backend(config), torch.device("cpu"))
+        model = load_reference_model(config)
         logits.append(PagedRunner(model, config, max_len=8, seqs=1).run([[5, 6, 7, 8]], [[9]])[0])
     torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)
     assert torch.isfinite(logits[0]).all()

@@ -10,12 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from attnserve.model import ModelConfig, load_model, load_tokenizer
+from attnserve.model import ModelConfig, load_tokenizer
 from attnserve.model import default_model as default_model_module
 from attnserve.model.default_model import converted_dir, default_model_dir
-from tests.model.paged import PagedRunner, reference_backend
+from tests.model.paged import PagedRunner, load_reference_model
 
 # HuggingFaceTB/SmolLM2-135M-Instruct config.json
 SMOLLM2 = {
@@ -100,7 +99,7 @@ def test_greedy_answer(config: ModelConfig) -> None:
         tokenize=False,
     )
     ids = tokenizer(prompt).input_ids
-    model = load_model(config, reference_backend(config), torch.device("cpu"))
+    model = load_reference_model(config)
     runner = PagedRunner(model, config, max_len=len(ids) + MAX_ANSWER, seqs=1)
     logits = runner.step([ids])[0]
     answer: list[int] = []

@@ -189,13 +189,13 @@ def test_qwen3_through_triton_matches_hf(triton_layers: list[str], tmp_path: Pat
     version of test_hf_parity's case: the interpreter runs programs one by one)."""
     if DEVICE != "cpu":
         pytest.skip("the parity harness runs the model on the CPU")
-    from attnserve.model import ModelConfig, load_model
-    from tests.model.paged import PagedRunner, reference_backend
+    from attnserve.model import ModelConfig
+    from tests.model.paged import PagedRunner, load_reference_model
     from tests.model.test_hf_parity import CASES, _save_hf_model
 
     hf_model = _save_hf_model(tmp_path, *CASES["qwen3-qknorm"])
     config = ModelConfig.resolve(str(tmp_path), dtype="float32")
-    model = load_model(config, reference_backend(config), torch.device("cpu"))
+    model = load_reference_model(config)
     full = [[5, 17, 99, 3, 42, 7], [150, 2, 64, 11]]
     prompts, continuations = [seq[:-1] for seq in full], [seq[-1:] for seq in full]
     ours = PagedRunner(model, config, max_len=8, seqs=2).run(prompts, continuations)

@@ -15,9 +15,9 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-from attnserve.model import ModelConfig, load_model
+from attnserve.model import ModelConfig
 from attnserve.model.loader.gguf import unpermute_rows
-from tests.model.paged import PagedRunner, reference_backend
+from tests.model.paged import PagedRunner, load_reference_model
 
 Q = GGMLQuantizationType
 HF_TO_GGUF = {
@@ -129,7 +129,7 @@ def test_tiny_gguf_config(tiny_gguf: tuple[Path, Any]) -> None:
 def test_tiny_gguf_logits_match_hf(tiny_gguf: tuple[Path, Any]) -> None:
     path, hf_model = tiny_gguf
     config = ModelConfig.resolve(str(path), dtype="float32")
-    model = load_model(config, reference_backend(config), torch.device("cpu"))
+    model = load_reference_model(config)
     seqs = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 6)]
     ours = PagedRunner(model, config, max_len=9, seqs=2).run(
         [s[:-2].tolist() for s in seqs], [s[-2:].tolist() for s in seqs]

@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 
-from attnserve.model import ModelConfig, load_model
-from tests.model.paged import PagedRunner, reference_backend
+from attnserve.model import ModelConfig
+from tests.model.paged import PagedRunner, load_reference_model
 
 TINY: dict[str, Any] = {
     "hidden_size": 64,
@@ -63,7 +63,7 @@ def test_logits_match_hf(case: str, tmp_path: Path) -> None:
     hf_model = _save_hf_model(tmp_path, *CASES[case])
     config = ModelConfig.resolve(str(tmp_path), dtype="float32")
     assert config.architecture == hf_model.config.architectures[0]
-    model = load_model(config, reference_backend(config), torch.device("cpu"))
+    model = load_reference_model(config)
     gen = torch.Generator().manual_seed(1)
     full = [
         torch.randint(0, TINY["vocab_size"], (n + DECODE_STEPS,), generator=gen)

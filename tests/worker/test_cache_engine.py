@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnserve.attention import get_attn_backend
+from attnserve.attention import AttentionSpec, get_attn_backend
 from attnserve.worker.cache_engine import CacheEngine, num_blocks_for_budget
 
 
 def _engine(num_swap_blocks: int = 0) -> CacheEngine:
-    backend = get_attn_backend(16, torch.float32, device="cpu")
+    backend = get_attn_backend(AttentionSpec(2, 2, 16, torch.float32, block_size=4))
     return CacheEngine(
         backend, 2, 2, 16, 4, 6, torch.float32, "cpu", num_swap_blocks=num_swap_blocks
     )

@@ -1,12 +1,12 @@
-"""Graph buckets and the padded decode step that captured graphs read (CPU-checkable parts;
-capture and replay themselves run in tests/gpu/test_hf_parity.py on the GPU)."""
+"""Graph buckets and the padded decode layout that captured graphs read (the CPU-checkable
+parts; capture and replay run in tests/gpu/test_hf_parity.py on the GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from attnserve.attention.backends.layout import pad_decode_step
+from attnserve.attention import build_step_layout, pad_for_cuda_graph
 from attnserve.worker.cuda_graph import capture_sizes
 
 
@@ -18,25 +18,28 @@ def test_capture_sizes_cover_every_batch(max_num_seqs: int, sizes: list[int]) ->
     assert capture_sizes(max_num_seqs) == sizes
 
 
-def test_padded_decode_step_puts_padding_nowhere() -> None:
-    step = pad_decode_step([[7, 3], [5]], [17, 2], 4, block_size=16)
-    assert step.block_table.tolist() == [[7, 3], [5, 0], [0, 0], [0, 0]]
-    assert step.seq_lens.tolist() == [18, 3, 1, 1]
-    assert step.slot_mapping.tolist() == [3 * 16 + 1, 5 * 16 + 2, -1, -1]
-    assert step.block_table.dtype == torch.int64
+def test_padded_decode_layout_puts_padding_nowhere() -> None:
+    layout = build_step_layout([[7, 3], [5]], [17, 2], [1, 1], block_size=16)
+    padded = pad_for_cuda_graph(layout, 4)
+    assert (padded.num_prefills, padded.num_decode_tokens, padded.num_seqs) == (0, 4, 4)
+    assert padded.block_table.tolist() == [[7, 3], [5, 0], [0, 0], [0, 0]]
+    assert padded.seq_lens.tolist() == [18, 3, 1, 1]
+    assert padded.token_pos.tolist() == [17, 2, 0, 0]
+    assert padded.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert padded.slot_mapping.tolist() == [3 * 16 + 1, 5 * 16 + 2, -1, -1]
+    assert padded.block_table.dtype == torch.int64
 
 
 @pytest.mark.parametrize(
-    ("tables", "contexts", "padded", "message"),
+    ("context_lens", "query_lens", "padded", "message"),
     [
-        ([[0]], [1, 2], 4, "1 block tables and 2 context lengths"),
-        ([[0], [1]], [1, 1], 1, "padded to 1"),
-        ([[0]], [0], 2, "cached context"),
-        ([[0]], [16], 2, "a block for its new token"),
+        ([1, 1], [1, 1], 1, "padded to a decode-only step of 1"),
+        ([0, 1], [3, 1], 4, "1 prefills"),
     ],
 )
-def test_padded_decode_step_rejects_bad_steps(
-    tables: list[list[int]], contexts: list[int], padded: int, message: str
+def test_padding_rejects_steps_that_are_not_decodes_within_the_bucket(
+    context_lens: list[int], query_lens: list[int], padded: int, message: str
 ) -> None:
+    layout = build_step_layout([[0], [1]], context_lens, query_lens, block_size=16)
     with pytest.raises(ValueError, match=message):
-        pad_decode_step(tables, contexts, padded, block_size=16)
+        pad_for_cuda_graph(layout, padded)

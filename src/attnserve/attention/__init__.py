@@ -8,10 +8,24 @@ from attnserve.attention.backends.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.forward_context import set_forward_context
-from attnserve.attention.layer import Attention, attention_layers, bind_kv_caches
+from attnserve.attention.backends.layout import StepLayout, build_step_layout, pad_for_cuda_graph
+from attnserve.attention.forward_context import (
+    Builders,
+    StepMetadata,
+    build_graph_metadata,
+    build_metadata,
+    metadata_builders,
+    set_forward_context,
+)
+from attnserve.attention.layer import (
+    Attention,
+    attention_layers,
+    attention_specs,
+    bind_attention_backend,
+    bind_kv_caches,
+)
 from attnserve.attention.registry import backend_names, get_backend_cls, register_backend
-from attnserve.attention.selector import get_attn_backend
+from attnserve.attention.selector import get_attn_backend, get_model_attn_backend
 
 __all__ = [
     "Attention",
@@ -21,11 +35,22 @@ __all__ = [
     "AttentionMetadataBuilder",
     "AttentionSpec",
     "BackendCapabilities",
+    "Builders",
+    "StepLayout",
+    "StepMetadata",
     "attention_layers",
+    "attention_specs",
     "backend_names",
+    "bind_attention_backend",
     "bind_kv_caches",
+    "build_graph_metadata",
+    "build_metadata",
+    "build_step_layout",
     "get_attn_backend",
     "get_backend_cls",
+    "get_model_attn_backend",
+    "metadata_builders",
+    "pad_for_cuda_graph",
     "register_backend",
     "set_forward_context",
 ]

@@ -1,31 +1,70 @@
 """The per-step forward context: the attention metadata every `Attention` layer reads.
 
-The model runner builds the metadata once per step and sets it here around the model's forward,
-so models pass only hidden states, never backend inputs.
+The model runner makes one metadata builder per distinct `AttentionSpec` of the model
+(`metadata_builders`), builds the metadata once per step from the step's layout
+(`build_metadata`, or `build_graph_metadata` for a padded CUDA-graph step) and sets it here
+around the model's forward, so models pass only hidden states, never backend inputs; each layer
+takes the metadata of its own spec. The conformance harness builds through the same functions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
-from attnserve.attention.backends.abstract import AttentionMetadata
+import torch
 
-_current_metadata: AttentionMetadata | None = None
+from attnserve.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionSpec,
+)
+from attnserve.attention.backends.layout import StepLayout
+
+StepMetadata = Mapping[AttentionSpec, AttentionMetadata]
+Builders = Mapping[AttentionSpec, AttentionMetadataBuilder[Any]]
+
+
+def metadata_builders(
+    backend: type[AttentionBackend], specs: Iterable[AttentionSpec], device: torch.device | str
+) -> dict[AttentionSpec, AttentionMetadataBuilder[Any]]:
+    """One builder of `backend` for each spec."""
+    return {spec: backend.get_builder_cls()(spec, device) for spec in specs}
+
+
+def build_metadata(builders: Builders, layout: StepLayout) -> StepMetadata:
+    """Every spec's metadata for one step."""
+    return {spec: builder.build(layout) for spec, builder in builders.items()}
+
+
+def build_graph_metadata(builders: Builders, padded: StepLayout) -> StepMetadata:
+    """Every spec's metadata for a decode step padded to a capture bucket, written into the
+    builders' persistent buffers."""
+    return {spec: builder.build_for_cuda_graph(padded) for spec, builder in builders.items()}
+
+
+_current: StepMetadata | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata) -> Iterator[None]:
-    """Make `attn_metadata` the metadata of every attention layer inside the block."""
-    global _current_metadata
-    previous, _current_metadata = _current_metadata, attn_metadata
+def set_forward_context(attn_metadata: StepMetadata) -> Iterator[None]:
+    """Make `attn_metadata[spec]` the metadata of every attention layer of `spec` inside the
+    block."""
+    global _current
+    previous, _current = _current, attn_metadata
     try:
         yield
     finally:
-        _current_metadata = previous
+        _current = previous
 
 
-def get_attn_metadata() -> AttentionMetadata:
-    if _current_metadata is None:
+def get_attn_metadata(spec: AttentionSpec) -> AttentionMetadata:
+    """This step's metadata for the layers of `spec`."""
+    if _current is None:
         raise RuntimeError("attention layer called outside set_forward_context(...)")
-    return _current_metadata
+    metadata = _current.get(spec)
+    if metadata is None:
+        raise RuntimeError(f"the forward context has no metadata for {spec}")
+    return metadata

@@ -1,7 +1,11 @@
 """`Attention`: the module models use. It knows no backend.
 
-It asks the selector for a backend (unless the model runner hands one in), builds that backend's
-operator, and at forward time passes the operator its bound KV cache and the step's metadata from
+Each layer describes what it needs as an `AttentionSpec` (its heads, head size, window, ALiBi,
+soft-cap, cache dtype and block size; dtype and device from the defaults it is built under).
+The model runner collects the model's specs (`attention_specs`), selects one backend for them
+and binds it (`bind_attention_backend`), which checks that the backend serves each layer's spec
+and builds that backend's operator; a layer built on its own may be handed a backend instead.
+At forward time the layer passes the operator its bound KV cache and its spec's metadata from
 the forward context.
 """
 
@@ -10,9 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnserve.attention.backends.abstract import AttentionBackend, AttentionMetadata
+from attnserve.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionSpec,
+)
 from attnserve.attention.forward_context import get_attn_metadata
-from attnserve.attention.selector import get_attn_backend
 from attnserve.profiling import ATTENTION_RANGE
 
 
@@ -31,30 +39,46 @@ class Attention(nn.Module):
         backend: type[AttentionBackend] | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.num_kv_heads = num_kv_heads or num_heads
-        self.kv_cache_dtype = kv_cache_dtype
-        self.backend = backend or get_attn_backend(
-            head_size,
-            torch.get_default_dtype(),
+        self.spec = AttentionSpec(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads or num_heads,
+            head_size=head_size,
+            dtype=torch.get_default_dtype(),
             kv_cache_dtype=kv_cache_dtype,
             block_size=block_size,
+            device=torch.get_default_device().type,
             sliding_window=sliding_window,
             use_alibi=alibi_slopes is not None,
             logits_soft_cap=logits_soft_cap,
         )
-        self.impl = self.backend.get_impl_cls()(
-            num_heads,
-            head_size,
-            scale,
-            self.num_kv_heads,
-            alibi_slopes=alibi_slopes,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-            kv_cache_dtype=kv_cache_dtype,
-        )
+        self.scale = scale
+        self.alibi_slopes = alibi_slopes
+        self.backend: type[AttentionBackend] | None = None
+        self.impl: AttentionImpl[AttentionMetadata] | None = None
         self.kv_cache = torch.empty(0)
+        if backend is not None:
+            self.bind_backend(backend)
+
+    def bind_backend(self, backend: type[AttentionBackend]) -> None:
+        """Use `backend` for this layer: ValueError, with the reasons, if it cannot serve it."""
+        reasons = backend.unsupported_reasons(self.spec)
+        if reasons:
+            raise ValueError(
+                f"attention backend {backend.get_name()} cannot serve {self.spec}: "
+                f"{'; '.join(reasons)}"
+            )
+        spec = self.spec
+        self.backend = backend
+        self.impl = backend.get_impl_cls()(
+            num_heads=spec.num_heads,
+            head_size=spec.head_size,
+            scale=self.scale,
+            num_kv_heads=spec.num_kv_heads,
+            alibi_slopes=self.alibi_slopes,
+            sliding_window=spec.sliding_window,
+            logits_soft_cap=spec.logits_soft_cap,
+            kv_cache_dtype=spec.kv_cache_dtype,
+        )
 
     def forward(
         self,
@@ -63,9 +87,11 @@ class Attention(nn.Module):
         value: torch.Tensor,
         attn_metadata: AttentionMetadata | None = None,
     ) -> torch.Tensor:
+        if self.impl is None:
+            raise RuntimeError("no attention backend bound to this layer (bind_attention_backend)")
         if self.kv_cache.numel() == 0:
             raise RuntimeError("no KV cache bound to this attention layer (bind_kv_caches)")
-        metadata = attn_metadata if attn_metadata is not None else get_attn_metadata()
+        metadata = attn_metadata if attn_metadata is not None else get_attn_metadata(self.spec)
         with torch.profiler.record_function(ATTENTION_RANGE):
             return self.impl.forward(query, key, value, self.kv_cache, metadata)
 
@@ -73,6 +99,17 @@ class Attention(nn.Module):
 def attention_layers(model: nn.Module) -> list[Attention]:
     """The model's attention layers, in module order (one KV cache each)."""
     return [module for module in model.modules() if isinstance(module, Attention)]
+
+
+def attention_specs(model: nn.Module) -> list[AttentionSpec]:
+    """The distinct specs of the model's attention layers, in the order they first appear."""
+    return list(dict.fromkeys(layer.spec for layer in attention_layers(model)))
+
+
+def bind_attention_backend(model: nn.Module, backend: type[AttentionBackend]) -> None:
+    """Bind `backend` to every attention layer of `model` (ValueError if it cannot serve one)."""
+    for layer in attention_layers(model):
+        layer.bind_backend(backend)
 
 
 def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:

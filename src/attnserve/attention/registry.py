@@ -28,7 +28,16 @@ def register_backend(name: str, backend: type[AttentionBackend] | str) -> None:
     """Register a backend class, or a lazy "module:Class" path, under an upper-case name."""
     if not name or name != name.upper():
         raise ValueError(f"backend names are non-empty and upper-case, got {name!r}")
-    _registry[name] = backend
+    _registry[name] = backend if isinstance(backend, str) else _checked(backend, name)
+
+
+def _checked(backend: object, where: str) -> type[AttentionBackend]:
+    """`backend`, once it is known to be an AttentionBackend whose KV-cache shape has one
+    block axis (ValueError otherwise)."""
+    if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
+        raise ValueError(f"{where} is not an AttentionBackend subclass")
+    backend.get_kv_cache_block_dim()
+    return backend
 
 
 def _load_entry_points() -> None:
@@ -56,7 +65,5 @@ def get_backend_cls(name: str) -> type[AttentionBackend]:
     if isinstance(target, str):
         module_name, _, attr = target.partition(":")
         loaded = getattr(importlib.import_module(module_name), attr)
-        if not (isinstance(loaded, type) and issubclass(loaded, AttentionBackend)):
-            raise ValueError(f"{target} is not an AttentionBackend subclass")
-        _registry[name] = target = loaded
+        _registry[name] = target = _checked(loaded, target)
     return target

@@ -1,4 +1,5 @@
-"""Choosing the attention backend for a layer: `get_attn_backend`.
+"""Choosing the attention backend: `get_attn_backend` for one spec, `get_model_attn_backend`
+for all the specs of a model.
 
 The selector knows backends only through the registry and their declared capabilities: it keeps
 those that can serve the request on this machine and picks the highest priority. A name forced
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -62,50 +64,46 @@ def describe_capabilities(caps: BackendCapabilities) -> str:
     )
 
 
-def backend_report(spec: AttentionSpec) -> dict[str, list[str]]:
-    """For every registered backend, why it cannot serve `spec` (empty list: it can)."""
+def backend_report(specs: Sequence[AttentionSpec]) -> dict[str, list[str]]:
+    """For every registered backend, why it cannot serve all of `specs` (empty list: it can)."""
     report: dict[str, list[str]] = {}
     for name in backend_names():
         try:
-            report[name] = get_backend_cls(name).unsupported_reasons(spec)
+            backend = get_backend_cls(name)
         except ImportError as error:
             report[name] = [f"cannot be imported here: {error}"]
+            continue
+        reasons = (reason for spec in specs for reason in backend.unsupported_reasons(spec))
+        report[name] = list(dict.fromkeys(reasons))
     return report
 
 
 def get_attn_backend(
-    head_size: int,
-    dtype: torch.dtype,
-    kv_cache_dtype: str = "auto",
-    block_size: int = 16,
-    device: str | torch.device | None = None,
-    sliding_window: int | None = None,
-    use_alibi: bool = False,
-    logits_soft_cap: float | None = None,
-    attention_backend: str | None = None,
+    spec: AttentionSpec, attention_backend: str | None = None
 ) -> type[AttentionBackend]:
-    """The best registered backend that serves this request here, or the forced one."""
-    spec = AttentionSpec(
-        head_size=head_size,
-        dtype=dtype,
-        kv_cache_dtype=kv_cache_dtype,
-        block_size=block_size,
-        device=torch.device(device).type if device is not None else default_device(),
-        sliding_window=sliding_window,
-        use_alibi=use_alibi,
-        logits_soft_cap=logits_soft_cap,
-    )
+    """The best registered backend that serves `spec` here, or the forced one."""
+    return get_model_attn_backend([spec], attention_backend)
+
+
+def get_model_attn_backend(
+    specs: Sequence[AttentionSpec], attention_backend: str | None = None
+) -> type[AttentionBackend]:
+    """One backend for every spec of a model: the best that serves them all, or the forced one
+    (`attention_backend`, else `ATTNSERVE_ATTENTION_BACKEND`)."""
+    if not specs:
+        raise ValueError("a model with no attention layers has no attention backend to select")
     forced = attention_backend or os.environ.get(ENV_VAR) or None
-    report = backend_report(spec)
+    report = backend_report(specs)
     able = [name for name, reasons in report.items() if not reasons]
     if forced is not None:
         return _forced_backend(forced.upper(), report, able)
     if not able:
-        raise ValueError(f"no attention backend serves {spec}: {report}")
+        wanted = specs[0] if len(specs) == 1 else list(specs)
+        raise ValueError(f"no attention backend serves {wanted}: {report}")
     best = max(able, key=lambda name: get_backend_cls(name).capabilities.priority)
     for name, reasons in report.items():
         if reasons and name != best:
-            logger.info("attention backend %s not used: %s", name, "; ".join(reasons))
+            logger.debug("attention backend %s not used: %s", name, "; ".join(reasons))
     return get_backend_cls(best)
 
 

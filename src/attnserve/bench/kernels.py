@@ -36,6 +36,7 @@ from attnserve.attention import (
     AttentionMetadata,
     AttentionSpec,
     backend_names,
+    build_step_layout,
     get_backend_cls,
 )
 from attnserve.bench.common import positive_ints
@@ -104,8 +105,15 @@ def copy_bandwidth_tbs(
     return 2 * num_bytes / us / 1e6
 
 
-def _spec() -> AttentionSpec:
-    return AttentionSpec(head_size=HEAD_SIZE, dtype=DTYPE, block_size=BLOCK_SIZE, device=DEVICE)
+def _spec(num_heads: int = 32, num_kv_heads: int = 8) -> AttentionSpec:
+    return AttentionSpec(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=HEAD_SIZE,
+        dtype=DTYPE,
+        block_size=BLOCK_SIZE,
+        device=DEVICE,
+    )
 
 
 def _random(*shape: int) -> torch.Tensor:
@@ -133,15 +141,13 @@ def _step_metadata(
 ) -> AttentionMetadata:
     """The backend's metadata for a step of every sequence at `context` cached and `query` new
     tokens, from its builder as the engine drives it (graph buffers for a graphed decode)."""
-    num_heads, num_kv_heads = heads
-    builder = backend.get_builder_cls()(
-        BLOCK_SIZE, DEVICE, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=HEAD_SIZE
-    )
+    builder = backend.get_builder_cls()(_spec(*heads), DEVICE)
     batch = len(block_tables)
+    layout = build_step_layout(block_tables, [context] * batch, [query] * batch, BLOCK_SIZE)
     if graphed:
         builder.init_cuda_graph_buffers(batch, len(block_tables[0]))
-        return builder.build_for_cuda_graph(batch, block_tables, [context] * batch)
-    return builder.build(block_tables, [context] * batch, [query] * batch)
+        return builder.build_for_cuda_graph(layout)
+    return builder.build(layout)
 
 
 def _backend_step(

@@ -65,14 +65,12 @@ def convert_gguf_to_cache_dir(gguf_path: Path, target: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from attnserve.attention import get_attn_backend
     from attnserve.model.config import ModelConfig
     from attnserve.model.loader import load_model
     from attnserve.model.tokenizer import load_tokenizer
 
     config = ModelConfig.resolve(str(gguf_path), dtype="float32", load_format="gguf")
-    backend = get_attn_backend(config.head_size, config.dtype, device="cpu")
-    model = load_model(config, backend, torch.device("cpu"))
+    model = load_model(config, torch.device("cpu"))
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:

@@ -3,24 +3,31 @@
 A decode step launches hundreds of small kernels; replaying them as one captured graph removes
 the per-launch host cost. Graphs are captured once at start-up for buckets 1, 2, 4, 8, 16, 24,
 ... up to `max_num_seqs` (largest first, all in one memory pool). A step of n decodes runs the
-smallest bucket >= n: its token ids and positions go into static input buffers (padding rows
-get token 0 at position 0), the backend's builder writes the step into its persistent metadata
-buffers (`build_for_cuda_graph`), the graph replays, and the first n rows of the captured final
-hidden states are the step's (the LM head runs outside the graph, on those rows only, so the
-graphs hold no vocabulary-sized buffers). Only backends whose capabilities declare
-`cuda_graphs` are captured.
+smallest bucket >= n: its layout is padded to the bucket (`pad_for_cuda_graph`), its token ids
+and the padded layout's positions go into static input buffers, each of the model's metadata
+builders writes the padded layout into its persistent buffers (`build_for_cuda_graph`), the
+graph replays, and the first n rows of the captured final hidden states are the step's (the LM
+head runs outside the graph, on those rows only, so the graphs hold no vocabulary-sized
+buffers). Only backends whose capabilities declare `cuda_graphs` are captured.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
-from attnserve.attention import AttentionMetadataBuilder, set_forward_context
+from attnserve.attention import (
+    Builders,
+    StepLayout,
+    StepMetadata,
+    build_graph_metadata,
+    build_step_layout,
+    pad_for_cuda_graph,
+    set_forward_context,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +47,19 @@ class CUDAGraphRunner:
     def __init__(
         self,
         model: CausalLM,
-        builder: AttentionMetadataBuilder[Any],
+        builders: Builders,
         max_num_seqs: int,
         max_blocks_per_seq: int,
         device: torch.device,
     ) -> None:
         self.model = model
-        self.builder = builder
+        self.builders = builders
         self.sizes = capture_sizes(max_num_seqs)
         self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        builder.init_cuda_graph_buffers(max_num_seqs, max_blocks_per_seq)
+        for builder in builders.values():
+            builder.init_cuda_graph_buffers(max_num_seqs, max_blocks_per_seq)
 
     @property
     def max_num_seqs(self) -> int:
@@ -74,37 +82,37 @@ class CUDAGraphRunner:
     def _capture_one(self, size: int, pool: Any) -> Any:
         ids, positions = self.input_ids[:size], self.positions[:size]
         with set_forward_context(self._dummy_metadata(size)):
-            self.model(ids, positions)  # compiles the kernels (and plans) before capture
+            self.model(ids, positions)  # compiles the kernels before capture
         torch.cuda.synchronize()
-        # Fresh metadata for the capture itself: whatever a backend derives from its buffers
-        # during a forward (and may cache on the metadata object) must be computed inside the
-        # graph, not read from tensors of the warm-up run that are freed afterwards.
         graph = torch.cuda.CUDAGraph()
-        metadata = self._dummy_metadata(size)
-        with set_forward_context(metadata), torch.cuda.graph(graph, pool=pool):
+        with set_forward_context(self._dummy_metadata(size)), torch.cuda.graph(graph, pool=pool):
             hidden = self.model(ids, positions)
         self.graphs[size] = (graph, hidden)
         return graph.pool()
 
-    def _dummy_metadata(self, size: int) -> Any:
-        """A decode step of `size` sequences with context 1 in block 0: the new token's slot is
-        in block 0, whatever the block size."""
-        return self.builder.build_for_cuda_graph(size, [[0]] * size, [1] * size)
+    def _dummy_metadata(self, size: int) -> StepMetadata:
+        """A decode step of `size` sequences at position 1, both tokens in block 0 (the table
+        names block 0 twice, so it holds them whatever the block size)."""
+        block_size = next(iter(self.builders)).block_size
+        layout = build_step_layout([[0, 0]] * size, [1] * size, [1] * size, block_size)
+        return build_graph_metadata(self.builders, pad_for_cuda_graph(layout, size))
 
     def run(
         self,
-        token_ids: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        context_lens: Sequence[int],
+        token_ids: torch.Tensor,
+        layout: StepLayout,
         carried: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [n, hidden_size] of a decode-only step of n <= max_num_seqs.
-        `carried` (rows, token ids on the device) overrides those rows' token ids."""
-        num_seqs = len(token_ids)
+        """Final hidden states [n, hidden_size] of a decode-only step of n <= max_num_seqs
+        sequences, whose host token ids are `token_ids` [n]. `carried` (rows, token ids on the
+        device) overrides those rows' token ids."""
+        num_seqs = layout.num_seqs
         size = next(s for s in self.sizes if s >= num_seqs)
-        self.builder.build_for_cuda_graph(size, block_tables, context_lens)
-        padding = [0] * (size - num_seqs)
-        host = torch.tensor([[*token_ids, *padding], [*context_lens, *padding]])
+        padded = pad_for_cuda_graph(layout, size)
+        build_graph_metadata(self.builders, padded)
+        host = torch.zeros(2, size, dtype=torch.int64)
+        host[0, :num_seqs] = token_ids
+        host[1] = padded.token_pos
         self.input_ids[:size].copy_(host[0], non_blocking=True)
         self.positions[:size].copy_(host[1], non_blocking=True)
         if carried is not None:

@@ -1,12 +1,14 @@
 """`ModelRunner`: turns a scheduled batch into tensors, runs the model, samples.
 
-It selects the attention backend once, loads the model with it, sizes the KV cache (on CUDA,
-after a profile run of the largest possible step measures its activation memory), binds it,
-and each step asks that backend's metadata builder for the attention metadata. It never looks at
-the metadata or the cache layout itself. On CUDA, unless `enforce_eager`, decode-only steps
-replay captured graphs (`CUDAGraphRunner`) when the backend declares support for them.
-`execute_async` returns without waiting for the step's draws (a `StepFuture`); the next step
-may take tokens still on the device from them (`ScheduledBatch.carried_tokens`).
+It loads the model, selects one attention backend for the specs of the model's attention layers
+and binds it, makes one metadata builder per spec, sizes the KV cache (on CUDA, after a profile
+run of the largest possible step measures its activation memory) and binds it. Each step it
+computes the step's `StepLayout` once (the model's positions come from it) and hands it to the
+builders for the attention metadata. It never looks at the metadata or the cache layout itself.
+On CUDA, unless `enforce_eager`, decode-only steps replay captured graphs (`CUDAGraphRunner`)
+when the backend declares support for them. `execute_async` returns without waiting for the
+step's draws (a `StepFuture`); the next step may take tokens still on the device from them
+(`ScheduledBatch.carried_tokens`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,17 @@ from itertools import accumulate, chain
 import numpy as np
 import torch
 
-from attnserve.attention import bind_kv_caches, get_attn_backend, set_forward_context
+from attnserve.attention import (
+    StepLayout,
+    attention_specs,
+    bind_attention_backend,
+    bind_kv_caches,
+    build_metadata,
+    build_step_layout,
+    get_model_attn_backend,
+    metadata_builders,
+    set_forward_context,
+)
 from attnserve.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
 from attnserve.distributed import get_tensor_model_parallel_world_size
 from attnserve.distributed.communication import tensor_model_parallel_all_reduce_min
@@ -56,25 +68,14 @@ class ModelRunner:
         self.cache_config = cache_config
         self.device = device
         tp_size = get_tensor_model_parallel_world_size()  # this rank's share of the heads
-        self.num_heads = model_config.get_num_attention_heads(tp_size)
         self.num_kv_heads = model_config.get_num_kv_heads(tp_size)
-        self.backend = get_attn_backend(
-            model_config.head_size,
-            model_config.dtype,
-            kv_cache_dtype=cache_config.kv_cache_dtype,
-            block_size=cache_config.block_size,
-            device=device,
-            sliding_window=model_config.sliding_window,
-            attention_backend=attention_backend,
+        self.model = load_model(
+            model_config, device, cache_config.kv_cache_dtype, cache_config.block_size
         )
-        self.model = load_model(model_config, self.backend, device, cache_config.kv_cache_dtype)
-        self.builder = self.backend.get_builder_cls()(
-            cache_config.block_size,
-            device,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_size=model_config.head_size,
-        )
+        specs = attention_specs(self.model)
+        self.backend = get_model_attn_backend(specs, attention_backend)
+        bind_attention_backend(self.model, self.backend)
+        self.builders = metadata_builders(self.backend, specs, device)
         self.sampler = Sampler()
         self._last_tokens: torch.Tensor | None = None  # the last step's first draw per row
         self.cuda_graphs: CUDAGraphRunner | None = None
@@ -98,7 +99,7 @@ class ModelRunner:
             logger.info("no CUDA graphs: backend %s does not support them", self.backend.get_name())
             return None
         max_blocks = -(-self.model_config.max_model_len // self.cache_config.block_size)
-        runner = CUDAGraphRunner(self.model, self.builder, max_num_seqs, max_blocks, self.device)
+        runner = CUDAGraphRunner(self.model, self.builders, max_num_seqs, max_blocks, self.device)
         runner.capture()
         return runner
 
@@ -186,20 +187,20 @@ class ModelRunner:
         )
         return self._cache_engine(num_blocks, cc.swap_space_bytes // per_block)
 
-    def _prepare_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat token ids and positions of the step's new tokens (built on the host, one copy)."""
+    def _layout(self, batch: ScheduledBatch) -> StepLayout:
         seqs = batch.seqs
-        query_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, len(seqs))
-        context_lens = np.fromiter((s.context_len for s in seqs), np.int64, len(seqs))
-        num_tokens = int(query_lens.sum())
-        flat = chain.from_iterable(s.token_ids for s in seqs)
-        token_ids = np.fromiter(flat, np.int64, num_tokens)
-        starts = np.cumsum(query_lens) - query_lens
-        positions = np.arange(num_tokens) + np.repeat(context_lens - starts, query_lens)
-        return (
-            to_device(torch.from_numpy(token_ids), self.device),
-            to_device(torch.from_numpy(positions), self.device),
+        return build_step_layout(
+            [s.block_table for s in seqs],
+            [s.context_len for s in seqs],
+            [len(s.token_ids) for s in seqs],
+            self.cache_config.block_size,
         )
+
+    @staticmethod
+    def _token_ids(batch: ScheduledBatch, num_tokens: int) -> torch.Tensor:
+        """The step's new token ids, flat, on the host."""
+        flat = chain.from_iterable(s.token_ids for s in batch.seqs)
+        return torch.from_numpy(np.fromiter(flat, np.int64, num_tokens))
 
     def _move_blocks(self, batch: ScheduledBatch) -> None:
         """Swaps and copy-on-write copies, before the forward pass that may reuse the blocks."""
@@ -219,8 +220,9 @@ class ModelRunner:
     def execute_async(self, batch: ScheduledBatch) -> StepFuture:
         """Launch one step; its draws stay on the device until the future's `result()`."""
         self._move_blocks(batch)
-        starts = [0, *accumulate(len(s.token_ids) for s in batch.seqs)]
-        hidden = self._forward(batch, starts)
+        layout = self._layout(batch)
+        starts: list[int] = layout.query_start_loc.tolist()
+        hidden = self._forward(batch, layout)
         num_seqs = len(batch.seqs)
         rows = [i for i, s in enumerate(batch.seqs) if s.sampling is not None]
         if not rows:
@@ -268,36 +270,28 @@ class ModelRunner:
         last = device_tensor([starts[i + 1] - 1 for i in rows], self.device)
         return hidden[last]
 
-    def _forward(self, batch: ScheduledBatch, starts: list[int]) -> torch.Tensor:
-        """Final hidden states of the step's new tokens (sequence i's at starts[i] ..
-        starts[i + 1] - 1), from a graph when one fits."""
-        seqs = batch.seqs
+    def _forward(self, batch: ScheduledBatch, layout: StepLayout) -> torch.Tensor:
+        """Final hidden states of the step's new tokens (sequence i's at query_start_loc[i] ..
+        query_start_loc[i + 1] - 1), from a graph when one fits."""
+        token_ids = self._token_ids(batch, int(layout.query_start_loc[-1]))
         graphs = self.cuda_graphs
         if (
             graphs is not None
-            and len(seqs) <= graphs.max_num_seqs
-            and all(len(s.token_ids) == 1 and s.context_len > 0 for s in seqs)
+            and layout.num_prefills == 0
+            and layout.num_seqs <= graphs.max_num_seqs
         ):
             carried = None
             if batch.carried_tokens:
-                carried = self._carried(batch, range(len(seqs)))
-            return graphs.run(
-                [s.token_ids[0] for s in seqs],
-                [s.block_table for s in seqs],
-                [s.context_len for s in seqs],
-                carried,
-            )
-        token_ids, positions = self._prepare_inputs(batch)
+                carried = self._carried(batch, range(layout.num_seqs))
+            return graphs.run(token_ids, layout, carried)
+        input_ids = to_device(token_ids, self.device)
+        positions = to_device(layout.token_pos, self.device)
         if batch.carried_tokens:
-            index, values = self._carried(batch, [end - 1 for end in starts[1:]])
-            token_ids[index] = values
-        metadata = self.builder.build(
-            [s.block_table for s in seqs],
-            [s.context_len for s in seqs],
-            [len(s.token_ids) for s in seqs],
-        )
-        with set_forward_context(metadata):
-            hidden: torch.Tensor = self.model(token_ids, positions)
+            last_token = (layout.query_start_loc[1:] - 1).tolist()
+            index, values = self._carried(batch, last_token)
+            input_ids[index] = values
+        with set_forward_context(build_metadata(self.builders, layout)):
+            hidden: torch.Tensor = self.model(input_ids, positions)
         return hidden
 
     def _add_prompt_logprobs(

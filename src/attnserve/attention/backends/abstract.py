@@ -1,24 +1,40 @@
 """The attention-backend contract: Backend (static facts), Metadata, Builder and Impl.
 
 A backend owns everything layout-specific: the KV-cache shape, moving cache blocks, the per-step
-metadata its kernels need (built by its `AttentionMetadataBuilder` from plain block tables and
-lengths) and the attention operator itself. Nothing above `attention/backends/` sees any of it.
+metadata its kernels need (built by its `AttentionMetadataBuilder` from the step's `StepLayout`)
+and the attention operator itself. Nothing above `attention/backends/` sees any of it.
+
+`AttentionSpec` is the one description of a kind of attention layer: the model runner builds it
+from the model's layers, the selector matches it against capabilities, and each builder is made
+for one spec (`builder_cls(spec, device)`), so it knows the heads, window and soft-cap it plans
+for. Metadata is frozen: one object serves every layer of that spec in a step.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from attnserve.attention.backends.layout import StepLayout
+
+
+def check_window_and_cap(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if logits_soft_cap is not None and logits_soft_cap <= 0:
+        raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What a model layer asks of a backend; the selector matches it against capabilities."""
+    """What one kind of attention layer needs of a backend (heads are this rank's share)."""
 
+    num_heads: int
+    num_kv_heads: int
     head_size: int
     dtype: torch.dtype
     kv_cache_dtype: str = "auto"
@@ -27,6 +43,20 @@ class AttentionSpec:
     sliding_window: int | None = None
     use_alibi: bool = False
     logits_soft_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_size", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AttentionSpec.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"AttentionSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+        check_window_and_cap(self.sliding_window, self.logits_soft_cap)
 
 
 @dataclass(frozen=True)
@@ -72,9 +102,10 @@ class BackendCapabilities:
         return [reason for ok, reason in checks if not ok]
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
-    """Per-step inputs common to every backend; backends subclass it with their own fields.
+    """Per-step inputs common to every backend; backends subclass it (frozen too) with their own
+    fields. `AttentionImpl.forward` never changes it, so one object serves any number of forwards.
 
     The batch holds `num_prefills` prefill sequences first (their `num_prefill_tokens` new
     tokens), then decode sequences (one new token each). `slot_mapping[t]` is the flat cache slot
@@ -87,10 +118,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
 
     @property
-    def num_decodes(self) -> int:
-        return self.num_decode_tokens
-
-    @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
@@ -99,27 +126,21 @@ M = TypeVar("M", bound=AttentionMetadata)
 
 
 class AttentionMetadataBuilder(ABC, Generic[M]):
-    """Turns plain per-sequence block tables and lengths into one backend's metadata.
+    """Turns one step's `StepLayout` into one backend's metadata, for the layers of one spec.
 
-    Sequence i has `context_lens[i]` tokens already cached and `query_lens[i]` new tokens this
-    step; its tokens 0 .. context+query-1 live in the blocks of `block_tables[i]`, in order.
-    The model runner also passes the model's `num_heads`, `num_kv_heads` and `head_size` as
-    keyword arguments, for builders that plan with them; others ignore them.
+    The model runner makes one builder per distinct `AttentionSpec` of the model
+    (`builder_cls(spec, device)`) and calls `build` once per step with the step's layout, which
+    it computes once for all builders (`build_step_layout`). A backend that plans its kernels
+    (page tables, work partitions) does so here, so `AttentionImpl.forward` only reads metadata.
     """
 
-    def __init__(self, block_size: int, device: torch.device | str, **kwargs: Any) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
+    def __init__(self, spec: AttentionSpec, device: torch.device | str) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
         self.device = torch.device(device)
 
     @abstractmethod
-    def build(
-        self,
-        block_tables: Sequence[Sequence[int]],
-        context_lens: Sequence[int],
-        query_lens: Sequence[int],
-    ) -> M:
+    def build(self, layout: StepLayout) -> M:
         """Return the metadata for one step."""
 
     def init_cuda_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
@@ -128,20 +149,14 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         `cuda_graphs` implement it."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
-    def build_for_cuda_graph(
-        self,
-        num_padded_seqs: int,
-        block_tables: Sequence[Sequence[int]],
-        context_lens: Sequence[int],
-    ) -> M:
-        """Metadata for a decode-only step padded to `num_padded_seqs` sequences (a capture
-        bucket), written into the persistent buffers in place.
+    def build_for_cuda_graph(self, layout: StepLayout) -> M:
+        """Metadata for a decode-only step padded to a capture bucket (`pad_for_cuda_graph`:
+        `layout.num_seqs` is the bucket), written into the persistent buffers in place.
 
         Every call for the same bucket must return metadata whose tensors are the same buffers
         and whose host values (and so the kernels' launch shapes) are the same, so a graph
-        captured with one call replays correctly after another. The real decodes come first
-        (one new token each, at position `context_lens[i]`); padding sequences write nothing
-        (slot -1) and their outputs are ignored.
+        captured with one call replays correctly after another. Padding sequences write
+        nothing (slot -1) and their outputs are ignored.
         """
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
@@ -164,10 +179,7 @@ class AttentionImpl(ABC, Generic[M]):
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-        if logits_soft_cap is not None and logits_soft_cap <= 0:
-            raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
+        check_window_and_cap(sliding_window, logits_soft_cap)
         slopes = None if alibi_slopes is None else torch.as_tensor(alibi_slopes).float()
         if slopes is not None and slopes.shape != (num_heads,):
             raise ValueError(f"alibi_slopes must have {num_heads} entries, got {slopes.shape}")
@@ -196,17 +208,15 @@ class AttentionBackend(ABC):
     """Static facts about one backend, and its dispatch to Impl, Metadata and Builder.
 
     A backend declares its classes and facts as class attributes (`name`, `impl_cls`,
-    `metadata_cls`, `builder_cls`, `kv_cache_block_dim`, `capabilities`) and implements
-    `get_kv_cache_shape`; the `get_*` accessors read the attributes (a backend may override them
-    instead). The default `swap_blocks` / `copy_blocks` move whole blocks along the cache's block
+    `builder_cls`, `capabilities`) and implements `get_kv_cache_shape`; the `get_*` accessors
+    read them (a backend may override them instead). The cache's block axis is read off
+    `get_kv_cache_shape`. The default `swap_blocks` / `copy_blocks` move whole blocks along that
     axis; a backend whose layout needs more overrides them.
     """
 
     name: ClassVar[str]
     impl_cls: ClassVar[type[AttentionImpl[Any]]]
-    metadata_cls: ClassVar[type[AttentionMetadata]]
     builder_cls: ClassVar[type[AttentionMetadataBuilder[Any]]]
-    kv_cache_block_dim: ClassVar[int]
     capabilities: ClassVar[BackendCapabilities]
 
     @classmethod
@@ -218,17 +228,22 @@ class AttentionBackend(ABC):
         return cls.impl_cls
 
     @classmethod
-    def get_metadata_cls(cls) -> type[AttentionMetadata]:
-        return cls.metadata_cls
-
-    @classmethod
     def get_builder_cls(cls) -> type[AttentionMetadataBuilder[Any]]:
         return cls.builder_cls
 
     @classmethod
     def get_kv_cache_block_dim(cls) -> int:
-        """The axis of the KV-cache tensor that indexes blocks."""
-        return cls.kv_cache_block_dim
+        """The axis of the KV-cache tensor that indexes blocks: the one axis of
+        `get_kv_cache_shape` that follows `num_blocks` (probed with distinct sizes)."""
+        shape = cls.get_kv_cache_shape(_PROBE_BLOCKS, 3, 5, 7)
+        axes = [axis for axis, size in enumerate(shape) if size == _PROBE_BLOCKS]
+        if len(axes) != 1:
+            raise ValueError(
+                f"{cls.__name__}.get_kv_cache_shape must have exactly one axis of num_blocks "
+                f"(got {shape} for {_PROBE_BLOCKS} blocks); override get_kv_cache_block_dim "
+                "and swap_blocks / copy_blocks for another layout"
+            )
+        return axes[0]
 
     @staticmethod
     @abstractmethod
@@ -284,6 +299,9 @@ class AttentionBackend(ABC):
             src_idx = src_to_dsts[:, 0].to(cache.device)
             dst_idx = src_to_dsts[:, 1].to(cache.device)
             cache.index_copy_(dim, dst_idx, cache.index_select(dim, src_idx))
+
+
+_PROBE_BLOCKS = 1009  # a block count no other axis of a probed shape equals
 
 
 def _bitwise(cache: torch.Tensor) -> torch.Tensor:

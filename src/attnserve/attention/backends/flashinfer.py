@@ -1,13 +1,13 @@
 """FLASHINFER: paged attention through the `flashinfer` package's batch wrappers (CUDA only).
 
 KV layout (FlashInfer's NHD): [num_blocks, 2, block_size, num_kv_heads, head_size]. The builder
-turns the step's block tables into FlashInfer's CSR page metadata (qo_indptr, kv_indptr,
-kv_indices, kv_last_page_len), one set for the prefill sequences and one for the decodes, and
-owns the workspace buffer and the wrappers (BatchPrefillWithPagedKVCacheWrapper,
-BatchDecodeWithPagedKVCacheWrapper). The wrappers are planned once per step, on the first
-layer's call (plan needs the layer's heads, scale, window and soft-cap), and the planned pair
-is cached in the metadata for the step's other layers. Captured decode steps use the
-decode wrapper's CUDA-graph mode (see `WrapperPool`).
+turns the step's layout into FlashInfer's CSR page metadata (qo_indptr, kv_indptr, kv_indices,
+kv_last_page_len), one set for the prefill sequences and one for the decodes, owns the workspace
+buffer and the wrappers (BatchPrefillWithPagedKVCacheWrapper, BatchDecodeWithPagedKVCacheWrapper)
+and plans them in `build`, from its spec (heads, head size, window, soft-cap, dtypes): the
+metadata carries the planned wrappers, and every layer of the spec runs them. Plans use the
+default scale 1/sqrt(head_size); a layer with another scale scales its queries to match.
+Captured decode steps use the decode wrapper's CUDA-graph mode (see `WrapperPool`).
 
 Features, as flashinfer 0.6.1's paged wrappers provide them: sliding window (window_left) and
 logits soft-cap, in fp16/bf16, head sizes 64/128/256. Not ALiBi: the wrappers apply a fixed
@@ -20,8 +20,7 @@ without it.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,15 +30,13 @@ from attnserve.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
+    AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout, build_step_layout, pad_decode_step
+from attnserve.attention.backends.layout import StepLayout
 from attnserve.host_copy import to_device
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
-
-# (num_heads, num_kv_heads, head_size, scale, window_left, soft_cap, q dtype, kv dtype)
-PlanKey = tuple[int, int, int, float, int, float | None, torch.dtype, torch.dtype]
 
 
 @dataclass(frozen=True)
@@ -55,39 +52,37 @@ class PagedGroup:
 
 
 class WrapperPool:
-    """One workspace and one (prefill, decode) wrapper pair per plan configuration; lives as
+    """One workspace and one (prefill, decode) wrapper pair, for one builder's spec; lives as
     long as the builder, so buffers are allocated once, not per step.
 
-    Captured decode steps get their own decode wrappers in FlashInfer's CUDA-graph mode, one
-    per (configuration, bucket size), whose page metadata lives in fixed device buffers that
-    `plan` refills before each replay; `graph_keys` remembers which configurations each
-    bucket's graph runs, so they can be planned before the replay."""
+    Captured decode steps get their own decode wrapper in FlashInfer's CUDA-graph mode, one per
+    bucket size, whose page metadata lives in fixed device buffers that `plan` refills before
+    each replay."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._workspace: torch.Tensor | None = None
-        self._wrappers: dict[PlanKey, tuple[Any, Any]] = {}
-        self._graph_wrappers: dict[tuple[PlanKey, int], Any] = {}
+        self._wrappers: tuple[Any, Any] | None = None
+        self._graph_wrappers: dict[int, Any] = {}
         self.graph_kv_indices: torch.Tensor | None = None
-        self.graph_keys: dict[int, set[PlanKey]] = {}
 
     def workspace(self) -> torch.Tensor:
         if self._workspace is None:
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         return self._workspace
 
-    def get(self, key: PlanKey, graph_size: int | None = None) -> tuple[Any, Any]:
+    def get(self, graph_size: int | None = None) -> tuple[Any, Any]:
         import flashinfer
 
-        if key not in self._wrappers:
-            self._wrappers[key] = (
+        if self._wrappers is None:
+            self._wrappers = (
                 flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace(), "NHD"),
                 flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace(), "NHD"),
             )
         if graph_size is None:
-            return self._wrappers[key]
-        if (key, graph_size) not in self._graph_wrappers:
-            self._graph_wrappers[key, graph_size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            return self._wrappers
+        if graph_size not in self._graph_wrappers:
+            self._graph_wrappers[graph_size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace(),
                 "NHD",
                 use_cuda_graph=True,
@@ -95,188 +90,89 @@ class WrapperPool:
                 paged_kv_indices_buffer=self.graph_kv_indices,
                 paged_kv_last_page_len_buffer=self._int32_buffer(graph_size),
             )
-            self.graph_keys.setdefault(graph_size, set()).add(key)
-        return self._wrappers[key][0], self._graph_wrappers[key, graph_size]
+        return self._wrappers[0], self._graph_wrappers[graph_size]
 
     def _int32_buffer(self, size: int) -> torch.Tensor:
         return torch.zeros(size, dtype=torch.int32, device=self.device)
 
 
-@dataclass
+@dataclass(frozen=True)
 class FlashInferMetadata(AttentionMetadata):
-    block_size: int
     prefill: PagedGroup | None
     decode: PagedGroup | None
-    pool: WrapperPool
-    graph_size: int | None = None  # the capture bucket of a graph-ready decode step
-    planned: dict[PlanKey, tuple[Any, Any]] = field(default_factory=dict)
-    writes: SlotWrites | None = field(default=None, init=False)  # made by the first layer
+    prefill_wrapper: Any  # planned for `prefill` (unused without prefills)
+    decode_wrapper: Any  # planned for `decode` (unused without decodes)
+    writes: SlotWrites  # where each new token's key/value goes
 
-    def slot_writes(self) -> SlotWrites:
-        """The step's cache-write indices, derived once from `slot_mapping` for all layers."""
-        if self.writes is None:
-            self.writes = SlotWrites.from_slot_mapping(self.slot_mapping, self.block_size)
-        return self.writes
 
-    def wrappers(self, key: PlanKey) -> tuple[Any, Any]:
-        """The (prefill, decode) wrappers planned for this step and configuration."""
-        if key not in self.planned:
-            prefill, decode = self.pool.get(key, self.graph_size)
-            if self.prefill is not None:
-                self._plan_prefill(prefill, self.prefill, key)
-            if self.decode is not None:
-                self._plan_decode(decode, self.decode, key)
-            self.planned[key] = (prefill, decode)
-        return self.planned[key]
+class Planner:
+    """Plans a builder's wrappers for its spec (FlashInfer's `plan` arguments)."""
 
-    def _plan_prefill(self, wrapper: Any, group: PagedGroup, key: PlanKey) -> None:
-        num_heads, num_kv_heads, head_size, scale, window_left, cap, q_dtype, kv_dtype = key
-        wrapper.plan(
-            group.qo_indptr,
-            group.kv_indptr,
-            group.kv_indices,
-            group.kv_last_page_len,
-            num_heads,
-            num_kv_heads,
-            head_size,
-            self.block_size,
-            causal=True,
-            pos_encoding_mode="NONE",
-            sm_scale=scale,
-            window_left=window_left,
-            logits_soft_cap=cap,
-            q_data_type=q_dtype,
-            kv_data_type=kv_dtype,
-        )
+    def __init__(self, spec: AttentionSpec, kv_dtype: torch.dtype) -> None:
+        self.spec, self.kv_dtype = spec, kv_dtype
+        self.window_left = -1 if spec.sliding_window is None else spec.sliding_window - 1
 
-    def _plan_decode(self, wrapper: Any, group: PagedGroup, key: PlanKey) -> None:
-        num_heads, num_kv_heads, head_size, scale, window_left, cap, q_dtype, kv_dtype = key
-        wrapper.plan(
-            group.kv_indptr,
-            group.kv_indices,
-            group.kv_last_page_len,
-            num_heads,
-            num_kv_heads,
-            head_size,
-            self.block_size,
-            pos_encoding_mode="NONE",
-            window_left=window_left,
-            logits_soft_cap=cap,
-            q_data_type=q_dtype,
-            kv_data_type=kv_dtype,
-            sm_scale=scale,
-        )
+    def _features(self) -> dict[str, Any]:
+        return {
+            "pos_encoding_mode": "NONE",
+            "sm_scale": self.spec.head_size**-0.5,
+            "window_left": self.window_left,
+            "logits_soft_cap": self.spec.logits_soft_cap,
+            "q_data_type": self.spec.dtype,
+            "kv_data_type": self.kv_dtype,
+        }
+
+    def _heads(self) -> tuple[int, int, int, int]:
+        spec = self.spec
+        return spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size
+
+    def plan_prefill(self, wrapper: Any, group: PagedGroup) -> None:
+        csr = (group.qo_indptr, group.kv_indptr, group.kv_indices, group.kv_last_page_len)
+        wrapper.plan(*csr, *self._heads(), causal=True, **self._features())
+
+    def plan_decode(self, wrapper: Any, group: PagedGroup) -> None:
+        csr = (group.kv_indptr, group.kv_indices, group.kv_last_page_len)
+        wrapper.plan(*csr, *self._heads(), **self._features())
+
+
+def paged_groups(
+    layout: StepLayout, block_size: int, device: torch.device
+) -> tuple[PagedGroup | None, PagedGroup | None]:
+    """The CSR page metadata of the layout's prefill sequences and of its decodes."""
+    return (
+        _paged_group(layout, range(0, layout.num_prefills), block_size, device),
+        _paged_group(layout, range(layout.num_prefills, layout.num_seqs), block_size, device),
+    )
 
 
 def _paged_group(
     layout: StepLayout, seqs: range, block_size: int, device: torch.device
 ) -> PagedGroup | None:
+    """FlashInfer's page metadata of the layout's sequences `seqs` (consecutive)."""
     if len(seqs) == 0:
         return None
     loc = layout.query_start_loc[seqs.start : seqs.stop + 1]
-    return _csr(
-        slice(int(loc[0]), int(loc[-1])),
-        loc - loc[0],
-        layout.block_table[seqs.start : seqs.stop],
-        layout.seq_lens[seqs.start : seqs.stop],
-        block_size,
-        device,
-    )
-
-
-def _csr(
-    token_slice: slice,
-    qo_indptr: torch.Tensor,
-    table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    device: torch.device,
-) -> PagedGroup:
-    """FlashInfer's page metadata of sequences with block table rows `table` [B, W]."""
+    table = layout.block_table[seqs.start : seqs.stop]
+    seq_lens = layout.seq_lens[seqs.start : seqs.stop]
     num_pages = -(-seq_lens // block_size)
     kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
     torch.cumsum(num_pages, 0, out=kv_indptr[1:])
     used = torch.arange(table.shape[1])[None, :] < num_pages[:, None]
     return PagedGroup(
-        token_slice=token_slice,
-        qo_indptr=qo_indptr.to(torch.int32),
+        token_slice=slice(int(loc[0]), int(loc[-1])),
+        qo_indptr=(loc - loc[0]).to(torch.int32),
         kv_indptr=kv_indptr.to(torch.int32),
         kv_indices=to_device(table[used].to(torch.int32), device),
         kv_last_page_len=((seq_lens - 1) % block_size + 1).to(torch.int32),
     )
 
 
-class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
-    def __init__(self, block_size: int, device: torch.device | str, **kwargs: Any) -> None:
-        super().__init__(block_size, device, **kwargs)
-        self.pool = WrapperPool(self.device)
-
-    def build(
-        self,
-        block_tables: Sequence[Sequence[int]],
-        context_lens: Sequence[int],
-        query_lens: Sequence[int],
-    ) -> FlashInferMetadata:
-        layout = build_step_layout(block_tables, context_lens, query_lens, self.block_size)
-        return FlashInferMetadata(
-            **layout.common_metadata(self.device),
-            block_size=self.block_size,
-            prefill=_paged_group(
-                layout, range(0, layout.num_prefills), self.block_size, self.device
-            ),
-            decode=_paged_group(
-                layout, range(layout.num_prefills, layout.num_seqs), self.block_size, self.device
-            ),
-            pool=self.pool,
-        )
-
-    def init_cuda_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
-        self.graph_slot_mapping = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
-        self.pool.graph_kv_indices = torch.zeros(
-            max_num_seqs * max_blocks_per_seq, dtype=torch.int32, device=self.device
-        )
-
-    def build_for_cuda_graph(
-        self,
-        num_padded_seqs: int,
-        block_tables: Sequence[Sequence[int]],
-        context_lens: Sequence[int],
-    ) -> FlashInferMetadata:
-        """Padded decode metadata; re-plans (into the bucket's fixed buffers) every
-        configuration that this bucket's graph was captured with."""
-        if self.pool.graph_kv_indices is None:
-            raise RuntimeError("call init_cuda_graph_buffers before build_for_cuda_graph")
-        step = pad_decode_step(block_tables, context_lens, num_padded_seqs, self.block_size)
-        slot_mapping = self.graph_slot_mapping[:num_padded_seqs]
-        slot_mapping.copy_(step.slot_mapping, non_blocking=True)
-        metadata = FlashInferMetadata(
-            num_prefills=0,
-            num_prefill_tokens=0,
-            num_decode_tokens=num_padded_seqs,
-            slot_mapping=slot_mapping,
-            block_size=self.block_size,
-            prefill=None,
-            decode=_csr(
-                slice(0, num_padded_seqs),
-                torch.arange(num_padded_seqs + 1),
-                step.block_table,
-                step.seq_lens,
-                self.block_size,
-                self.device,
-            ),
-            pool=self.pool,
-            graph_size=num_padded_seqs,
-        )
-        for key in self.pool.graph_keys.get(num_padded_seqs, ()):
-            metadata.wrappers(key)
-        return metadata
-
-
 @dataclass(frozen=True)
 class SlotWrites:
-    """Where each new token's key/value goes in the NHD cache, with no host sync for slot -1:
-    a padding token rewrites the first real token's slot with that token's own values (when
-    no token is real, everything rewrites slot 0 with its current contents)."""
+    """Where each new token's key/value goes in the NHD cache, computed on the host and with a
+    fixed shape for slot -1: a padding token rewrites the first real token's slot with that
+    token's own values (when no token is real, everything rewrites slot 0 with its current
+    contents)."""
 
     source: torch.Tensor  # [T] the token whose key/value is written
     blocks: torch.Tensor  # [T] target block
@@ -287,11 +183,14 @@ class SlotWrites:
     def from_slot_mapping(cls, slot_mapping: torch.Tensor, block_size: int) -> SlotWrites:
         real = slot_mapping >= 0
         first_real = torch.argmax(real.to(torch.int32))  # 0 when no token is real
-        tokens = torch.arange(slot_mapping.shape[0], device=real.device)
+        tokens = torch.arange(slot_mapping.shape[0])
         source = torch.where(real, tokens, first_real)
         slots = slot_mapping[source]
         target = slots.clamp(min=0)
         return cls(source, target // block_size, target % block_size, (slots < 0)[:, None, None])
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.source, self.blocks, self.offsets, self.keep_old
 
     def write(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         for half, new in ((0, key), (1, value)):
@@ -300,11 +199,81 @@ class SlotWrites:
             kv_cache[self.blocks, half, self.offsets] = torch.where(self.keep_old, old, rows)
 
 
+class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
+    """Plans its pool's wrappers for its spec in every `build`."""
+
+    def __init__(self, spec: AttentionSpec, device: torch.device | str) -> None:
+        super().__init__(spec, device)
+        self.pool = WrapperPool(self.device)
+        kv_dtype = FlashInferBackend.get_kv_cache_torch_dtype(spec.kv_cache_dtype, spec.dtype)
+        self.planner = Planner(spec, kv_dtype)
+        self._graph_writes: SlotWrites | None = None
+        self._graph_slot_mapping: torch.Tensor | None = None
+
+    def build(self, layout: StepLayout) -> FlashInferMetadata:
+        writes = SlotWrites.from_slot_mapping(layout.slot_mapping, self.block_size)
+        device_writes = SlotWrites(*(to_device(t, self.device) for t in writes.tensors()))
+        common = layout.common_metadata(self.device)
+        return self._planned(layout, common, self.pool.get(), device_writes)
+
+    def init_cuda_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+        self._graph_slot_mapping = zeros(max_num_seqs)
+        self._graph_writes = SlotWrites(
+            zeros(max_num_seqs),
+            zeros(max_num_seqs),
+            zeros(max_num_seqs),
+            zeros(max_num_seqs, 1, 1, dtype=torch.bool),
+        )
+        self.pool.graph_kv_indices = zeros(max_num_seqs * max_blocks_per_seq, dtype=torch.int32)
+
+    def build_for_cuda_graph(self, layout: StepLayout) -> FlashInferMetadata:
+        """Padded decode metadata: the slot writes go into the fixed buffers, and the bucket's
+        graph decode wrapper is planned (into its fixed buffers) before the replay."""
+        buffers, slot_buffer = self._graph_writes, self._graph_slot_mapping
+        if buffers is None or slot_buffer is None:
+            raise RuntimeError("call init_cuda_graph_buffers before build_for_cuda_graph")
+        size = layout.num_seqs
+        host = SlotWrites.from_slot_mapping(layout.slot_mapping, self.block_size)
+        writes = SlotWrites(*(t[:size] for t in buffers.tensors()))
+        for buffer, values in zip(writes.tensors(), host.tensors(), strict=True):
+            buffer.copy_(values, non_blocking=True)
+        slot_mapping = slot_buffer[:size]
+        slot_mapping.copy_(layout.slot_mapping, non_blocking=True)
+        common = {**layout.common_metadata(self.device), "slot_mapping": slot_mapping}
+        return self._planned(layout, common, self.pool.get(size), writes)
+
+    def _planned(
+        self,
+        layout: StepLayout,
+        common: dict[str, Any],
+        wrappers: tuple[Any, Any],
+        writes: SlotWrites,
+    ) -> FlashInferMetadata:
+        prefill, decode = paged_groups(layout, self.block_size, self.device)
+        if prefill is not None:
+            self.planner.plan_prefill(wrappers[0], prefill)
+        if decode is not None:
+            self.planner.plan_decode(wrappers[1], decode)
+        return FlashInferMetadata(
+            **common,
+            prefill=prefill,
+            decode=decode,
+            prefill_wrapper=wrappers[0],
+            decode_wrapper=wrappers[1],
+            writes=writes,
+        )
+
+
 class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.alibi_slopes is not None:
             raise ValueError("FLASHINFER does not support ALiBi (see the module docstring)")
+        # the plans use 1/sqrt(head_size): another scale is folded into the queries
+        self.query_scale = self.scale / self.head_size**-0.5
 
     def forward(
         self,
@@ -314,36 +283,26 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         kv_cache: torch.Tensor,
         attn_metadata: FlashInferMetadata,
     ) -> torch.Tensor:
-        attn_metadata.slot_writes().write(kv_cache, key, value)
+        meta = attn_metadata
+        meta.writes.write(kv_cache, key, value)
         q = query.view(-1, self.num_heads, self.head_size)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         out = torch.empty_like(q)
-        prefill, decode = attn_metadata.wrappers(self._plan_key(q.dtype, kv_cache.dtype))
-        for group, wrapper in ((attn_metadata.prefill, prefill), (attn_metadata.decode, decode)):
+        for group, wrapper in (
+            (meta.prefill, meta.prefill_wrapper),
+            (meta.decode, meta.decode_wrapper),
+        ):
             if group is not None:
                 tokens = group.token_slice
                 wrapper.run(q[tokens], kv_cache, out=out[tokens])
         return out.view(-1, self.num_heads * self.head_size)
 
-    def _plan_key(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> PlanKey:
-        window_left = -1 if self.sliding_window is None else self.sliding_window - 1
-        return (
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_size,
-            self.scale,
-            window_left,
-            self.logits_soft_cap,
-            q_dtype,
-            kv_dtype,
-        )
-
 
 class FlashInferBackend(AttentionBackend):
     name = "FLASHINFER"
     impl_cls = FlashInferImpl
-    metadata_cls = FlashInferMetadata
     builder_cls = FlashInferMetadataBuilder
-    kv_cache_block_dim = 0
     capabilities = BackendCapabilities(
         dtypes=(torch.float16, torch.bfloat16),
         devices=("cuda",),

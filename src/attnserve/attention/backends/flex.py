@@ -7,9 +7,9 @@ step as one query batch; a block mask built from the block tables lists, for eac
 query tile, exactly its own pages up to the causal limit (in 16-slot tiles), so the kernel
 reads only those pages and never copies K/V into logical order. Its mask_mod maps a
 physical slot back to the sequence's logical position (causal, sliding window); its score_mod
-applies soft-cap, then ALiBi. The builder prepares the per-step tensors once; the block mask of
-each sliding window is made on the first layer's call and cached in the metadata. Prefills and
-decodes are two calls. flex_attention is compiled once (`torch.compile`) and reused.
+applies soft-cap, then ALiBi. The builder prepares the per-step tensors and the block mask (for
+its spec's sliding window) once for all layers. Prefills and decodes are two calls.
+flex_attention is compiled once (`torch.compile`) and reused.
 
 CPU: eager flex_attention gives correct results (the conformance suite passed on CPU), but each
 new head count, dtype or feature mix re-traces inside it (about 1.5 s a case), so the suite took
@@ -19,9 +19,9 @@ new head count, dtype or feature mix re-traces inside it (about 1.5 s a case), s
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -31,14 +31,10 @@ from attnserve.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
+    AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import (
-    StepLayout,
-    build_step_layout,
-    query_grid,
-    write_to_slots,
-)
+from attnserve.attention.backends.layout import StepLayout, query_grid, write_to_slots
 from attnserve.host_copy import to_device
 
 if TYPE_CHECKING:
@@ -47,7 +43,7 @@ if TYPE_CHECKING:
 Q_SPARSE_BLOCK = 128  # query rows per block-mask tile
 # key slots per block-mask tile, and the kernel's KV tile: pages are multiples of it. One value
 # for every block size, so the compiled kernel never sees it change (a changed int would turn
-# into a dynamic shape, which flex_attention's lowering rejected on torch 2.11)
+# into a dynamic shape, which flex_attention's lowering rejects on torch 2.11)
 KV_SPARSE_BLOCK = 16
 RECOMPILE_LIMIT = 64  # configurations of the compiled flex_attention call per process
 
@@ -58,7 +54,7 @@ ScoreMod = Callable[
 Positions = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass
+@dataclass(frozen=True)
 class FlexGroup:
     """A padded [B, Q] query grid over some sequences of the step (prefills or decodes), and
     the pages they read: the cache's physical slots 0 .. kv_len - 1, one key/value batch."""
@@ -67,13 +63,11 @@ class FlexGroup:
     row_of_token: torch.Tensor  # [Tg] flat index into the [B * Q] query grid
     grid_token: torch.Tensor  # [B, Q] flat-batch token of each query row (padding: any)
     kv_len: int  # slots up to the end of the highest page the group uses
-    kv_num_blocks: torch.Tensor  # [B, 1, Q tiles] int32: KV tiles each query tile may read
-    kv_indices: torch.Tensor  # [B, 1, Q tiles, max KV tiles] int32: those tiles, in order
     positions: Positions  # (b, q_idx, kv_idx) -> (query position, logical key position)
-    block_masks: dict[int | None, BlockMask] = field(default_factory=dict)  # by sliding window
+    block_mask: BlockMask  # each query tile's own pages up to its causal (and window) limit
 
 
-@dataclass
+@dataclass(frozen=True)
 class FlexMetadata(AttentionMetadata):
     prefill: FlexGroup | None
     decode: FlexGroup | None
@@ -101,11 +95,11 @@ def _positions(
 
 
 def _flex_group(
-    layout: StepLayout, seqs: range, block_size: int, device: torch.device
+    layout: StepLayout, seqs: range, spec: AttentionSpec, device: torch.device
 ) -> FlexGroup | None:
     if len(seqs) == 0:
         return None
-    grid = query_grid(layout, seqs, padding_pos=-1)
+    grid, block_size = query_grid(layout, seqs, padding_pos=-1), spec.block_size
     num_rows = grid.num_rows
     seq_lens = layout.seq_lens[seqs.start : seqs.stop]
     num_pages = -(-seq_lens // block_size)
@@ -124,36 +118,41 @@ def _flex_group(
     tile_ids = (table[:, :, None] * per_page + torch.arange(per_page)).flatten(1)
     query_pos = to_device(grid.query_pos.view(len(seqs), num_rows), device)
     kv_indices = tile_ids[:, None, None, :].expand(-1, 1, tiles, -1)
+    positions = _positions(table, num_pages, query_pos, block_size)
+    kv_len = (int(table.max()) + 1) * block_size
+    block_mask = BlockMask.from_kv_blocks(
+        to_device((kv_num_blocks * per_page)[:, None].to(torch.int32), device),
+        to_device(kv_indices.to(torch.int32), device),
+        BLOCK_SIZE=(Q_SPARSE_BLOCK, KV_SPARSE_BLOCK),
+        mask_mod=_mask_mod(positions, spec.sliding_window),
+        seq_lengths=(num_rows, kv_len),
+        compute_q_blocks=False,
+    )
     return FlexGroup(
         token_slice=grid.tokens,
         row_of_token=to_device(grid.row_of_token, device),
         grid_token=to_device(grid.grid_token.view(len(seqs), num_rows), device),
-        kv_len=(int(table.max()) + 1) * block_size,
-        kv_num_blocks=to_device((kv_num_blocks * per_page)[:, None].to(torch.int32), device),
-        kv_indices=to_device(kv_indices.to(torch.int32), device),
-        positions=_positions(table, num_pages, query_pos, block_size),
+        kv_len=kv_len,
+        positions=positions,
+        block_mask=block_mask,
     )
 
 
 class FlexMetadataBuilder(AttentionMetadataBuilder[FlexMetadata]):
-    def __init__(self, block_size: int, device: torch.device | str, **kwargs: Any) -> None:
-        super().__init__(block_size, device, **kwargs)
-        if block_size % KV_SPARSE_BLOCK != 0:
-            raise ValueError(f"FLEX_ATTENTION needs a block size multiple of 16, got {block_size}")
+    def __init__(self, spec: AttentionSpec, device: torch.device | str) -> None:
+        super().__init__(spec, device)
+        if spec.block_size % KV_SPARSE_BLOCK != 0:
+            raise ValueError(
+                f"FLEX_ATTENTION needs a block size multiple of 16, got {spec.block_size}"
+            )
 
-    def build(
-        self,
-        block_tables: Sequence[Sequence[int]],
-        context_lens: Sequence[int],
-        query_lens: Sequence[int],
-    ) -> FlexMetadata:
-        layout = build_step_layout(block_tables, context_lens, query_lens, self.block_size)
+    def build(self, layout: StepLayout) -> FlexMetadata:
         prefills = range(0, layout.num_prefills)
         decodes = range(layout.num_prefills, layout.num_seqs)
         return FlexMetadata(
             **layout.common_metadata(self.device),
-            prefill=_flex_group(layout, prefills, self.block_size, self.device),
-            decode=_flex_group(layout, decodes, self.block_size, self.device),
+            prefill=_flex_group(layout, prefills, self.spec, self.device),
+            decode=_flex_group(layout, decodes, self.spec, self.device),
         )
 
 
@@ -188,26 +187,12 @@ def _score_mod(positions: Positions, cap: float | None, slopes: torch.Tensor | N
     return score_mod
 
 
-def _block_mask(group: FlexGroup, window: int | None) -> BlockMask:
-    """The group's block mask for one sliding window."""
-    if window not in group.block_masks:  # once per step and window, shared by the layers
-        group.block_masks[window] = BlockMask.from_kv_blocks(
-            group.kv_num_blocks,
-            group.kv_indices,
-            BLOCK_SIZE=(Q_SPARSE_BLOCK, KV_SPARSE_BLOCK),
-            mask_mod=_mask_mod(group.positions, window),
-            seq_lengths=(group.grid_token.shape[1], group.kv_len),
-            compute_q_blocks=False,
-        )
-    return group.block_masks[window]
-
-
 @functools.cache
 def _compiled_flex() -> Callable[..., torch.Tensor]:
     """flex_attention compiled once and reused by every layer and step (new shapes extend it,
     dynamically after the first), with a KV tile as wide as the block mask's (a constant), on
     the standard kernel: torch's flex-decoding kernel, which it would pick for short query
-    grids, found no valid tile for fp32 at head size 128 or for groups of 8 on the H200."""
+    grids, finds no valid tile for fp32 at head size 128 or for groups of 8 on the H200."""
     kernel_options: FlexKernelOptions = {"BLOCK_N": KV_SPARSE_BLOCK, "BACKEND": "TRITON"}
 
     def run(
@@ -225,7 +210,7 @@ def _compiled_flex() -> Callable[..., torch.Tensor]:
 
     # each new head count, dtype or feature mix is a recompile of the one call; a process
     # serving several models (or the conformance suite) may need more than dynamo's 8. Raised
-    # once here: patching the config around every call cost ~0.3 ms a call on the host.
+    # once here: patching the config around every call would cost ~0.3 ms a call on the host.
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     compiled: Callable[..., torch.Tensor] = torch.compile(run, fullgraph=True)
@@ -267,7 +252,7 @@ class FlexImpl(AttentionImpl[FlexMetadata]):
             k_cache[: group.kv_len].transpose(0, 1)[None],  # [1, Hkv, slots, D], physical order
             v_cache[: group.kv_len].transpose(0, 1)[None],
             _score_mod(group.positions, self.logits_soft_cap, slopes) if use_score_mod else None,
-            _block_mask(group, self.sliding_window),
+            group.block_mask,
             self.scale,
             self.num_heads != self.num_kv_heads,
         )
@@ -278,17 +263,15 @@ class FlexImpl(AttentionImpl[FlexMetadata]):
 class FlexAttentionBackend(AttentionBackend):
     name = "FLEX_ATTENTION"
     impl_cls = FlexImpl
-    metadata_cls = FlexMetadata
     builder_cls = FlexMetadataBuilder
-    kv_cache_block_dim = 1
     capabilities = BackendCapabilities(
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         devices=("cuda",),
-        # Head size 80 failed to compile on the H200 once the call had turned dynamic (inductor
-        # NoValidChoicesError, fp16, 2026-11-30): powers of two only, which compiled every time.
+        # Head size 80 does not compile on the H200 once the call has turned dynamic (inductor
+        # NoValidChoicesError, fp16, torch 2.11): powers of two only, which compile.
         head_sizes=(64, 128, 256),
-        # Larger pages failed to compile on the H200 (inductor NoValidChoicesError, block size
-        # 32 with window + ALiBi + soft-cap, 2026-11-30): only 16 is declared until that is fixed.
+        # Larger pages do not compile on the H200 (inductor NoValidChoicesError, block size
+        # 32 with window + ALiBi + soft-cap, torch 2.11): only 16 is declared.
         min_block_size=16,
         max_block_size=16,
         sliding_window=True,

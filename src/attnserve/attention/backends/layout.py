@@ -2,9 +2,11 @@
 
 Builders differ in what they hand their kernels; they all need the same facts first: which
 sequence and position each new token has, its cache slot, and the padded block table. This
-module computes them with a handful of tensor ops (no Python loop over tokens). It also holds
-the dense query grid of backends that pad queries into [B, Q] batches, and the plain-torch slot
-write shared by layouts whose K and V planes flatten to [slots, Hkv, D].
+module computes them with a handful of tensor ops (no Python loop over tokens), once per step
+for the model runner and every builder (the model's positions are `token_pos`). It also pads a
+decode step to a CUDA-graph bucket, and holds the dense query grid of backends that pad queries
+into [B, Q] batches, and the plain-torch slot write shared by layouts whose K and V planes
+flatten to [slots, Hkv, D].
 """
 
 from __future__ import annotations
@@ -56,14 +58,14 @@ def _int64s(values: Sequence[int]) -> np.ndarray:
 
 
 def _padded_table(
-    block_tables: Sequence[Sequence[int]], lens: np.ndarray, num_rows: int, width: int
-) -> torch.Tensor:
-    """The tables as one [num_rows, width] int64 tensor, padded with 0 (and with zero rows past
-    the tables), built from one flat array rather than a tensor per table."""
+    block_tables: Sequence[Sequence[int]], lens: np.ndarray, width: int
+) -> np.ndarray:
+    """The tables as one [B, width] int64 array, padded with 0, built from one flat array
+    rather than one per table."""
     flat = np.fromiter(chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum()))
-    table = np.zeros((num_rows, width), dtype=np.int64)
-    table[: len(lens)][np.arange(width) < lens[:, None]] = flat
-    return torch.from_numpy(table)
+    table = np.zeros((len(lens), width), dtype=np.int64)
+    table[np.arange(width) < lens[:, None]] = flat
+    return table
 
 
 def _validate(lens: np.ndarray, ctx: np.ndarray, qry: np.ndarray, block_size: int) -> int:
@@ -101,31 +103,32 @@ def build_step_layout(
             f"query_lens ({len(query_lens)}) must have one entry per sequence"
         )
     lens = _int64s([len(t) for t in block_tables])
-    ctx_np, qry_np = _int64s(context_lens), _int64s(query_lens)
-    num_prefills = _validate(lens, ctx_np, qry_np, block_size)
+    ctx, qry = _int64s(context_lens), _int64s(query_lens)
+    num_prefills = _validate(lens, ctx, qry, block_size)
     width = max(int(lens.max(initial=0)), 1)
-    table = _padded_table(block_tables, lens, len(block_tables), width)
-    if table.numel() and int(table.min()) < 0:
+    table = _padded_table(block_tables, lens, width)
+    if table.size and int(table.min()) < 0:
         raise ValueError("block ids must be >= 0")
-    ctx, qry = torch.from_numpy(ctx_np), torch.from_numpy(qry_np)
-    start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-    torch.cumsum(qry, 0, out=start_loc[1:])
-    token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), qry)
-    token_pos = torch.arange(int(start_loc[-1])) - start_loc[token_seq] + ctx[token_seq]
+    start_loc = np.zeros(len(qry) + 1, dtype=np.int64)
+    np.cumsum(qry, out=start_loc[1:])
+    num_tokens = int(start_loc[-1])
+    token_seq = np.repeat(np.arange(len(qry)), qry)
+    token_pos = np.arange(num_tokens) - start_loc[token_seq] + ctx[token_seq]
     token_blocks = table[token_seq, token_pos // block_size]
     num_prefill_tokens = int(start_loc[num_prefills])
+    as_tensor = torch.from_numpy
     return StepLayout(
         num_prefills=num_prefills,
         num_prefill_tokens=num_prefill_tokens,
-        num_decode_tokens=int(start_loc[-1]) - num_prefill_tokens,
-        context_lens=ctx,
-        query_lens=qry,
-        seq_lens=ctx + qry,
-        query_start_loc=start_loc,
-        block_table=table,
-        token_seq=token_seq,
-        token_pos=token_pos,
-        slot_mapping=token_blocks * block_size + token_pos % block_size,
+        num_decode_tokens=num_tokens - num_prefill_tokens,
+        context_lens=as_tensor(ctx),
+        query_lens=as_tensor(qry),
+        seq_lens=as_tensor(ctx + qry),
+        query_start_loc=as_tensor(start_loc),
+        block_table=as_tensor(table),
+        token_seq=as_tensor(token_seq),
+        token_pos=as_tensor(token_pos),
+        slot_mapping=as_tensor(token_blocks * block_size + token_pos % block_size),
     )
 
 
@@ -156,41 +159,36 @@ def query_grid(layout: StepLayout, seqs: range, padding_pos: int) -> QueryGrid:
     return QueryGrid(tokens, num_rows, row_of_token, grid_token, query_pos)
 
 
-@dataclass(frozen=True)
-class PaddedDecodeStep:
-    """Host (CPU) int64 tensors of a decode-only step padded to a capture bucket of S sequences:
-    the real decodes first, then padding sequences of one token in block 0 that write nothing."""
-
-    block_table: torch.Tensor  # [S, max_blocks], padded with 0
-    seq_lens: torch.Tensor  # [S]: context + 1 (1 for padding)
-    slot_mapping: torch.Tensor  # [S]: the new token's slot (-1 for padding)
-
-
-def pad_decode_step(
-    block_tables: Sequence[Sequence[int]],
-    context_lens: Sequence[int],
-    num_padded_seqs: int,
-    block_size: int,
-) -> PaddedDecodeStep:
-    """Validate a decode-only step (each sequence adds one token after its cached context) and
-    pad it to `num_padded_seqs` sequences."""
-    num_seqs = len(block_tables)
-    if num_seqs != len(context_lens) or not 0 < num_seqs <= num_padded_seqs:
+def pad_for_cuda_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
+    """A decode-only layout padded to `num_padded_seqs` sequences (a capture bucket): the real
+    decodes first, then padding sequences of one token at position 0 in block 0 (context 0,
+    slot -1: they write nothing, and their outputs are ignored). They count as decodes."""
+    num_seqs = layout.num_seqs
+    if layout.num_prefills or not 0 < num_seqs <= num_padded_seqs:
         raise ValueError(
-            f"{num_seqs} block tables and {len(context_lens)} context lengths for a step padded "
-            f"to {num_padded_seqs} sequences"
+            f"a step of {layout.num_prefills} prefills and {layout.num_decode_tokens} decodes "
+            f"cannot be padded to a decode-only step of {num_padded_seqs} sequences"
         )
-    lens, ctx_np = _int64s([len(t) for t in block_tables]), _int64s(context_lens)
-    if (ctx_np < 1).any() or (ctx_np // block_size >= lens).any():
-        raise ValueError("every decode needs a cached context and a block for its new token")
-    table = _padded_table(block_tables, lens, num_padded_seqs, int(lens.max()))
-    ctx = torch.from_numpy(ctx_np)
-    seq_lens = torch.ones(num_padded_seqs, dtype=torch.int64)
-    seq_lens[:num_seqs] = ctx + 1
-    slots = torch.full((num_padded_seqs,), -1, dtype=torch.int64)
-    rows = torch.arange(num_seqs)
-    slots[:num_seqs] = table[rows, ctx // block_size] * block_size + ctx % block_size
-    return PaddedDecodeStep(table, seq_lens, slots)
+
+    def padded(values: torch.Tensor, fill: int) -> torch.Tensor:
+        out = np.full((num_padded_seqs, *values.shape[1:]), fill, dtype=np.int64)
+        out[:num_seqs] = values.numpy()
+        return torch.from_numpy(out)
+
+    rows = torch.from_numpy(np.arange(num_padded_seqs + 1))
+    return StepLayout(
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decode_tokens=num_padded_seqs,
+        context_lens=padded(layout.context_lens, 0),
+        query_lens=padded(layout.query_lens, 1),
+        seq_lens=padded(layout.seq_lens, 1),
+        query_start_loc=rows,
+        block_table=padded(layout.block_table, 0),
+        token_seq=rows[:-1],
+        token_pos=padded(layout.token_pos, 0),
+        slot_mapping=padded(layout.slot_mapping, -1),
+    )
 
 
 def write_to_slots(

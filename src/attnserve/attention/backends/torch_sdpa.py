@@ -10,7 +10,6 @@ so the work is batched per step with no Python loop over tokens.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +22,7 @@ from attnserve.attention.backends.abstract import (
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import (
-    StepLayout,
-    build_step_layout,
-    query_grid,
-    write_to_slots,
-)
+from attnserve.attention.backends.layout import StepLayout, query_grid, write_to_slots
 from attnserve.host_copy import to_device
 
 
@@ -44,7 +38,7 @@ class DenseGroup:
     key_valid: torch.Tensor  # [B, L] key position < sequence length
 
 
-@dataclass
+@dataclass(frozen=True)
 class TorchSDPAMetadata(AttentionMetadata):
     prefill: DenseGroup | None
     decode: DenseGroup | None
@@ -72,13 +66,7 @@ def _dense_group(
 
 
 class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
-    def build(
-        self,
-        block_tables: Sequence[Sequence[int]],
-        context_lens: Sequence[int],
-        query_lens: Sequence[int],
-    ) -> TorchSDPAMetadata:
-        layout = build_step_layout(block_tables, context_lens, query_lens, self.block_size)
+    def build(self, layout: StepLayout) -> TorchSDPAMetadata:
         prefills = range(0, layout.num_prefills)
         decodes = range(layout.num_prefills, layout.num_seqs)
         return TorchSDPAMetadata(
@@ -174,9 +162,7 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
 class TorchSDPABackend(AttentionBackend):
     name = "TORCH_SDPA"
     impl_cls = TorchSDPAImpl
-    metadata_cls = TorchSDPAMetadata
     builder_cls = TorchSDPAMetadataBuilder
-    kv_cache_block_dim = 1
     capabilities = BackendCapabilities(
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         devices=("cpu", "cuda"),

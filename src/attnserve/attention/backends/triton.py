@@ -13,7 +13,6 @@ the interpreter is never preferred over a native backend).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +23,10 @@ from attnserve.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
+    AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import build_step_layout, pad_decode_step
+from attnserve.attention.backends.layout import StepLayout
 from attnserve.host_copy import to_device
 
 try:
@@ -42,7 +42,7 @@ except ImportError as error:
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@dataclass
+@dataclass(frozen=True)
 class TritonMetadata(AttentionMetadata):
     """Device tensors cover every sequence of the step (prefills first, then decodes)."""
 
@@ -66,33 +66,18 @@ class _GraphBuffers:
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
-    """`num_kv_heads` (the model's KV heads per layer) only sizes the decode split plan."""
+    """The spec's `num_kv_heads` sizes the decode split plan."""
 
     _graph: _GraphBuffers | None = None
 
-    def __init__(
-        self, block_size: int, device: torch.device | str, num_kv_heads: int = 8, **kwargs: Any
-    ) -> None:
-        super().__init__(block_size, device, **kwargs)
-        self.num_kv_heads = num_kv_heads
+    def __init__(self, spec: AttentionSpec, device: torch.device | str) -> None:
+        super().__init__(spec, device)
         self.num_sms = num_sms(self.device) if _TRITON_ERROR is None else 1
 
-    def build(
-        self,
-        block_tables: Sequence[Sequence[int]],
-        context_lens: Sequence[int],
-        query_lens: Sequence[int],
-    ) -> TritonMetadata:
-        layout = build_step_layout(block_tables, context_lens, query_lens, self.block_size)
+    def build(self, layout: StepLayout) -> TritonMetadata:
         prefill_lens = layout.query_lens[: layout.num_prefills]
         prefill_context = layout.context_lens[: layout.num_prefills]
         decode_lens = layout.seq_lens[layout.num_prefills :]
-        num_splits = choose_num_splits(
-            layout.num_decode_tokens,
-            self.num_kv_heads,
-            int(decode_lens.max()) if decode_lens.numel() else 0,
-            self.num_sms,
-        )
         return TritonMetadata(
             **layout.common_metadata(self.device),
             block_table=self._int32(layout.block_table),
@@ -100,8 +85,13 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             query_start_loc=self._int32(layout.query_start_loc),
             max_query_len=int(prefill_lens.max()) if prefill_lens.numel() else 0,
             max_prefill_context_len=int(prefill_context.max()) if prefill_context.numel() else 0,
-            decode_num_splits=num_splits,
+            decode_num_splits=self._num_splits(
+                layout.num_decode_tokens, int(decode_lens.max()) if decode_lens.numel() else 0
+            ),
         )
+
+    def _num_splits(self, num_decodes: int, max_seq_len: int) -> int:
+        return choose_num_splits(num_decodes, self.spec.num_kv_heads, max_seq_len, self.num_sms)
 
     def init_cuda_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -115,34 +105,26 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             max_seq_len=max_blocks_per_seq * self.block_size,
         )
 
-    def build_for_cuda_graph(
-        self,
-        num_padded_seqs: int,
-        block_tables: Sequence[Sequence[int]],
-        context_lens: Sequence[int],
-    ) -> TritonMetadata:
+    def build_for_cuda_graph(self, layout: StepLayout) -> TritonMetadata:
         buffers = self._graph
         if buffers is None:
             raise RuntimeError("call init_cuda_graph_buffers before build_for_cuda_graph")
-        step = pad_decode_step(block_tables, context_lens, num_padded_seqs, self.block_size)
-        rows = slice(0, num_padded_seqs)
-        width = step.block_table.shape[1]
-        buffers.block_table[rows, :width].copy_(step.block_table, non_blocking=True)
-        buffers.seq_lens[rows].copy_(step.seq_lens, non_blocking=True)
-        buffers.slot_mapping[rows].copy_(step.slot_mapping, non_blocking=True)
+        size = layout.num_seqs
+        rows, width = slice(0, size), layout.block_table.shape[1]
+        buffers.block_table[rows, :width].copy_(layout.block_table, non_blocking=True)
+        buffers.seq_lens[rows].copy_(layout.seq_lens, non_blocking=True)
+        buffers.slot_mapping[rows].copy_(layout.slot_mapping, non_blocking=True)
         return TritonMetadata(
             num_prefills=0,
             num_prefill_tokens=0,
-            num_decode_tokens=num_padded_seqs,
+            num_decode_tokens=size,
             slot_mapping=buffers.slot_mapping[rows],
             block_table=buffers.block_table[rows],
             seq_lens=buffers.seq_lens[rows],
-            query_start_loc=buffers.query_start_loc[: num_padded_seqs + 1],
+            query_start_loc=buffers.query_start_loc[: size + 1],
             max_query_len=0,
             max_prefill_context_len=0,
-            decode_num_splits=choose_num_splits(
-                num_padded_seqs, self.num_kv_heads, buffers.max_seq_len, self.num_sms
-            ),
+            decode_num_splits=self._num_splits(size, buffers.max_seq_len),
         )
 
     def _int32(self, host: torch.Tensor) -> torch.Tensor:
@@ -229,9 +211,7 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
 class TritonBackend(AttentionBackend):
     name = "TRITON"
     impl_cls = TritonImpl
-    metadata_cls = TritonMetadata
     builder_cls = TritonMetadataBuilder
-    kv_cache_block_dim = 0
     capabilities = BackendCapabilities(
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         devices=("cuda", "cpu") if _INTERPRET else ("cuda",),

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnserve.attention import AttentionBackend
 from attnserve.distributed import get_tensor_model_parallel_world_size
 from attnserve.model.config import ModelConfig
 from attnserve.model.loader.weights import init_dummy_weights, iter_safetensors
@@ -37,25 +36,26 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_model(
     config: ModelConfig,
-    attn_backend: type[AttentionBackend],
     device: torch.device | str,
     kv_cache_dtype: str = "auto",
+    block_size: int = 16,
 ) -> LlamaForCausalLM:
-    """The model with uninitialised weights on `device` (use "meta" to inspect shapes)."""
+    """The model with uninitialised weights on `device` (use "meta" to inspect shapes); its
+    attention layers have no backend until one is bound (`bind_attention_backend`)."""
     model_cls = get_model_cls(config.architecture)
     with _default_dtype(config.dtype), torch.device(device):
-        return model_cls(config, attn_backend, kv_cache_dtype)
+        return model_cls(config, kv_cache_dtype, block_size)
 
 
 @torch.no_grad()
 def load_model(
     config: ModelConfig,
-    attn_backend: type[AttentionBackend],
     device: torch.device,
     kv_cache_dtype: str = "auto",
+    block_size: int = 16,
 ) -> LlamaForCausalLM:
     """The model in eval mode, on `device`, in `config.dtype`, with its weights loaded."""
-    model = build_model(config, attn_backend, device, kv_cache_dtype)
+    model = build_model(config, device, kv_cache_dtype, block_size)
     if config.load_format == "dummy":
         init_dummy_weights(model)
     elif config.load_format == "gguf":

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from attnserve.attention import Attention, AttentionBackend
+from attnserve.attention import Attention
 from attnserve.model.config import ModelConfig, layer_sliding_windows, rope_settings
 from attnserve.model.layers.activation import SiluAndMul
 from attnserve.model.layers.layernorm import RMSNorm
@@ -56,8 +56,8 @@ class LayerParts:
     """What every decoder layer of one model is built from (the rotary table is shared)."""
 
     config: ModelConfig
-    attn_backend: type[AttentionBackend]
     kv_cache_dtype: str
+    block_size: int
     variant: type[LlamaForCausalLM]
     rotary_emb: RotaryEmbedding
 
@@ -95,7 +95,7 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
             sliding_window=layer_sliding_windows(hf)[layer_index],
             kv_cache_dtype=parts.kv_cache_dtype,
-            backend=parts.attn_backend,
+            block_size=parts.block_size,
         )
 
     def _head_norm(self, norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
@@ -140,15 +140,15 @@ class LlamaModel(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        attn_backend: type[AttentionBackend],
         kv_cache_dtype: str,
+        block_size: int,
         variant: type[LlamaForCausalLM],
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         theta, scaling = rope_settings(config.hf_config)
         rotary_emb = RotaryEmbedding(config.head_size, config.max_model_len, theta, scaling)
-        parts = LayerParts(config, attn_backend, kv_cache_dtype, variant, rotary_emb)
+        parts = LayerParts(config, kv_cache_dtype, block_size, variant, rotary_emb)
         self.layers = nn.ModuleList(LlamaDecoderLayer(parts, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.hf_config.rms_norm_eps)
 
@@ -167,14 +167,11 @@ class LlamaForCausalLM(nn.Module):
     qk_norm: ClassVar[bool] = False
 
     def __init__(
-        self,
-        config: ModelConfig,
-        attn_backend: type[AttentionBackend],
-        kv_cache_dtype: str = "auto",
+        self, config: ModelConfig, kv_cache_dtype: str = "auto", block_size: int = 16
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend, kv_cache_dtype, type(self))
+        self.model = LlamaModel(config, kv_cache_dtype, block_size, type(self))
         self.tie_word_embeddings = bool(getattr(config.hf_config, "tie_word_embeddings", False))
         self.lm_head = (
             self.model.embed_tokens
