@@ -50,7 +50,7 @@ def wrap(owner: Any, name: str, key: str, timings: Timings) -> None:
 
 
 def instrument(engine: LLMEngine, timings: Timings) -> None:
-    runner = engine.runner
+    runner = engine.executor.driver_runner
     wrap(engine.scheduler, "schedule", "schedule", timings)
     wrap(engine.scheduler, "advance", "advance", timings)
     wrap(engine.scheduler, "resolve", "resolve", timings)
@@ -86,7 +86,7 @@ def fill(engine: LLMEngine, args: argparse.Namespace) -> None:
 
 
 def time_replay(engine: LLMEngine) -> None:
-    graphs = engine.runner.cuda_graphs
+    graphs = engine.executor.driver_runner.cuda_graphs
     if graphs is None:
         return
     graph, _ = graphs.graphs[graphs.max_num_seqs]

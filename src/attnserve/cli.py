@@ -33,12 +33,14 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=temperature)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--sampling-seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens per answer")
+    parser.add_argument(
+        "--temperature", type=float, default=temperature, help="0 is greedy (default %(default)s)"
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="most likely tokens kept (0: off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="least relative probability")
+    parser.add_argument("--sampling-seed", type=int, default=None, help="seed of the draws")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -68,6 +70,12 @@ def _chat(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     chat_loop(engine, _sampling(args), sys.stdin, system=args.system)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from attnserve.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
 
 
 def _backends(args: argparse.Namespace) -> int:
@@ -106,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     generate = _engine_parser(commands, "generate", "generate text for prompts", False)
-    generate.add_argument("prompts", nargs="+", metavar="PROMPT")
+    generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompts to answer")
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
     _add_sampling_args(generate, temperature=0.0)
     generate.set_defaults(handler=_generate)
@@ -116,14 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(handler=_chat)
     from attnserve.entrypoints.openai.cli_args import add_server_args
 
-    add_server_args(_engine_parser(commands, "serve", "OpenAI-compatible server (loopback)"))
+    serve = _engine_parser(commands, "serve", "OpenAI-compatible server (loopback)")
+    add_server_args(serve)
+    serve.set_defaults(handler=_serve)
     backends = commands.add_parser("backends", help="list attention backends and whether they fit")
     backends.add_argument("--num-heads", type=int, default=32, help="query heads per layer")
     backends.add_argument("--num-kv-heads", type=int, default=8, help="key/value heads per layer")
-    backends.add_argument("--head-size", type=int, default=128)
-    backends.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
-    backends.add_argument("--block-size", type=int, default=16)
-    backends.add_argument("--device", default=None)
+    backends.add_argument("--head-size", type=int, default=128, help="attention head size")
+    backends.add_argument(
+        "--dtype",
+        default="bfloat16" if torch.cuda.is_available() else "float32",
+        help="query and KV dtype",
+    )
+    backends.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    backends.add_argument("--device", default=None, help="cpu or cuda (default: CUDA if any)")
     backends.set_defaults(handler=_backends)
     _add_bench_commands(commands)
     return parser

@@ -41,12 +41,14 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per step at most max_num_seqs sequences and max_num_batched_tokens new tokens; when the
-    KV cache runs out, sequences are preempted by "recompute" or "swap"."""
+    KV cache runs out, sequences are preempted by "recompute" or "swap". With async_scheduling
+    the engine schedules the next step while the device runs the current one."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
     preemption_mode: str = "recompute"
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TokenLogprobs = dict[int, float]
+from attnserve.core import TokenLogprobs
 
 
 @dataclass

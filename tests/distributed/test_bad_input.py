@@ -27,7 +27,7 @@ def test_bad_parallel_settings(settings: dict[str, object], message: str) -> Non
     args = EngineArgs(model="llama-tiny", load_format="dummy", device="cpu")
     args = dataclasses.replace(args, **settings)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=message):
-        args.create_configs()
+        args.create_engine_config()
 
 
 def test_kv_heads_must_divide_or_be_divided(tmp_path: Path) -> None:
@@ -42,10 +42,10 @@ def test_kv_heads_must_divide_or_be_divided(tmp_path: Path) -> None:
     ).save_pretrained(tmp_path)
     args = EngineArgs(model=str(tmp_path), load_format="dummy", device="cpu")
     with pytest.raises(ValueError, match="its 4 KV heads"):
-        dataclasses.replace(args, tensor_parallel_size=6).create_configs()
+        dataclasses.replace(args, tensor_parallel_size=6).create_engine_config()
     # fewer KV heads than ranks is fine: each KV head is replicated
-    _, _, _, parallel = dataclasses.replace(args, tensor_parallel_size=12).create_configs()
-    assert parallel.executor_backend == "mp"
+    config = dataclasses.replace(args, tensor_parallel_size=12).create_engine_config()
+    assert config.parallel_config.executor_backend == "mp"
 
 
 def test_cli_flags() -> None:

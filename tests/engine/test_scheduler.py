@@ -8,13 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnserve.config import SchedulerConfig
+from attnserve.core import SampleOutput
 from attnserve.engine.block_allocator import BlockAllocator, chain_hash
 from attnserve.engine.block_table import BlockTable
 from attnserve.engine.scheduler import ScheduledSequence, Scheduler
 from attnserve.engine.sequence import Sequence
 from attnserve.engine.step_inputs import build_batch
 from attnserve.sampling_params import SamplingParams
-from attnserve.worker.batch import SampleOutput
 
 EOS = 0
 
@@ -26,12 +26,16 @@ def _scheduler(
     prefix_caching: bool = False,
     swap_blocks: int = 0,
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=512)
+    config = SchedulerConfig(
+        max_num_seqs=seqs,
+        max_num_batched_tokens=tokens,
+        max_model_len=512,
+        preemption_mode="swap" if swap_blocks else "recompute",
+    )
     return Scheduler(
         config,
         BlockAllocator(blocks, enable_prefix_caching=prefix_caching),
         BlockAllocator(swap_blocks) if swap_blocks else None,
-        "swap" if swap_blocks else "recompute",
     )
 
 

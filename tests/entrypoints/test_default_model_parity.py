@@ -37,7 +37,11 @@ def reference() -> tuple[LLM, Any, list[list[int]]]:
         for c in CHATS
     ]
     prompts = [tokenizer.encode(p) for p in RAW_PROMPTS + chats]
-    return llm, to_hf_model(llm.llm_engine.runner.model, llm.llm_engine.model_config), prompts
+    return (
+        llm,
+        to_hf_model(llm.llm_engine.executor.driver_runner.model, llm.llm_engine.model_config),
+        prompts,
+    )
 
 
 @pytest.fixture(scope="module")

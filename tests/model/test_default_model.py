@@ -42,7 +42,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def config(cache_dir: Path) -> ModelConfig:
     os.environ["ATTNSERVE_CACHE_DIR"] = str(cache_dir)
     try:
-        return ModelConfig.resolve(None, dtype="float32")
+        return ModelConfig.resolve(default_model_dir(), dtype="float32")
     finally:
         del os.environ["ATTNSERVE_CACHE_DIR"]
 

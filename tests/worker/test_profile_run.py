@@ -50,7 +50,7 @@ def test_profile_run_leaves_cache_and_outputs_alone(tiny_llama_dir: Path) -> Non
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[5, 9, 2, 7, 1], [3, 3, 8]]
     before = llm.generate(prompts, greedy, use_tqdm=False)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.driver_runner
     real = runner.cache_engine
     caches = [cache.clone() for cache in real.kv_caches]
     del runner.cache_engine  # as at start-up, where the profile run comes before the cache

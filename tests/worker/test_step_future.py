@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attnserve.worker.batch import SampleOutput
+from attnserve.core import SampleOutput
 from attnserve.worker.step_future import StepFuture
 
 

@@ -161,7 +161,7 @@ def _timed_steps(engine: LLMEngine, steps: int) -> tuple[int, float]:
 
 def profile_engine(engine: LLMEngine, workload: Workload, steps: int) -> Breakdown:
     """The breakdown of `steps` decode steps of `workload` (see the module docstring)."""
-    on_device = engine.runner.device.type == "cuda"
+    on_device = engine.config.device.type == "cuda"
     _prefill_everything(engine, workload)
     _timed_steps(engine, 1)  # lets the first decode step's one-off work out of the figures
     timed, wall_ms = _timed_steps(engine, steps)

@@ -24,9 +24,9 @@ from attnserve.entrypoints.llm import LLM
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, positional_model=False)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8, help="requests per batch")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens")
     parser.add_argument("--num-iters", type=int, default=3, help="timed iterations")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the figures")
     parser.set_defaults(handler=main)
@@ -70,8 +70,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         e2e.append(run_engine(llm, batch(args.output_len)))
     result: dict[str, Any] = {
         "model": llm.llm_engine.model_config.model,
-        "device": str(llm.llm_engine.runner.device),
-        "backend": llm.llm_engine.runner.backend.get_name(),
+        "device": str(llm.llm_engine.config.device),
+        "backend": llm.llm_engine.executor.driver_runner.backend.get_name(),
         "batch_size": args.batch_size,
         "input_len": args.input_len,
         "output_len": args.output_len,

@@ -43,23 +43,23 @@ class RequestResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
+    parser.add_argument("--endpoint", default="/v1/completions", help="the route to call")
     parser.add_argument("--model", default=None, help="default: the server's only model")
     parser.add_argument("--api-key", default=None, help=f"default: ${API_KEY_ENV}")
-    parser.add_argument("--num-prompts", type=int, default=200)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=200, help="requests to send")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens")
     parser.add_argument(
         "--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- r); 0: fixed"
     )
     parser.add_argument("--request-rate", type=float, default=math.inf, help="per s; inf: burst")
-    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     parser.add_argument(
         "--token-ids", type=int, nargs=2, default=(1000, 10000), metavar=("LOW", "HIGH"),
         help="prompt token ids are drawn from [LOW, HIGH)",
     )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
     parser.add_argument("--result-json", default=None, help="also write the summary here")
     parser.set_defaults(handler=run)
 

@@ -65,7 +65,7 @@ def run_hf(llm: LLM, workload: Workload, batch_size: int) -> float:
     from attnserve.model.hf_export import to_hf_model
 
     engine = llm.llm_engine
-    hf = to_hf_model(engine.runner.model, engine.model_config)
+    hf = to_hf_model(engine.executor.driver_runner.model, engine.model_config)
     hf.generation_config.eos_token_id = None
     sync()
     started = time.perf_counter()
@@ -175,8 +175,8 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
     """The figures (see the module docstring) and the breakdown, if profiled."""
     _check(args)
     engine_args = EngineArgs.from_cli_args(args)
-    model_config = engine_args.create_configs()[0]
-    device = engine_args.resolved_device()
+    config = engine_args.create_engine_config()
+    model_config, device = config.model_config, config.device
     progress(f"measuring copy bandwidth and {model_config.dtype} matmul rate on {device}")
     rates = measure_rates(device, model_config.dtype)
     shape = ModelShape.from_config(model_config, engine_args.kv_cache_dtype)
@@ -191,7 +191,7 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
     result: dict[str, Any] = {
         "model": model_config.model,
         "device": str(device),
-        "backend": llm.llm_engine.runner.backend.get_name(),
+        "backend": llm.llm_engine.executor.driver_runner.backend.get_name(),
         "requests": len(workload.prompts),
         "output_tokens": workload.output_tokens,
         "seconds": seconds,
@@ -214,7 +214,7 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
         result["ratio_to_hf"] = result["output_tokens_per_s"] / result["hf_output_tokens_per_s"]
     if not args.profile_steps:
         return result, None
-    if llm.llm_engine.runner.device.type == "cuda" and not engine_args.enforce_eager:
+    if device.type == "cuda" and not engine_args.enforce_eager:
         del llm
         llm = _eager_engine(engine_args, workload)
     progress(f"profiling {args.profile_steps} decode steps")
@@ -224,7 +224,7 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, positional_model=False)
-    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=16, help="requests to run")
     parser.add_argument("--input-len", type=int, default=None, help="fixed; else random")
     parser.add_argument("--output-len", type=int, default=None, help="fixed; else random")
     parser.add_argument("--min-len", type=int, default=100, help="random lengths from here")
@@ -232,7 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt shares")
     parser.add_argument("--hf-baseline", action="store_true", help="also time HF generate")
     parser.add_argument("--hf-num-prompts", type=int, default=None, help="HF's share of prompts")
-    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--hf-batch-size", type=int, default=16, help="HF batch size")
     parser.add_argument(
         "--profile-steps", type=int, default=8, help="decode steps to profile; 0: no breakdown"
     )

@@ -1,7 +1,9 @@
 """`EngineArgs`: every engine knob in one frozen dataclass, shared by `LLM`, the CLI and the server.
 
-`create_configs()` validates everything up front and resolves the model, so a bad argument fails
-before any weight is loaded, with a ValueError naming it.
+`create_engine_config()` validates everything up front and resolves the model (None: the
+embedded default model), so a bad argument fails before any weight is loaded, with a ValueError
+naming it. Each field carries its CLI help (`metadata["help"]`); `add_cli_args` turns every field
+into a flag with that help and a parser taken from the field's type.
 """
 
 from __future__ import annotations
@@ -9,40 +11,83 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from attnserve.config import CacheConfig, ParallelConfig, SchedulerConfig
-from attnserve.model.config import ModelConfig
+from attnserve.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    CacheConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from attnserve.engine_config import EngineConfig
+from attnserve.model.config import LOAD_FORMATS, ModelConfig
+from attnserve.model.default_model import default_model_dir
 
-_CLI_TYPES: dict[str, Any] = {"int": int, "float": float, "str": str}
+
+def _arg(default: Any, help_text: str) -> Any:
+    """A field's default and its CLI help."""
+    return dataclasses.field(default=default, metadata={"help": help_text})
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str | None = None
-    load_format: str = "auto"
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    swap_space_bytes: int = 1 << 30
-    seed: int = 0
-    enforce_eager: bool = False
-    async_scheduling: bool = True
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
+    model: str | None = _arg(
+        None, "HF model directory, .gguf file or dummy preset (default: the embedded model)"
+    )
+    tokenizer: str | None = _arg(None, "tokenizer directory or .gguf file (default: the model's)")
+    dtype: str = _arg(
+        "auto", "auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16 or float16"
+    )
+    device: str = _arg("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
+    attention_backend: str | None = _arg(
+        None, "attention backend by name (default: the best that fits; see `attnserve backends`)"
+    )
+    load_format: str = _arg(
+        "auto", f"one of {', '.join(LOAD_FORMATS)} (dummy: random weights, no files read)"
+    )
+    max_model_len: int | None = _arg(
+        None, "longest sequence, prompt and output (default: the model's max_position_embeddings)"
+    )
+    block_size: int = _arg(16, "tokens per KV cache block")
+    kv_cache_dtype: str = _arg(
+        "auto", f"KV cache storage: one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)"
+    )
+    kv_cache_memory_bytes: int | None = _arg(
+        None,
+        "fixed KV cache budget in bytes (default: from gpu_memory_utilization on CUDA, "
+        "1 GiB on CPU)",
+    )
+    gpu_memory_utilization: float = _arg(
+        0.9, "share of the GPU's memory for the weights, activations and KV cache"
+    )
+    max_num_seqs: int = _arg(256, "most sequences in one step")
+    max_num_batched_tokens: int = _arg(8192, "most new tokens in one step")
+    enable_prefix_caching: bool = _arg(
+        True, "reuse the cached KV blocks of prompt prefixes seen before"
+    )
+    preemption_mode: str = _arg(
+        "recompute",
+        f"how a full KV cache makes room: one of {', '.join(PREEMPTION_MODES)}",
+    )
+    swap_space_bytes: int = _arg(1 << 30, "host memory for swapped-out KV blocks (swap mode)")
+    seed: int = _arg(0, "random seed (draws of unseeded requests, dummy weights)")
+    enforce_eager: bool = _arg(False, "run every step eagerly: capture no CUDA graphs")
+    async_scheduling: bool = _arg(
+        True, "schedule the next step while the device runs this one (one rank only)"
+    )
+    tensor_parallel_size: int = _arg(1, "ranks, each holding a shard of the model")
+    distributed_executor_backend: str | None = _arg(
+        None,
+        f"how the ranks start: one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)} "
+        "(default: uni for one rank, else mp)",
+    )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -51,17 +96,9 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         return torch.device(self.device)
 
-    def create_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
+    def create_engine_config(self) -> EngineConfig:
         device = self.resolved_device()
         parallel_config = self.create_parallel_config(device)
-        model_config = ModelConfig.resolve(
-            model=self.model,
-            tokenizer=self.tokenizer,
-            dtype=self.dtype,
-            load_format=self.load_format,
-            max_model_len=self.max_model_len,
-            device=device.type,
-        )
         cache_config = CacheConfig(
             block_size=self.block_size,
             kv_cache_dtype=self.kv_cache_dtype,
@@ -70,14 +107,32 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space_bytes=self.swap_space_bytes if self.preemption_mode == "swap" else 0,
         )
+        model_config = ModelConfig.resolve(
+            model=default_model_dir() if self.model is None else self.model,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            load_format=self.load_format,
+            max_model_len=self.max_model_len,
+            device=device.type,
+        )
+        model_config.verify_with_parallel_config(parallel_config.tensor_parallel_size)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=model_config.max_model_len,
             preemption_mode=self.preemption_mode,
+            async_scheduling=self.async_scheduling,
         )
-        model_config.verify_with_parallel_config(parallel_config.tensor_parallel_size)
-        return model_config, cache_config, scheduler_config, parallel_config
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            parallel_config=parallel_config,
+            device=device,
+            attention_backend=self.attention_backend,
+            seed=self.seed,
+            enforce_eager=self.enforce_eager,
+        )
 
     def create_parallel_config(self, device: torch.device) -> ParallelConfig:
         config = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
@@ -99,22 +154,32 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
-        """One `--flag-name` per field; `model` is positional (optional) or `--model`."""
-        model_help = "HF model dir, .gguf file or dummy preset (default: the embedded model)"
-        if positional_model:
-            parser.add_argument("model", nargs="?", default=None, help=model_help)
-        else:
-            parser.add_argument("--model", default=None, help=model_help)
+        """One `--flag-name` per field, with the field's help; `model` is positional (optional)
+        or `--model`."""
+        hints = typing.get_type_hints(EngineArgs)
         for f in dataclasses.fields(EngineArgs):
-            if f.name == "model":
+            help_text = f.metadata["help"]
+            if f.name == "model" and positional_model:
+                parser.add_argument("model", nargs="?", default=None, help=help_text)
                 continue
             flag = "--" + f.name.replace("_", "-")
-            if f.type == "bool":
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            kind = _cli_type(hints[f.name])
+            if kind is bool:
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                )
             else:
-                kind = _CLI_TYPES[str(f.type).split(" ")[0]]
-                parser.add_argument(flag, type=kind, default=f.default)
+                parser.add_argument(flag, type=kind, default=f.default, help=help_text)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _cli_type(hint: Any) -> type:
+    """The type a flag parses to: the field's type, or T for an optional `T | None`."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    kinds = [t for t in options if t is not type(None)]
+    if len(kinds) != 1 or not isinstance(kinds[0], type):
+        raise ValueError(f"an engine flag needs a plain or optional type, got {hint!r}")
+    return kinds[0]

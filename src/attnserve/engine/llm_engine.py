@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from attnserve.core import AsyncStepOutput
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.block_allocator import BlockAllocator
 from attnserve.engine.block_table import BlockTable
@@ -20,9 +21,6 @@ from attnserve.executor import get_executor_class
 from attnserve.model.tokenizer import load_tokenizer
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
-from attnserve.worker.model_runner import ModelRunner
-from attnserve.worker.step_future import StepFuture
-from attnserve.worker.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +28,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _LaunchedStep:
     scheduled: SchedulerOutput
-    future: StepFuture
+    future: AsyncStepOutput
     draw_index: dict[int, int]  # id(sequence) -> its (first) draw's index among the step's draws
 
 
@@ -42,23 +40,16 @@ def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         started = time.perf_counter()
-        self.args = args
-        self.model_config, cache_config, scheduler_config, parallel_config = args.create_configs()
-        torch.manual_seed(args.seed)
+        self.config = args.create_engine_config()
+        self.model_config = self.config.model_config
+        cache_config = self.config.cache_config
+        scheduler_config = self.config.scheduler_config
+        parallel_config = self.config.parallel_config
+        torch.manual_seed(self.config.seed)
         self.tokenizer: PreTrainedTokenizerBase | None = (
             load_tokenizer(self.model_config) if self.model_config.tokenizer else None
         )
-        worker_config = WorkerConfig(
-            self.model_config,
-            cache_config,
-            parallel_config,
-            args.attention_backend,
-            args.seed,
-            max_num_seqs=scheduler_config.max_num_seqs,
-            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-            enforce_eager=args.enforce_eager,
-        )
-        self.executor = get_executor_class(parallel_config)(worker_config, args.resolved_device())
+        self.executor = get_executor_class(parallel_config)(self.config)
         self.block_size = cache_config.block_size
         num_blocks = self.executor.num_blocks
         self.allocator = BlockAllocator(num_blocks, cache_config.enable_prefix_caching)
@@ -67,23 +58,19 @@ class LLMEngine:
             scheduler_config,
             self.allocator,
             BlockAllocator(swap_blocks) if swap_blocks else None,
-            scheduler_config.preemption_mode,
         )
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._in_flight: _LaunchedStep | None = None
         # Several ranks run each step synchronously: nothing to overlap, so no lookahead.
-        self.async_scheduling = args.async_scheduling and parallel_config.world_size == 1
+        self.async_scheduling = (
+            scheduler_config.async_scheduling and parallel_config.world_size == 1
+        )
         logger.info("engine ready in %.1f s", time.perf_counter() - started)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
-
-    @property
-    def runner(self) -> ModelRunner:
-        """Rank 0's model runner (in this process unless the executor is Ray)."""
-        return self.executor.driver_runner
 
     def shutdown(self) -> None:
         """Stop the executor's ranks (worker processes, Ray actors); idempotent."""

@@ -21,10 +21,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from attnserve.config import PREEMPTION_MODES, SchedulerConfig
+from attnserve.config import SchedulerConfig
+from attnserve.core import BlockPairs, SampleOutput, TokenLogprobs, is_prefill
 from attnserve.engine.block_allocator import BlockAllocator, OutOfBlocksError
 from attnserve.engine.sequence import Sequence, SequenceStatus
-from attnserve.worker.batch import BlockPairs, SampleOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class ScheduledSequence:
         self.num_new_tokens = num_new_tokens
         computed = seq.num_computed_tokens
         self.samples = computed + num_new_tokens == len(seq.token_ids)
-        self.is_prefill = num_new_tokens > 1 or computed == 0
+        self.is_prefill = is_prefill(num_new_tokens, computed)
 
 
 @dataclass
@@ -61,14 +61,10 @@ class Scheduler:
         config: SchedulerConfig,
         allocator: BlockAllocator,
         swap_allocator: BlockAllocator | None = None,
-        preemption_mode: str = "recompute",
     ) -> None:
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
         self.config = config
         self.allocator = allocator
         self.swap_allocator = swap_allocator
-        self.preemption_mode = preemption_mode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -180,7 +176,11 @@ class Scheduler:
         self.num_preemptions += 1
         blocks = seq.block_table.blocks
         swap = self.swap_allocator
-        if self.preemption_mode == "swap" and swap is not None and swap.can_allocate(len(blocks)):
+        if (
+            self.config.preemption_mode == "swap"
+            and swap is not None
+            and swap.can_allocate(len(blocks))
+        ):
             seq.swapped_blocks = swap.allocate(len(blocks))
             out.swap_out += zip(blocks, seq.swapped_blocks, strict=True)
             seq.block_table.free()

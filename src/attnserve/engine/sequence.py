@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import enum
 
+from attnserve.core import TokenLogprobs
 from attnserve.engine.block_table import BlockTable
 from attnserve.sampling_params import SamplingParams
-from attnserve.worker.batch import TokenLogprobs
 
 # Stands for a drawn token that is still on the device: with async scheduling, a step is
 # scheduled while the previous step's draws are in flight (the model runner feeds them forward on

@@ -7,8 +7,8 @@ draws a prompt makes for parallel sampling.
 
 from __future__ import annotations
 
+from attnserve.core import ScheduledBatch, SequenceInput
 from attnserve.engine.scheduler import ScheduledSequence, SchedulerOutput
-from attnserve.worker.batch import ScheduledBatch, SequenceInput
 
 
 def _banned(item: ScheduledSequence, eos_token_ids: list[int]) -> tuple[int, ...]:

@@ -1,26 +1,26 @@
 """`ExecutorBase`: what the engine sees of the ranks that run the model.
 
-The engine asks an executor for the KV block counts every rank agreed on, hands it one
-`ScheduledBatch` per step and gets the driver's sampled tokens back. How the ranks are started
-and fed (in-process, local processes, Ray actors) is the concrete executor's business.
+The engine builds one from its `EngineConfig`, asks it for the KV block counts every rank agreed
+on, hands it one `ScheduledBatch` per step and gets the driver's sampled tokens back. How the
+ranks are started and fed (in-process, local processes, Ray actors) is the concrete executor's
+business. The engine reaches the ranks only through here; what benchmarks and tests need from
+rank 0 itself (its device, backend, model) they take from `driver_runner`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import torch
-
-from attnserve.worker.batch import SampleOutput, ScheduledBatch
+from attnserve.core import AsyncStepOutput, SampleOutput, ScheduledBatch
+from attnserve.engine_config import EngineConfig
 from attnserve.worker.model_runner import ModelRunner
 from attnserve.worker.step_future import StepFuture
-from attnserve.worker.worker import WorkerConfig
 
 
 class ExecutorBase(ABC):
-    def __init__(self, config: WorkerConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = device
+        self.device = config.device
 
     @property
     @abstractmethod
@@ -36,13 +36,14 @@ class ExecutorBase(ABC):
     def execute_model(self, batch: ScheduledBatch) -> list[SampleOutput | None]:
         """Run one step on every rank; each sequence's draws (None where nothing is drawn)."""
 
-    def execute_model_async(self, batch: ScheduledBatch) -> StepFuture:
+    def execute_model_async(self, batch: ScheduledBatch) -> AsyncStepOutput:
         """Launch one step; its draws come back through the future (by default at once)."""
         return StepFuture(len(batch.seqs), ready=self.execute_model(batch))
 
     @property
     def driver_runner(self) -> ModelRunner:
-        """Rank 0's model runner, when it lives in this process."""
+        """Rank 0's model runner, when it lives in this process (for benchmarks and tests:
+        the engine itself never touches it)."""
         raise RuntimeError(f"{type(self).__name__} runs no model in the engine process")
 
     @abstractmethod

@@ -25,12 +25,13 @@ from typing import NoReturn
 
 import torch
 
+from attnserve.core import SampleOutput, ScheduledBatch
 from attnserve.distributed import get_distributed_init_method, get_open_port
 from attnserve.distributed.parallel_state import abort_distributed_environment
+from attnserve.engine_config import EngineConfig
 from attnserve.executor.executor_base import ExecutorBase
-from attnserve.worker.batch import SampleOutput, ScheduledBatch
 from attnserve.worker.model_runner import ModelRunner
-from attnserve.worker.worker import Worker, WorkerConfig
+from attnserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,9 @@ FAILURE_WAIT_S = 2.0  # how long a failed collective waits for the monitor to na
 
 
 class MultiprocExecutor(ExecutorBase):
-    def __init__(self, config: WorkerConfig, device: torch.device) -> None:
-        super().__init__(config, device)
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        device = config.device
         self.world_size = config.parallel_config.world_size
         self._failure: str | None = None
         self._closing = threading.Event()  # set: worker deaths are expected, not failures
@@ -206,7 +208,7 @@ def _exit_with_parent() -> None:
 
 
 def run_worker(
-    config: WorkerConfig,
+    config: EngineConfig,
     rank: int,
     device: torch.device,
     init_method: str,

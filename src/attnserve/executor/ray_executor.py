@@ -16,11 +16,12 @@ from typing import Any, NoReturn
 
 import torch
 
+from attnserve.core import SampleOutput, ScheduledBatch
 from attnserve.distributed import get_distributed_init_method, get_open_port
 from attnserve.distributed.utils import get_ip
+from attnserve.engine_config import EngineConfig
 from attnserve.executor.executor_base import ExecutorBase
-from attnserve.worker.batch import SampleOutput, ScheduledBatch
-from attnserve.worker.worker import Worker, WorkerConfig
+from attnserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ PING_TIMEOUT_S = 10.0
 class RayWorkerWrapper:
     """The actor body: a `Worker` built once Ray has placed it (its GPU is cuda:0 here)."""
 
-    def __init__(self, config: WorkerConfig, rank: int, device_type: str) -> None:
+    def __init__(self, config: EngineConfig, rank: int, device_type: str) -> None:
         self.config = config
         self.rank = rank
         self.device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
@@ -65,8 +66,9 @@ class RayWorkerWrapper:
 
 
 class RayExecutor(ExecutorBase):
-    def __init__(self, config: WorkerConfig, device: torch.device) -> None:
-        super().__init__(config, device)
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        device = config.device
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-import torch
-
+from attnserve.core import SampleOutput, ScheduledBatch
 from attnserve.distributed import model_parallel_is_initialized
+from attnserve.engine_config import EngineConfig
 from attnserve.executor.executor_base import ExecutorBase
-from attnserve.worker.batch import SampleOutput, ScheduledBatch
 from attnserve.worker.model_runner import ModelRunner
 from attnserve.worker.step_future import StepFuture
-from attnserve.worker.worker import Worker, WorkerConfig
+from attnserve.worker.worker import Worker
 
 
 class UniProcExecutor(ExecutorBase):
-    def __init__(self, config: WorkerConfig, device: torch.device) -> None:
-        super().__init__(config, device)
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
         if model_parallel_is_initialized():
             raise RuntimeError(
                 "a tensor-parallel engine is running in this process: shut it down before "
                 "starting a single-rank one"
             )
-        self.worker = Worker(config, rank=0, device=device)
+        self.worker = Worker(config, rank=0, device=config.device)
         self.worker.init_device()
         self.worker.load_model()
 

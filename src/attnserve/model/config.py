@@ -1,9 +1,9 @@
 """`ModelConfig`: what model to serve, resolved and validated up front.
 
-`ModelConfig.resolve` accepts a local HF directory, a `.gguf` file, a dummy preset name, or None
-for the embedded default model (SmolLM2-135M-Instruct, converted once into the local cache).
-Every problem (missing path, unknown preset, unsupported architecture or rope type, bad dtype,
-too long `max_model_len`) is a ValueError raised here, before any weight is read.
+`ModelConfig.resolve` accepts a local HF directory, a `.gguf` file or a dummy preset name (the
+embedded default model is resolved to its directory where the engine's configs are made, in
+`EngineArgs`). Every problem (missing path, unknown preset, unsupported architecture or rope
+type, bad dtype, too long `max_model_len`) is a ValueError raised here, before any weight is read.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class ModelConfig:
     @classmethod
     def resolve(
         cls,
-        model: str | None = None,
+        model: str,
         tokenizer: str | None = None,
         dtype: str | torch.dtype = "auto",
         load_format: str = "auto",
@@ -150,10 +150,6 @@ class ModelConfig:
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {load_format!r}; use one of {LOAD_FORMATS}")
         torch_dtype = resolve_dtype(dtype, device)
-        if model is None:
-            from attnserve.model.default_model import default_model_dir
-
-            model = default_model_dir()
         hf_config, default_tokenizer, load_format, weights_path = _describe(model, load_format)
         _validate_hf_config(hf_config)
         return cls(

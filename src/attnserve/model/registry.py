@@ -1,18 +1,16 @@
-"""The model registry: HF `architectures[0]` -> the attnserve class that implements it."""
+"""The model registry: HF `architectures[0]` -> the attnserve class that implements it, by name.
+
+The registry names the classes without importing them (the model config checks architectures
+here, and the models import the model config); `model.loader.get_model_cls` imports the class.
+"""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from attnserve.model.models.llama import LlamaForCausalLM
-
-_MODELS: dict[str, str] = {
-    "LlamaForCausalLM": "attnserve.model.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "attnserve.model.models.llama:MistralForCausalLM",
-    "Qwen2ForCausalLM": "attnserve.model.models.llama:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "attnserve.model.models.llama:Qwen3ForCausalLM",
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("attnserve.model.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("attnserve.model.models.llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("attnserve.model.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("attnserve.model.models.llama", "Qwen3ForCausalLM"),
 }
 
 
@@ -29,9 +27,7 @@ def check_architecture(architecture: str) -> None:
         )
 
 
-def get_model_cls(architecture: str) -> type[LlamaForCausalLM]:
-    """The model class for an HF architecture name."""
+def get_model_cls_name(architecture: str) -> tuple[str, str]:
+    """(module, class name) of the model class for an HF architecture name."""
     check_architecture(architecture)
-    module_name, _, attr = _MODELS[architecture].partition(":")
-    model_cls: type[LlamaForCausalLM] = getattr(importlib.import_module(module_name), attr)
-    return model_cls
+    return _MODELS[architecture]

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from attnserve.core import SampleOutput, SequenceInput, TokenLogprobs
 from attnserve.host_copy import device_tensor
 from attnserve.sampling_params import SamplingParams
-from attnserve.worker.batch import SampleOutput, SequenceInput, TokenLogprobs
 
 
 def top_logprobs(

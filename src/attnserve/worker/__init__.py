@@ -1,1 +1,1 @@
-"""The worker: model execution, KV cache tensors, executors."""
+"""The worker: one rank — its model runner, KV cache tensors, captured graphs."""

@@ -33,6 +33,7 @@ from attnserve.attention import (
     set_forward_context,
 )
 from attnserve.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
+from attnserve.core import SampleOutput, ScheduledBatch, StepResults
 from attnserve.distributed import get_tensor_model_parallel_world_size
 from attnserve.distributed.communication import tensor_model_parallel_all_reduce_min
 from attnserve.host_copy import device_tensor, to_device
@@ -40,7 +41,6 @@ from attnserve.model.config import ModelConfig
 from attnserve.model.loader import load_model
 from attnserve.model.sampler import Sampler, top_logprobs
 from attnserve.profiling import SAMPLING_RANGE
-from attnserve.worker.batch import SampleOutput, ScheduledBatch
 from attnserve.worker.cache_engine import (
     CacheEngine,
     gpu_kv_cache_budget,
@@ -48,7 +48,7 @@ from attnserve.worker.cache_engine import (
 )
 from attnserve.worker.cuda_graph import CUDAGraphRunner
 from attnserve.worker.profile_run import profile_batch
-from attnserve.worker.step_future import StepFuture, StepResults
+from attnserve.worker.step_future import StepFuture
 
 logger = logging.getLogger(__name__)
 

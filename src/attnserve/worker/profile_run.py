@@ -13,8 +13,8 @@ writes and reads stay inside the one-block cache, and the outputs are garbage no
 
 from __future__ import annotations
 
+from attnserve.core import ScheduledBatch, SequenceInput
 from attnserve.sampling_params import SamplingParams
-from attnserve.worker.batch import ScheduledBatch, SequenceInput
 
 # top-k and top-p both on: the sampler's sort and its filters run (greedy would skip them)
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)

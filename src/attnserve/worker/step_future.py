@@ -1,4 +1,5 @@
-"""`StepFuture`: the draws of a step the model runner has launched but not waited for.
+"""`StepFuture`: the draws of a step the model runner has launched but not waited for (the
+worker's `AsyncStepOutput`).
 
 With async scheduling the engine schedules and launches step k+1 before it reads step k's
 tokens: the runner hands back a future whose tokens are being copied to pinned host memory
@@ -11,9 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from attnserve.worker.batch import SampleOutput
-
-StepResults = list[SampleOutput | None]
+from attnserve.core import SampleOutput, StepResults
 
 
 class StepFuture:

@@ -1,5 +1,6 @@
 """`Worker`: one tensor-parallel rank — its device, its place in the process group, its
-`ModelRunner` — and the step protocol between the ranks.
+`ModelRunner` — and the step protocol between the ranks. Every rank receives the engine's one
+`EngineConfig`.
 
 The driver (rank 0) broadcasts each step's `ScheduledBatch` once over the CPU group and runs it;
 every other rank sits in `execute_model_loop`, running each batch it receives, until the driver
@@ -10,41 +11,25 @@ returned.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from attnserve.config import CacheConfig, ParallelConfig
+from attnserve.core import SampleOutput, ScheduledBatch
 from attnserve.distributed import (
     broadcast_object,
     destroy_distributed_environment,
     init_distributed_environment,
 )
-from attnserve.model.config import ModelConfig
-from attnserve.worker.batch import SampleOutput, ScheduledBatch
+from attnserve.engine_config import EngineConfig
 from attnserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Everything a rank needs to build its shard of the engine (picklable)."""
-
-    model_config: ModelConfig
-    cache_config: CacheConfig
-    parallel_config: ParallelConfig
-    attention_backend: str | None = None
-    seed: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enforce_eager: bool = False
-
-
 class Worker:
     def __init__(
         self,
-        config: WorkerConfig,
+        config: EngineConfig,
         rank: int,
         device: torch.device,
         distributed_init_method: str | None = None,
@@ -86,8 +71,8 @@ class Worker:
             config.cache_config,
             self.device,
             config.attention_backend,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
             # Captured graphs would hold the ranks' collectives; tensor parallelism runs eagerly.
             enforce_eager=config.enforce_eager or config.parallel_config.world_size > 1,
         )

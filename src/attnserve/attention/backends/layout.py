@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnserve.core import is_prefill
 from attnserve.host_copy import to_device
 
 
@@ -71,11 +72,11 @@ def _padded_table(
 def _validate(lens: np.ndarray, ctx: np.ndarray, qry: np.ndarray, block_size: int) -> int:
     """Check each sequence (the first bad one is reported) and return the number of prefill
     sequences, which must lead the batch."""
-    is_prefill = (qry > 1) | (ctx == 0)
-    num_prefills = len(is_prefill) if is_prefill.all() else int(np.argmin(is_prefill))
+    prefill = is_prefill(qry, ctx)
+    num_prefills = len(prefill) if prefill.all() else int(np.argmin(prefill))
     needed = -(-(ctx + qry) // block_size)
     bad_lens, short = (qry < 1) | (ctx < 0), lens < needed
-    late = is_prefill & (np.arange(len(is_prefill)) > num_prefills)
+    late = prefill & (np.arange(len(prefill)) > num_prefills)
     bad = np.flatnonzero(bad_lens | short | late)
     if not len(bad):
         return num_prefills

@@ -1,4 +1,5 @@
-"""`attnserve serve`'s own flags (the engine's come from `EngineArgs.add_cli_args`).
+"""`attnserve serve`'s own flags (the engine's come from `EngineArgs.add_cli_args`); the
+command's handler is in `attnserve.cli`, with the other commands'.
 
 Importing this module imports no web framework: the server modules are loaded only when the
 command runs.
@@ -14,7 +15,7 @@ API_KEY_ENV = "ATTNSERVE_API_KEY"
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (loopback default)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
         "--api-key",
         default=None,
@@ -33,11 +34,5 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level",
     )
-    parser.set_defaults(handler=serve)
-
-
-def serve(args: argparse.Namespace) -> int:
-    from attnserve.entrypoints.openai.api_server import run_server
-
-    return run_server(args)

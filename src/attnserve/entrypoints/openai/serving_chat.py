@@ -7,6 +7,7 @@ from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from attnserve.core import TokenLogprobs
 from attnserve.entrypoints.openai.errors import ApiError
 from attnserve.entrypoints.openai.protocol import (
     ChatChoice,
@@ -30,7 +31,6 @@ from attnserve.entrypoints.openai.serving_engine import (
     new_id,
     usage,
 )
-from attnserve.outputs import TokenLogprobs
 
 
 class OpenAIServingChat(OpenAIServing):

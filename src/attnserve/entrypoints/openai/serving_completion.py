@@ -6,6 +6,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from attnserve.core import TokenLogprobs
 from attnserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -21,7 +22,6 @@ from attnserve.entrypoints.openai.serving_engine import (
     new_id,
     usage,
 )
-from attnserve.outputs import TokenLogprobs
 
 
 class OpenAIServingCompletion(OpenAIServing):

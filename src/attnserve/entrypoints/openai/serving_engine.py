@@ -21,11 +21,12 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from attnserve.core import TokenLogprobs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from attnserve.entrypoints.openai.errors import ApiError, error_body
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
-from attnserve.outputs import RequestOutput, TokenLogprobs
+from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")

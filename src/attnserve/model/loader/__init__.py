@@ -9,6 +9,7 @@ tensor is dequantized whole and then sliced.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ import torch
 from attnserve.distributed import get_tensor_model_parallel_world_size
 from attnserve.model.config import ModelConfig
 from attnserve.model.loader.weights import init_dummy_weights, iter_safetensors
-from attnserve.model.registry import get_model_cls
+from attnserve.model.registry import get_model_cls_name
 
 if TYPE_CHECKING:
     from attnserve.model.models.llama import LlamaForCausalLM
@@ -32,6 +33,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def get_model_cls(architecture: str) -> type[LlamaForCausalLM]:
+    """The model class for an HF architecture name (ValueError for an unregistered one)."""
+    module_name, cls_name = get_model_cls_name(architecture)
+    model_cls: type[LlamaForCausalLM] = getattr(importlib.import_module(module_name), cls_name)
+    return model_cls
 
 
 def build_model(
@@ -68,4 +76,4 @@ def load_model(
     return model.eval()
 
 
-__all__ = ["build_model", "load_model"]
+__all__ = ["build_model", "get_model_cls", "load_model"]

@@ -1,5 +1,8 @@
-"""What the engine hands the worker each step, and what it gets back: plain data, defined below
-the engine so the worker never imports it.
+"""The step's data types, shared by the engine, the executors, the workers and the sampler: what
+the engine hands the ranks each step (`ScheduledBatch` of `SequenceInput`s), what comes back
+(`SampleOutput`s, through an `AsyncStepOutput`), and the one rule for what is a prefill.
+
+A leaf below every package: it imports only `sampling_params`, so any layer may use it.
 
 Per sequence: its new token ids, how many of its tokens are already cached, its block table, and
 how to sample (None when the step ends inside a prompt chunk, so nothing is drawn). Prefills come
@@ -14,10 +17,32 @@ as much); nothing changes them once built.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 from attnserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
 BlockPairs = list[tuple[int, int]]
+TokenLogprobs = dict[int, float]  # token id -> log-probability
+
+
+@overload
+def is_prefill(query_len: int, context_len: int) -> bool: ...
+
+
+@overload
+def is_prefill(
+    query_len: npt.NDArray[np.integer], context_len: npt.NDArray[np.integer]
+) -> npt.NDArray[np.bool_]: ...
+
+
+def is_prefill(query_len: Any, context_len: Any) -> Any:
+    """Whether a sequence's step is a prefill: more than one new token, or nothing cached yet (a
+    one-token prompt). Anything else is a decode. Works elementwise on numpy arrays."""
+    return (query_len > 1) | (context_len == 0)
 
 
 @dataclass
@@ -33,10 +58,6 @@ class SequenceInput:
     output_token_ids: list[int] | None = None  # given when penalties apply
     prompt_logprob_targets: list[int] | None = None  # next prompt token of each new token
     num_prompt_logprobs: int = 0  # top-k alongside each target
-
-    @property
-    def is_prefill(self) -> bool:
-        return len(self.token_ids) > 1 or self.context_len == 0
 
 
 @dataclass(frozen=True)
@@ -54,9 +75,6 @@ class ScheduledBatch:
         return sum(len(s.token_ids) for s in self.seqs)
 
 
-TokenLogprobs = dict[int, float]
-
-
 @dataclass
 class SampleOutput:
     """One sequence's result: a token per draw, and log-probabilities where asked for."""
@@ -64,3 +82,14 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # per draw: the drawn token's and the top-k
     prompt_logprobs: list[TokenLogprobs] | None = None  # per new prompt token with a target
+
+
+StepResults = list[SampleOutput | None]  # per sequence of the batch; None where nothing drawn
+
+
+class AsyncStepOutput(Protocol):
+    """A launched step's results, read back when the engine asks (the worker's `StepFuture`)."""
+
+    def result(self) -> StepResults:
+        """Each sequence's draws, waiting for them if need be."""
+        ...

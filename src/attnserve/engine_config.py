@@ -1,0 +1,31 @@
+"""`EngineConfig`: the one frozen, picklable config of an engine, bundling the model, cache,
+scheduler and parallel configs with the engine-wide settings (vLLM's `VllmConfig`).
+
+`EngineArgs.create_engine_config()` builds and validates it; the engine, the executor and every
+rank's `Worker` receive this same object. It sits just above `model.config` (for `ModelConfig`)
+and the leaf `config` pieces, below the worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnserve.config import CacheConfig, ParallelConfig, SchedulerConfig
+from attnserve.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """`device` is the engine's (each rank derives its own from it); `attention_backend` None
+    lets the selector choose; `enforce_eager` turns CUDA graphs off."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device: torch.device
+    attention_backend: str | None = None
+    seed: int = 0
+    enforce_eager: bool = False
