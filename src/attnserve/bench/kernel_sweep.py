@@ -121,7 +121,7 @@ def tile_name(config: KernelConfig | None) -> str:
 
 
 def check_and_time(
-    call: Callable[[], None], out: torch.Tensor, want: torch.Tensor, setup: Setup, graph: bool
+    call: Callable[[], object], out: torch.Tensor, want: torch.Tensor, setup: Setup, graph: bool
 ) -> tuple[str, float | None, float | None]:
     """(status, max abs error, µs) of one run: checked against `want` first, then timed."""
     try:
@@ -134,6 +134,34 @@ def check_and_time(
     except Exception as error:  # compile errors, out of resources, ptxas crashes
         reason = (str(error).strip().splitlines() or [""])[0][:160]
         return f"failed: {type(error).__name__}: {reason}", None, None
+
+
+@dataclass(frozen=True)
+class Run:
+    """One kernel configuration to check and time: `kernel(out=...)` writes into `out`."""
+
+    kernel: Callable[..., object]
+    like: torch.Tensor  # the output's shape and dtype
+    want: torch.Tensor  # the fp32 reference
+    graph: bool = True  # timed as CUDA-graph replays on CUDA
+
+
+def measure(
+    row: SweepRow, run: Run, setup: Setup, deadline: float, work: float, baseline: float
+) -> SweepRow:
+    """Fill `row`: skipped past the deadline, else checked and timed; its rate is `work` (bytes
+    or FLOPs) per second in units of 1e12, and its share of `baseline` at that rate."""
+    if time.monotonic() > deadline:
+        row.status = "skipped: time budget spent"
+        return row
+    out = torch.full_like(run.like, float("nan"))
+    graph = run.graph and torch.device(setup.device).type == "cuda"
+    call = partial(run.kernel, out=out)
+    row.status, row.max_err, row.median_us = check_and_time(call, out, run.want, setup, graph)
+    if row.median_us is not None:
+        row.rate = work / row.median_us / 1e6
+        row.vs_baseline = row.rate / baseline
+    return row
 
 
 def sweep_decode(
@@ -160,19 +188,9 @@ def sweep_decode(
     for tile, num_splits in runs:
         row = SweepRow("decode", shape_name(shape), f"{tile_name(tile)}, {num_splits} splits", "")
         row.default = tile is None and num_splits == planned
-        if time.monotonic() > deadline:
-            row.status = "skipped: time budget spent"
-        else:
-            out = torch.full_like(q, float("nan"))
-            call = partial(
-                paged_decode, q, cache, table, seq_lens, out, setup.params, num_splits, tile
-            )
-            graph = torch.device(setup.device).type == "cuda"
-            row.status, row.max_err, row.median_us = check_and_time(call, out, want, setup, graph)
-        if row.median_us is not None:
-            row.rate = kv_bytes / row.median_us / 1e6
-            row.vs_baseline = row.rate / copy_tbs
-        rows.append(row)
+        call = partial(paged_decode, q, cache, table, seq_lens)
+        run = Run(partial(call, params=setup.params, num_splits=num_splits, config=tile), q, want)
+        rows.append(measure(row, run, setup, deadline, kv_bytes, copy_tbs))
     return rows
 
 
@@ -209,19 +227,12 @@ def sweep_prefill(
     for fresh, tile in runs:
         label = f"{tile_name(tile)}, keys: {fresh or 'default'}"
         row = SweepRow("prefill", name, label, "", default=tile is None and fresh is None)
-        if time.monotonic() > deadline:
-            row.status = "skipped: time budget spent"
-        else:
-            out = torch.full_like(q, float("nan"))
-            call = partial(
-                paged_prefill, q, key, value, cache, table, seq_lens, starts, length, out,
-                setup.params, tile, PrefillVariant(fresh_keys=fresh), max_context_len=0,
-            )  # fmt: skip
-            row.status, row.max_err, row.median_us = check_and_time(call, out, want, setup, False)
-        if row.median_us is not None:
-            row.rate = flops / row.median_us / 1e6
-            row.vs_baseline = row.rate / sdpa_tflops
-        rows.append(row)
+        call = partial(paged_prefill, q, key, value, cache, table, seq_lens, starts, length)
+        variant = PrefillVariant(fresh_keys=fresh)
+        kernel = partial(call, params=setup.params, config=tile, variant=variant, max_context_len=0)
+        rows.append(
+            measure(row, Run(kernel, q, want, graph=False), setup, deadline, flops, sdpa_tflops)
+        )
     return rows
 
 
