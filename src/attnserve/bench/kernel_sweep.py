@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from attnserve.attention.ops.triton_common import AttentionParams, KernelConfig
 from attnserve.attention.ops.triton_decode import choose_num_splits, num_sms, paged_decode
 from attnserve.attention.ops.triton_prefill import FreshKeys, PrefillVariant, paged_prefill
-from attnserve.bench.kernels import (
+from attnserve.bench.kernel_common import (
     BLOCK_SIZE,
     DECODE_SHAPES,
     DEVICE,
