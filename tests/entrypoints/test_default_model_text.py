@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from attnserve import LLM, SamplingParams
+from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
 from attnserve.engine.detokenizer import IncrementalDetokenizer
 from attnserve.sampling_params import RequestOutputKind
@@ -47,7 +48,7 @@ def test_incremental_detokenizer_never_splits_characters(llm: LLM) -> None:
 
 
 def test_streamed_deltas_concatenate_to_the_final_text(llm: LLM) -> None:
-    engine = AsyncLLMEngine(llm.llm_engine)
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(device="cpu", max_model_len=1024))
     question = [{"role": "user", "content": "Écris « bonjour » en japonais et en russe 🌍🙂"}]
     prompt = llm.get_tokenizer().apply_chat_template(
         question, tokenize=False, add_generation_prompt=True

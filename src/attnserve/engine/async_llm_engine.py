@@ -69,6 +69,11 @@ def _next_merged(sink: _Queue, first: _Item, delta: bool) -> _Item:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
+        if not engine.thread_safe:
+            raise ValueError(
+                "AsyncLLMEngine steps its engine from a thread of its own: build the LLMEngine "
+                "with thread_safe=True or its core in a process (AsyncLLMEngine.from_engine_args)"
+            )
         self.engine = engine
         self._lock = threading.Lock()  # the sinks
         self._wake = threading.Event()

@@ -59,6 +59,7 @@ class LLMEngine:
         self.config = args.create_engine_config()
         self.model_config = self.config.model_config
         core_process = args.uses_core_process(default_core_process)
+        self.thread_safe = thread_safe or core_process
         self.client = _make_client(self.config, core_process, thread_safe)
         try:
             self.tokenizer: PreTrainedTokenizerBase | None = (
@@ -136,9 +137,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return len(self.output_processor) > 0
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor)
 
     def step(self) -> list[RequestOutput]:
         """The outputs of one engine-core step (waiting for it), for every request that
