@@ -169,7 +169,12 @@ class AsyncLLMEngine:
         finished = False
         try:
             while not finished:
-                item = _next_merged(sink, await sink.get(), delta)
+                first = await sink.get()
+                # Let the loop's other ready work run once first (other requests' outputs, and a
+                # step delivered meanwhile): a busy loop then merges more, an idle one loses
+                # nothing.
+                await asyncio.sleep(0)
+                item = _next_merged(sink, first, delta)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
