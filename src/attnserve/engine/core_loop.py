@@ -154,5 +154,8 @@ def run_engine_core_process(
         raise SystemExit(1) from error
     gc.freeze()  # what start-up built lives as long as the process: keep it out of collections
     emit(core.ready_message())
-    if not run_core(core, pipe_take(commands), emit):
-        raise SystemExit(1)
+    clean = run_core(core, pipe_take(commands), emit)
+    # The core is shut down: end here, without the interpreter's teardown (compiled-kernel
+    # bindings report their objects as leaked then).
+    logging.shutdown()
+    os._exit(0 if clean else 1)
