@@ -23,11 +23,12 @@ import math
 import os
 import random
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from attnserve.bench.sse_client import post_json
 
 API_KEY_ENV = "ATTNSERVE_API_KEY"
 TITLES = {
@@ -97,21 +98,16 @@ def sample_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     ]
 
 
-async def _event_data(response: Any) -> AsyncIterator[bytes]:
-    """The data of each server-sent event, framed by hand from the raw bytes (much cheaper per
-    event than decoding lines, so the client takes less of the machine from the server)."""
-    pending = b""
-    async for received in response.aiter_raw():
-        *events, pending = (pending + received).split(b"\n\n")
-        for event in events:
-            if event.startswith(b"data: "):
-                yield event[len(b"data: ") :]
-
-
 async def send_request(
-    http: Any, url: str, model: str, prompt: list[int], output_len: int
+    base_url: str,
+    endpoint: str,
+    headers: dict[str, str],
+    model: str,
+    prompt: list[int],
+    output_len: int,
 ) -> RequestResult:
-    """One streamed completion, timed at each event that carries tokens."""
+    """One streamed completion, timed at each event that carries tokens (through the lean
+    `sse_client`, so the client takes as little of the machine as it can)."""
     result = RequestResult(prompt_len=len(prompt))
     body = {
         "model": model,
@@ -124,11 +120,11 @@ async def send_request(
     }
     start = last = time.perf_counter()
     events = 0
-    async with http.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+    async with post_json(base_url, endpoint, body, headers) as response:
+        if response.status != 200:
+            result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
             return result
-        async for data in _event_data(response):
+        async for data in response.event_data():
             if data == b"[DONE]":
                 continue
             chunk = json.loads(data)
@@ -155,26 +151,27 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     requests = sample_requests(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(
-        base_url=args.base_url, headers=headers, timeout=None, limits=limits
-    ) as http:
-        model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
-        gate = asyncio.Semaphore(args.max_concurrency or len(requests))
-        rng = random.Random(args.seed + 1)
+    model = args.model
+    if model is None:
+        async with httpx.AsyncClient(base_url=args.base_url, headers=headers) as http:
+            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+    gate = asyncio.Semaphore(args.max_concurrency or len(requests))
+    rng = random.Random(args.seed + 1)
 
-        async def limited(prompt: list[int], output_len: int) -> RequestResult:
-            async with gate:
-                return await send_request(http, args.endpoint, model, prompt, output_len)
+    async def limited(prompt: list[int], output_len: int) -> RequestResult:
+        async with gate:
+            return await send_request(
+                args.base_url, args.endpoint, headers, model, prompt, output_len
+            )
 
-        started = time.perf_counter()
-        tasks = []
-        for prompt, output_len in requests:
-            tasks.append(asyncio.create_task(limited(prompt, output_len)))
-            if math.isfinite(args.request_rate):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - started
+    started = time.perf_counter()
+    tasks = []
+    for prompt, output_len in requests:
+        tasks.append(asyncio.create_task(limited(prompt, output_len)))
+        if math.isfinite(args.request_rate):
+            await asyncio.sleep(rng.expovariate(args.request_rate))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - started
     summary = summarize(results, duration)
     summary.update(model=model, config={k: v for k, v in vars(args).items() if k != "handler"})
     return summary
