@@ -242,26 +242,32 @@ def test_streamed_text_equals_whole_text_with_many_streams(client: openai.OpenAI
     prompts = [f"{i} apples and {i + 1}" for i in range(32)]
     stops = [["\n"] if i % 2 else None for i in range(32)]
     common: dict[str, Any] = {"model": MODEL, "max_tokens": 16, "temperature": 0}
-    whole = [
-        client.completions.create(prompt=p, stop=s, **common).choices[0]
-        for p, s in zip(prompts, stops, strict=True)
-    ]
-    streaming = openai.AsyncOpenAI(base_url=client.base_url, api_key=KEY, max_retries=0)
+    concurrent = openai.AsyncOpenAI(base_url=client.base_url, api_key=KEY, max_retries=0)
 
-    async def one(prompt: str, stop: list[str] | None) -> tuple[str, str | None, int]:
-        stream = await streaming.completions.create(prompt=prompt, stop=stop, stream=True, **common)
+    async def whole(prompt: str, stop: list[str] | None) -> tuple[str, str | None]:
+        choice = (await concurrent.completions.create(prompt=prompt, stop=stop, **common)).choices[
+            0
+        ]
+        return choice.text, choice.finish_reason
+
+    async def streamed(prompt: str, stop: list[str] | None) -> tuple[str, str | None, int]:
+        stream = await concurrent.completions.create(
+            prompt=prompt, stop=stop, stream=True, **common
+        )
         chunks = [chunk async for chunk in stream]
         text = "".join(c.choices[0].text for c in chunks)
         return text, chunks[-1].choices[0].finish_reason, len(chunks)
 
-    async def run() -> list[tuple[str, str | None, int]]:
-        async with streaming:
-            jobs = (one(p, s) for p, s in zip(prompts, stops, strict=True))
-            return await asyncio.wait_for(asyncio.gather(*jobs), 150)
+    async def run() -> tuple[list[tuple[str, str | None]], list[tuple[str, str | None, int]]]:
+        async with concurrent:
+            pairs = list(zip(prompts, stops, strict=True))
+            wholes = await asyncio.wait_for(asyncio.gather(*(whole(*p) for p in pairs)), 150)
+            streams = await asyncio.wait_for(asyncio.gather(*(streamed(*p) for p in pairs)), 150)
+            return wholes, streams
 
-    streamed = asyncio.run(run())
-    assert [(t, r) for t, r, _ in streamed] == [(c.text, c.finish_reason) for c in whole]
-    print(f"events per stream: {[n for _, _, n in streamed]}")
+    wholes, streams = asyncio.run(run())
+    assert [(text, reason) for text, reason, _ in streams] == wholes
+    print(f"events per stream: {[n for _, _, n in streams]}")
 
 
 async def _open_streams(server: ServerProcess, count: int) -> None:
