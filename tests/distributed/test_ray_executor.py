@@ -1,8 +1,10 @@
 """The Ray executor on a local Ray instance with two CPU workers: the same greedy tokens as one
-rank in-process; shutting down kills the actors and frees the placement group."""
+rank in-process; shutting down kills the actors and frees the placement group; a cluster too
+small for the ranks is a ValueError, whether the executor or the caller started Ray."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +18,18 @@ ray = pytest.importorskip("ray")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], list(range(10, 50)), [300, 2, 77]]
 ENGINE: dict[str, Any] = {"model": "llama-tiny", "load_format": "dummy", "device": "cpu"}
+
+
+def test_too_small_a_cluster_it_started_itself_is_a_value_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if ray.is_initialized():
+        pytest.skip("Ray is already running in this process")
+    # the executor starts (and, on failing, stops) Ray itself: here with 2 CPUs on any machine
+    monkeypatch.setattr(ray, "init", functools.partial(ray.init, num_cpus=2, log_to_driver=False))
+    with pytest.raises(ValueError, match="needs 4 CPUs in the Ray cluster; it has 2$"):
+        LLM(**ENGINE, tensor_parallel_size=4, distributed_executor_backend="ray")
+    assert not ray.is_initialized()
 
 
 @pytest.fixture(scope="module")
