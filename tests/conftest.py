@@ -1,11 +1,20 @@
-"""Shared fixtures: a tiny random Llama saved as an HF directory, and HF's own greedy output."""
+"""Shared fixtures: a tiny random Llama saved as an HF directory, and HF's own greedy output.
+
+The suite runs torch with one intra-op thread (and its subprocesses, through OMP_NUM_THREADS):
+its models are small, and on a busy machine (two cores, other jobs) OpenMP's threads wait for
+each other at every op, which makes a step ten times slower. Results do not depend on it.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 TINY_LLAMA = {
     "vocab_size": 384,
