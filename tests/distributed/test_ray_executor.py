@@ -27,7 +27,7 @@ def test_too_small_a_cluster_it_started_itself_is_a_value_error(
         pytest.skip("Ray is already running in this process")
     # the executor starts (and, on failing, stops) Ray itself: here with 2 CPUs on any machine
     monkeypatch.setattr(ray, "init", functools.partial(ray.init, num_cpus=2, log_to_driver=False))
-    with pytest.raises(ValueError, match="needs 4 CPUs in the Ray cluster; it has 2$"):
+    with pytest.raises(ValueError, match=r"needs 4 CPUs in the Ray cluster; it has 2$"):
         LLM(**ENGINE, tensor_parallel_size=4, distributed_executor_backend="ray")
     assert not ray.is_initialized()
 

@@ -34,6 +34,7 @@ from attnserve.attention import (
     build_step_layout,
     get_backend_cls,
 )
+from attnserve.bench.common import check_output_files
 
 HEAD_SIZE = 128
 BLOCK_SIZE = 16
@@ -251,8 +252,8 @@ def format_table(rows: list[Row], copy_tbs: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        print("bench kernels needs a CUDA GPU")
-        return 1
+        raise ValueError("bench kernels needs a CUDA GPU; this machine has none")
+    check_output_files(args, "json")
     torch.manual_seed(0)
     backends = cuda_backends(args.backends.split(",") if args.backends else None)
     copy_tbs = copy_bandwidth_tbs()
