@@ -92,7 +92,7 @@ class Request:
             index=seq.index,
             text=text,
             token_ids=list(tokens),
-            cumulative_logprob=seq.cumulative_logprob if seq.logprobs else None,
+            cumulative_logprob=seq.cumulative_logprob,
             logprobs=list(logprobs) if wants_logprobs else None,
             finish_reason=seq.finish_reason,
         )
