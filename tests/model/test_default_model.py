@@ -1,7 +1,8 @@
 """The embedded SmolLM2-135M-Instruct GGUF: conversion into the cache (keyed by content, one
-writer at a time under the cache's lock), the tokenizer, and a greedy answer that only a correctly dequantized and un-permuted model gets right. (Loading the
-GGUF through transformers takes over 30 s here, so the GGUF path's logits are checked against
-transformers on a tiny llama.cpp-style file in test_gguf.py, and here by the greedy answer.)"""
+writer at a time under the cache's lock), the tokenizer, and a greedy answer that only a
+correctly dequantized and un-permuted model gets right. (Loading the GGUF through transformers
+takes over 30 s here, so the GGUF path's logits are checked against transformers on a tiny
+llama.cpp-style file in test_gguf.py, and here by the greedy answer.)"""
 
 from __future__ import annotations
 
