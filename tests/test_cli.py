@@ -18,6 +18,7 @@ import pytest
 from attnserve.cli import build_parser, main
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.model.model_cache import CACHE_ENV
+from tests.conftest import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "llama-tiny", "--load-format", "dummy", "--device", "cpu"]
@@ -31,6 +32,7 @@ def _attnserve(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         env=env,
         cwd=ROOT,
+        timeout=HANG_GUARD_S,
     )
 
 

@@ -5,13 +5,13 @@ small for the ranks is a ValueError, whether the executor or the caller started 
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from attnserve import LLM, SamplingParams
+from tests.conftest import wait_until
 
 ray = pytest.importorskip("ray")
 
@@ -52,10 +52,8 @@ def generate(**engine: Any) -> list[list[int]]:
 def test_ray_tp2_matches_one_rank(local_ray: None) -> None:
     expected = generate()
     assert generate(tensor_parallel_size=2, distributed_executor_backend="ray") == expected
-    deadline = time.monotonic() + 20  # Ray releases the actors' and bundles' CPUs lazily
-    while ray.available_resources().get("CPU") != 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU") == 2
+    # Ray releases the actors' and bundles' CPUs lazily
+    wait_until(lambda: ray.available_resources().get("CPU") == 2, "Ray to free both CPUs")
 
 
 def test_too_few_cluster_resources_is_a_value_error(local_ray: None) -> None:

@@ -10,7 +10,7 @@ import pytest
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
-from tests.conftest import hf_greedy
+from tests.conftest import HANG_GUARD_S, hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +116,6 @@ def test_a_failing_engine_fails_requests_instead_of_hanging(tiny_llama_dir: Path
                 pass
 
     try:
-        asyncio.run(asyncio.wait_for(run(), timeout=30))
+        asyncio.run(asyncio.wait_for(run(), timeout=HANG_GUARD_S))
     finally:
         engine.shutdown()

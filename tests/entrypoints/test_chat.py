@@ -102,7 +102,7 @@ def test_banner_turns_reset_and_quit(engine: LLMEngine, monkeypatch: pytest.Monk
 def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(
     engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    long_reply = SamplingParams(temperature=0, max_tokens=200)
+    long_reply = SamplingParams(temperature=0, max_tokens=48)
     whole = io.StringIO()
     chat_loop(engine, long_reply, "m", Script(LONG), out=whole)
     prompts = _record_prompts(engine, monkeypatch)
@@ -119,7 +119,7 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(
 def test_a_second_ctrl_c_leaves(engine: LLMEngine) -> None:
     script = Script(LONG, QUESTION)
     out = CtrlC(times=2)
-    chat_loop(engine, SamplingParams(temperature=0, max_tokens=200), "m", script, out=out)
+    chat_loop(engine, SamplingParams(temperature=0, max_tokens=48), "m", script, out=out)
     assert script.lines == [QUESTION]  # left without reading another line
     assert out.getvalue().endswith("\n") and _all_free(engine)
 
