@@ -1,5 +1,5 @@
-"""Shared fixtures: a tiny random Llama saved as an HF directory, HF's own greedy output, and
-`wait_until` for what happens in another process.
+"""Shared fixtures: a tiny random Llama saved as an HF directory, HF's own greedy output,
+`wait_until` for what happens in another process, and the `cuda` marker's skip (tests/gpu/).
 
 The suite runs torch with one intra-op thread (and its subprocesses, through OMP_NUM_THREADS):
 its models are small, and on a busy machine (two cores, other jobs) OpenMP's threads wait for
@@ -77,3 +77,16 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
         )
     return [int(t) for t in out[0, len(prompt) :]]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Skip tests marked `cuda(gpus=N)` (N defaults to 1) where fewer CUDA GPUs are visible."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("cuda")
+        if marker is None:
+            continue
+        needed = int(marker.kwargs.get("gpus", 1))
+        if visible < needed:
+            reason = f"needs {needed} CUDA GPU{'s' if needed > 1 else ''}, {visible} visible"
+            item.add_marker(pytest.mark.skip(reason=reason))

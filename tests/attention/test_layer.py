@@ -23,6 +23,7 @@ def test_spec_describes_the_layer() -> None:
 
 
 def test_a_backend_that_cannot_serve_the_layer_is_refused_with_the_reason() -> None:
+    assert not TorchSDPABackend.supports(_layer(block_size=512).spec)
     with pytest.raises(ValueError, match=r"TORCH_SDPA cannot serve.*block size 512"):
         _layer(block_size=512, backend=TorchSDPABackend)
 

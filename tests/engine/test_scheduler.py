@@ -62,6 +62,11 @@ def _step(s: Scheduler) -> list[ScheduledSequence]:
     return out.scheduled
 
 
+def _unfinished(s: Scheduler) -> bool:
+    """Whether any sequence is still queued: waiting, running or swapped out."""
+    return bool(s.waiting or s.running or s.swapped)
+
+
 def test_long_prompt_is_chunked_and_decodes_go_first() -> None:
     s = _scheduler(tokens=16)
     short = _add(s, "short", 3)
@@ -97,7 +102,7 @@ def test_out_of_blocks_preempts_newest_and_recomputes() -> None:
     old = _add(s, "old", 7, max_tokens=6)  # 2 blocks, grows to 13 tokens -> 4 blocks
     new = _add(s, "new", 7, max_tokens=6)
     _step(s)
-    while s.has_unfinished():
+    while _unfinished(s):
         _step(s)
         assert s.allocator.num_free_blocks + sum(len(q.block_table.blocks) for q in (old, new)) == 4
     assert s.num_preemptions >= 1
@@ -113,7 +118,7 @@ def test_abort_frees_blocks_at_once() -> None:
     assert s.allocator.num_free_blocks < 64
     (aborted,) = s.abort("a")
     assert aborted.finish_reason == "abort"
-    assert s.allocator.num_free_blocks == 64 and not s.has_unfinished()
+    assert s.allocator.num_free_blocks == 64 and not _unfinished(s)
     assert s.abort("missing") == []
 
 
@@ -128,7 +133,7 @@ def test_stop_token_and_eos_finish_with_stop() -> None:
 def test_prefix_cache_reuses_blocks_of_an_earlier_request() -> None:
     s = _scheduler(prefix_caching=True)
     first = _add(s, "first", 13, max_tokens=2)
-    while s.has_unfinished():
+    while _unfinished(s):
         _step(s)
     assert first.finish_reason == "length"
     second = _add(s, "second", 13, max_tokens=2)
@@ -163,7 +168,7 @@ def test_swap_preemption_moves_blocks_out_and_back() -> None:
     old = _add(s, "old", 7, max_tokens=6)
     new = _add(s, "new", 7, max_tokens=6)
     swapped_out = swapped_in = 0
-    while s.has_unfinished():
+    while _unfinished(s):
         out = s.schedule()
         swapped_out += len(out.swap_out)
         swapped_in += len(out.swap_in)
@@ -214,6 +219,6 @@ def test_random_streams_keep_block_invariants(
         elif seqs:
             s.abort(rng.choice(seqs).request_id)
         _check_invariants(s, seqs, 12)
-    while s.has_unfinished():
+    while _unfinished(s):
         _step(s)
     assert s.allocator.num_free_blocks == 12

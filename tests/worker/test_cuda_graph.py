@@ -1,5 +1,5 @@
 """Graph buckets and the padded decode layout that captured graphs read (the CPU-checkable
-parts; capture and replay run in the CUDA tests)."""
+parts; capture and replay run in tests/gpu/test_hf_parity.py on the GPU)."""
 
 from __future__ import annotations
 

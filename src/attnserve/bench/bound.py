@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attnserve.bench.kernels import copy_bandwidth_tbs, median_us
+from attnserve.bench.kernel_common import copy_bandwidth_tbs, median_us
 from attnserve.model.config import ModelConfig
 
 # (copy buffer bytes, matmul size, calls per timing, timings): large on a GPU, small elsewhere

@@ -1,5 +1,6 @@
 """Helpers the offline benchmarks share: workloads of random token ids, timing `generate`, stage
-lines on stderr, checking where results go before a run, and printing / writing a result."""
+lines on stderr, checking where results go before a run, printing / writing a result, and
+parsing lists of counts."""
 
 from __future__ import annotations
 
@@ -81,3 +82,14 @@ def write_json(path: str, result: dict[str, Any], args: argparse.Namespace) -> N
     arguments = {k: v for k, v in vars(args).items() if k != "handler"}
     with open(path, "w") as handle:
         json.dump(result | {"args": arguments}, handle, indent=2, default=str)
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1, like 16,64,256."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 16,64,256: {text!r}")
+    return values

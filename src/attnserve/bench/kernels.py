@@ -10,6 +10,9 @@ from `build_for_cuda_graph`), so the timing is the kernels' and not the host's l
 prefill (eager in the engine) runs eagerly. Decode is reported in TB/s of KV
 read (K and V of every context token, once) and as a fraction of a device-to-device copy;
 prefill in TFLOP/s counting the causal half (2·B·H·L²·D) and as a fraction of SDPA.
+
+`--sweep decode,prefill` times tiles and decode split counts of attnserve's own Triton kernels
+instead (bench/kernel_sweep.py), on the same shapes.
 """
 
 from __future__ import annotations
@@ -18,34 +21,38 @@ import argparse
 import datetime
 import json
 import math
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from attnserve.attention import (
     AttentionBackend,
+    AttentionMetadata,
     AttentionSpec,
     backend_names,
     build_step_layout,
     get_backend_cls,
 )
-from attnserve.bench.common import check_output_files
+from attnserve.bench.common import check_output_files, positive_ints
+from attnserve.bench.kernel_common import (
+    BLOCK_SIZE,
+    DECODE_SHAPES,
+    DEVICE,
+    DTYPE,
+    HEAD_SIZE,
+    PREFILL_SHAPES,
+    SDPA_BASELINE,
+    as_graph,
+    copy_bandwidth_tbs,
+    median_us,
+)
 
-HEAD_SIZE = 128
-BLOCK_SIZE = 16
-DTYPE = torch.bfloat16
-DEVICE = "cuda"
-SDPA_BASELINE = "sdpa-contiguous"
-
-# (batch, context length, query heads, kv heads): /work/shared/anchors.md's decode shapes
-DECODE_SHAPES = [(64, 2048, 32, 8), (256, 1024, 16, 8), (16, 8192, 32, 8)]
-# (batch, prompt length, query heads, kv heads)
-PREFILL_SHAPES = [(4, 4096, 32, 8), (16, 1024, 32, 8)]
+SWEEPS = ("decode", "prefill")  # what `--sweep` can ask for (bench/kernel_sweep.py)
+DEFAULT_SPLITS = (1, 2, 4, 8, 16)
 
 
 @dataclass
@@ -57,45 +64,6 @@ class Row:
     rate: float | None  # TB/s (decode) or TFLOP/s (prefill)
     vs_baseline: float | None  # fraction of the copy bandwidth (decode) or of SDPA (prefill)
     error: str | None = None
-
-
-def median_us(
-    fn: Callable[[], object], calls: int = 10, repeats: int = 10, device: str = DEVICE
-) -> float:
-    """Median over `repeats` batches of the mean time of `calls` back-to-back calls, in µs
-    (CUDA events on a GPU, the host clock elsewhere)."""
-    for _ in range(3):
-        fn()
-    timer = _cuda_batch_us if torch.device(device).type == "cuda" else _host_batch_us
-    return statistics.median(timer(fn, calls) for _ in range(repeats))
-
-
-def _cuda_batch_us(fn: Callable[[], object], calls: int) -> float:
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000.0 / calls
-
-
-def _host_batch_us(fn: Callable[[], object], calls: int) -> float:
-    started = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - started) * 1e6 / calls
-
-
-def copy_bandwidth_tbs(
-    num_bytes: int = 2 << 30, device: str = DEVICE, calls: int = 10, repeats: int = 10
-) -> float:
-    """Device-to-device copy speed, counting bytes read plus bytes written."""
-    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    us = median_us(lambda: dst.copy_(src), calls, repeats, device)
-    return 2 * num_bytes / us / 1e6
 
 
 def _spec(num_heads: int = 32, num_kv_heads: int = 8) -> AttentionSpec:
@@ -113,15 +81,23 @@ def _random(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device=DEVICE, dtype=DTYPE)
 
 
-def _as_graph(fn: Callable[[], object]) -> Callable[[], object]:
-    """Replays of a CUDA graph of `fn` (run twice first: compiles and lazy set-up stay out)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+def _step_metadata(
+    backend: type[AttentionBackend],
+    block_tables: list[list[int]],
+    context: int,
+    query: int,
+    heads: tuple[int, int],
+    graphed: bool,
+) -> AttentionMetadata:
+    """The backend's metadata for a step of every sequence at `context` cached and `query` new
+    tokens, from its builder as the engine drives it (graph buffers for a graphed decode)."""
+    builder = backend.get_builder_cls()(_spec(*heads), DEVICE)
+    batch = len(block_tables)
+    layout = build_step_layout(block_tables, [context] * batch, [query] * batch, BLOCK_SIZE)
+    if graphed:
+        builder.init_cuda_graph_buffers(batch, len(block_tables[0]))
+        return builder.build_for_cuda_graph(layout)
+    return builder.build(layout)
 
 
 def _backend_step(
@@ -139,20 +115,14 @@ def _backend_step(
     order = torch.randperm(batch * pages).view(batch, pages).tolist()
     shape = backend.get_kv_cache_shape(batch * pages, BLOCK_SIZE, num_kv_heads, HEAD_SIZE)
     cache = _random(*shape)
-    builder = backend.get_builder_cls()(_spec(num_heads, num_kv_heads), DEVICE)
-    layout = build_step_layout(order, [context] * batch, [query] * batch, BLOCK_SIZE)
     graphed = query == 1 and backend.capabilities.cuda_graphs
-    if graphed:
-        builder.init_cuda_graph_buffers(batch, pages)
-        meta = builder.build_for_cuda_graph(layout)
-    else:
-        meta = builder.build(layout)
+    meta = _step_metadata(backend, order, context, query, heads, graphed)
     impl = backend.get_impl_cls()(num_heads, HEAD_SIZE, 1 / math.sqrt(HEAD_SIZE), num_kv_heads)
     tokens = batch * query
     q = _random(tokens, num_heads * HEAD_SIZE)
     k, v = _random(tokens, num_kv_heads * HEAD_SIZE), _random(tokens, num_kv_heads * HEAD_SIZE)
     step = partial(impl.forward, q, k, v, cache, meta)
-    return _as_graph(step) if graphed else step
+    return as_graph(step) if graphed else step
 
 
 def _sdpa_step(
@@ -165,7 +135,7 @@ def _sdpa_step(
     v = _random(batch, num_kv_heads, length, HEAD_SIZE)
     causal, gqa = queries > 1, num_kv_heads != num_heads
     step = partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal, enable_gqa=gqa)
-    return step if causal else _as_graph(step)
+    return step if causal else as_graph(step)
 
 
 def _measure(step: Callable[[], Callable[[], object]]) -> tuple[float | None, str | None]:
@@ -236,9 +206,8 @@ def cuda_backends(requested: list[str] | None) -> list[str]:
     return usable
 
 
-def format_table(rows: list[Row], copy_tbs: float) -> str:
-    lines = [f"device-to-device copy: {copy_tbs:.2f} TB/s (read + write)"]
-    lines.append(f"{'kind':<8} {'shape':<15} {'backend':<16} {'µs':>8} {'rate':>14} {'vs base':>7}")
+def format_table(rows: list[Row]) -> str:
+    lines = [f"{'kind':<8} {'shape':<15} {'backend':<16} {'µs':>8} {'rate':>14} {'vs base':>7}"]
     for row in rows:
         head = f"{row.kind:<8} {row.shape:<15} {row.backend:<16}"
         if row.error is not None or row.median_us is None or row.rate is None:
@@ -250,15 +219,31 @@ def format_table(rows: list[Row], copy_tbs: float) -> str:
     return "\n".join(lines)
 
 
+def _compare_backends(args: argparse.Namespace, copy_tbs: float) -> tuple[list[Any], bool]:
+    """(rows, every row measured) of the backend comparison."""
+    backends = cuda_backends(args.backends.split(",") if args.backends else None)
+    rows = bench_decode(backends, copy_tbs) + bench_prefill(backends)
+    print(format_table(rows))
+    return rows, all(row.error is None for row in rows)
+
+
+def _sweep_kernels(args: argparse.Namespace, copy_tbs: float) -> tuple[list[Any], bool]:
+    """(rows, every default configuration checked and timed) of the kernel sweeps."""
+    from attnserve.bench.kernel_sweep import Setup, format_sweep, run_sweeps
+
+    rows = run_sweeps(args.sweep, args.splits, args.budget_s, copy_tbs, Setup(atol=args.atol))
+    print(format_sweep(rows))
+    return rows, all(row.status == "ok" for row in rows if row.default)
+
+
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("bench kernels needs a CUDA GPU; this machine has none")
     check_output_files(args, "json")
     torch.manual_seed(0)
-    backends = cuda_backends(args.backends.split(",") if args.backends else None)
     copy_tbs = copy_bandwidth_tbs()
-    rows = bench_decode(backends, copy_tbs) + bench_prefill(backends)
-    print(format_table(rows, copy_tbs))
+    print(f"device-to-device copy: {copy_tbs:.2f} TB/s (read + write)")
+    rows, ok = (_sweep_kernels if args.sweep else _compare_backends)(args, copy_tbs)
     if args.json:
         report = {
             "device": torch.cuda.get_device_name(),
@@ -272,7 +257,18 @@ def run(args: argparse.Namespace) -> int:
         }
         with open(args.json, "w") as out:
             json.dump(report, out, indent=2)
-    return 0 if all(row.error is None for row in rows) else 1
+    return 0 if ok else 1
+
+
+def _choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [name for name in text.split(",") if name]
+        unknown = [name for name in names if name not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {allowed}")
+        return names
+
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -280,4 +276,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backends", default=None, help="comma-separated backend names (default: all that fit)"
     )
     parser.add_argument("--json", default=None, metavar="FILE", help="also write rows as JSON")
+    parser.add_argument(
+        "--sweep",
+        type=_choices(SWEEPS),
+        default=None,
+        metavar="decode,prefill",
+        help="instead of comparing backends, sweep the tiles and decode split counts of "
+        "attnserve's own Triton kernels (bench/kernel_sweep.py)",
+    )
+    parser.add_argument(
+        "--splits",
+        type=positive_ints,
+        default=list(DEFAULT_SPLITS),
+        metavar="N,N,...",
+        help="decode split counts the decode sweep times at the default tile (default 1,2,4,8,16)",
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=190.0, help="time budget of the sweeps (default 190)"
+    )
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=0.05,
+        help="a sweep run whose max abs error against fp32 attention exceeds this is not timed",
+    )
     parser.set_defaults(handler=run)

@@ -29,6 +29,7 @@ from attnserve.bench.breakdown import Breakdown, format_breakdown, profile_engin
 from attnserve.bench.common import (
     Workload,
     check_output_files,
+    positive_ints,
     print_scalars,
     progress,
     run_engine,
@@ -223,16 +224,6 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
     return result | {"breakdown": breakdown.as_dict()}, breakdown
 
 
-def _batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 16,64,256: {text!r}")
-    return sizes
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, positional_model=False)
     parser.add_argument("--num-prompts", type=int, default=16, help="requests to run")
@@ -248,7 +239,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile-steps", type=int, default=8, help="decode steps to profile; 0: no breakdown"
     )
     parser.add_argument(
-        "--batch-sizes", type=_batch_sizes, default=[], metavar="B1,B2,...",
+        "--batch-sizes", type=positive_ints, default=[], metavar="B1,B2,...",
         help="also run the workload with each many requests, against its bound",
     )  # fmt: skip
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the figures")

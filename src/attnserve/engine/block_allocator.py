@@ -117,9 +117,6 @@ class BlockAllocator:
         self._ref_counts[block] += 1
         return block
 
-    def cached_hash(self, block: int) -> int | None:
-        return self._hash_of.get(block)
-
     def _forget_hash(self, block: int) -> None:
         block_hash = self._hash_of.pop(block)
         del self._block_of[block_hash]

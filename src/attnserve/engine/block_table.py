@@ -99,14 +99,6 @@ class BlockTable:
             and self.allocator.ref_count(self.blocks[index]) == 1
         )
 
-    def slot(self, position: int) -> int:
-        """The flat cache slot of token `position`."""
-        if not 0 <= position < self.capacity:
-            raise ValueError(f"position {position} outside this table's {self.capacity} slots")
-        return self.blocks[position // self.block_size] * self.block_size + (
-            position % self.block_size
-        )
-
     def free(self) -> None:
         """Release every block (one holder each)."""
         self.allocator.free(self.blocks)

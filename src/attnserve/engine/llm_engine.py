@@ -123,9 +123,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; outputs for every request that advanced.
 

@@ -73,9 +73,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` wherever it is, freeing its device and host blocks at once."""
         for queue in (self.running, self.waiting, self.swapped):

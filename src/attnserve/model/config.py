@@ -102,10 +102,6 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
-    def get_num_attention_heads(self, tensor_parallel_size: int = 1) -> int:
-        """Query heads per rank."""
-        return self.num_heads // tensor_parallel_size
-
     def get_num_kv_heads(self, tensor_parallel_size: int = 1) -> int:
         """KV heads per rank: at least one (a KV head is replicated when fewer than ranks)."""
         return max(1, self.num_kv_heads // tensor_parallel_size)

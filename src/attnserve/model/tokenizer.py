@@ -1,12 +1,12 @@
 """The tokenizer of a `ModelConfig` (an HF tokenizer directory or a GGUF file's vocabulary),
-with its chat template, and the model's generation defaults."""
+with its chat template."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from attnserve.model.config import ModelConfig, read_generation_config
+from attnserve.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -38,8 +38,3 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
         config.tokenizer, local_files_only=True
     )
     return tokenizer
-
-
-def load_generation_config(config: ModelConfig) -> dict[str, Any]:
-    """The model directory's generation_config.json ({} when there is none)."""
-    return read_generation_config(config.model)

@@ -1,0 +1,147 @@
+"""Engine greedy tokens against HF transformers on the same dummy weights, on a CUDA GPU, for
+every registered attention backend that can serve the model there.
+
+fp32: every token equals HF's, with the engine run eagerly, and again with its decode steps
+replayed from captured CUDA graphs (backends that capture them). bf16: kernels sum in another
+order than HF, so greedy tokens may part at near-ties of the random weights' flat distributions;
+where a prompt parts, HF's own bf16 logits must put its token and ours within BF16_MAX_STEPS
+rounding steps of bf16 at that logit's size (the partings seen on an H200 were 0 to 2 steps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from attnserve import LLM
+from attnserve.attention import (
+    attention_specs,
+    backend_names,
+    get_backend_cls,
+    get_model_attn_backend,
+)
+from attnserve.model import ModelConfig
+from attnserve.model.loader import build_model
+from tests.gpu.reference import (
+    ENGINE,
+    MODEL,
+    NEW_TOKENS,
+    Reference,
+    engine_tokens,
+    first_difference,
+)
+
+pytestmark = pytest.mark.cuda
+
+BF16_MAX_STEPS = 3
+
+
+def _skip_unless_servable(backend: str, dtype: str) -> None:
+    """Select `backend` for the model's attention layers as the model runner does."""
+    config = ModelConfig.resolve(MODEL, dtype=dtype, load_format="dummy", device="cuda")
+    specs = [replace(spec, device="cuda") for spec in attention_specs(build_model(config, "meta"))]
+    try:
+        get_model_attn_backend(specs, backend)
+    except ValueError as error:
+        pytest.skip(str(error))
+
+
+def _engine(backend: str, dtype: str, enforce_eager: bool) -> LLM:
+    """A fresh engine on `backend`; the test is skipped when the backend cannot serve it here."""
+    _skip_unless_servable(backend, dtype)
+    return LLM(MODEL, dtype=dtype, attention_backend=backend, enforce_eager=enforce_eager, **ENGINE)
+
+
+def _tokens(
+    backend: str, dtype: str, enforce_eager: bool, prompts: list[list[int]]
+) -> list[list[int]]:
+    llm = _engine(backend, dtype, enforce_eager)
+    try:
+        return engine_tokens(llm, prompts)
+    finally:
+        llm.shutdown()
+
+
+def bf16_spacing(value: float) -> float:
+    """bf16's distance between neighbouring values at `value`'s magnitude."""
+    exponent = math.floor(math.log2(max(abs(value), 1e-30)))
+    return float(torch.finfo(torch.bfloat16).eps) * 2.0**exponent
+
+
+@pytest.fixture(scope="module")
+def fp32_eager_tokens(hf_reference: Callable[[str], Reference]) -> Callable[[str], list[list[int]]]:
+    """`fp32_eager_tokens(backend)`: the backend's eager fp32 tokens for the prompts, run once."""
+    runs: dict[str, list[list[int]]] = {}
+
+    def get(backend: str) -> list[list[int]]:
+        if backend not in runs:
+            runs[backend] = _tokens(backend, "float32", True, hf_reference("float32").prompts)
+        return runs[backend]
+
+    return get
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_fp32_eager_tokens_equal_hf(
+    backend: str,
+    hf_reference: Callable[[str], Reference],
+    fp32_eager_tokens: Callable[[str], list[list[int]]],
+) -> None:
+    assert fp32_eager_tokens(backend) == hf_reference("float32").tokens
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_fp32_cuda_graph_replays_give_the_eager_tokens(
+    backend: str,
+    hf_reference: Callable[[str], Reference],
+    fp32_eager_tokens: Callable[[str], list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _skip_unless_servable(backend, "float32")
+    if not get_backend_cls(backend).capabilities.cuda_graphs:
+        pytest.skip(f"{backend} captures no CUDA graphs: it runs eagerly either way")
+    reference = hf_reference("float32")
+    llm = _engine(backend, "float32", enforce_eager=False)
+    graphs = llm.llm_engine.executor.driver_runner.cuda_graphs
+    assert graphs is not None, "enforce_eager=False captured no CUDA graphs"
+    replays = 0
+    replay = graphs.run
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        nonlocal replays
+        replays += 1
+        return replay(*args, **kwargs)
+
+    monkeypatch.setattr(graphs, "run", counted)
+    try:
+        graphed = engine_tokens(llm, reference.prompts)
+    finally:
+        llm.shutdown()
+    # one prefill step for every prompt, then every decode step of the batch from a graph
+    assert replays >= NEW_TOKENS - 1
+    assert graphed == fp32_eager_tokens(backend)
+    assert graphed == reference.tokens
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_bf16_tokens_part_from_hf_only_at_rounding_ties(
+    backend: str, hf_reference: Callable[[str], Reference]
+) -> None:
+    reference = hf_reference("bfloat16")
+    ours = _tokens(backend, "bfloat16", False, reference.prompts)
+    assert [len(tokens) for tokens in ours] == [NEW_TOKENS] * len(ours)
+    partings = []
+    for index, (mine, theirs) in enumerate(zip(ours, reference.tokens, strict=True)):
+        step = first_difference(mine, theirs)
+        if step is None:
+            continue
+        logits = reference.next_logits(index, step)
+        gap = float(logits[theirs[step]] - logits[mine[step]])
+        steps = abs(gap) / bf16_spacing(float(logits[theirs[step]]))
+        partings.append(f"prompt {index} at token {step}: HF gap {gap:.4g} = {steps:.2f} steps")
+        assert steps <= BF16_MAX_STEPS, "; ".join(partings)

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Every GPU check of attnserve in one call, run on the GPU machine from the repository root:
+#
+#   bash tools/gpu_session.sh [PHASE ...]     (default: every phase, in this order)
+#
+#   env          the card, driver and versions, and which attention backends can run (always
+#                runs first; the carried wheels are installed before it)
+#   conformance  the attention conformance suite and the Triton kernel tests (tests/attention)
+#                on cuda, every backend; FLASHINFER and FLEX_ATTENTION on a subset by default
+#   gpu          the CUDA-marked pytest tests (tests/gpu: engine vs HF parity per backend, fp32
+#                and bf16, CUDA graphs on and off; TP=2 parity where 2 GPUs are visible)
+#   kernels      `attnserve bench kernels` (every backend that fits)
+#   throughput   `attnserve bench throughput`, the standard offline workload on Qwen3-0.6B's
+#                shape (dummy weights, 256 requests, 100..1024 tokens in and out)
+#
+# Wheels the machine lacks (flashinfer-python 0.6.1 and its needs) are carried in .whl/ and
+# installed into /tmp/site. Each phase writes $OUT/PHASE.log (kernels and throughput also
+# PHASE.json); $OUT/summary.txt lists each phase's exit status and seconds: 8 files at most.
+# The exit status is non-zero if a phase failed or ran out of time.
+#
+# Knobs (environment). The time limits add up to 550 s, so a full run ends inside ~9 minutes:
+#   CONFORMANCE_SELECT   extended regex over collected test ids; only matching tests run.
+#                        Default: every cuda test of TORCH_SDPA, TRITON and the ONE_FILE
+#                        example, the Triton kernel tests, FLASHINFER's bf16 head-128 cases
+#                        without window or soft-cap (one just-in-time variant, ~80 s to build),
+#                        three FLEX_ATTENTION cases. '-cuda' selects every cuda test: the full
+#                        FLASHINFER grid needs ~20 minutes of compilation, so split it by
+#                        backend or case over several calls.
+#   CONFORMANCE_WORKERS  pytest-xdist workers (default 8); CONFORMANCE_TIMEOUT (default 170 s)
+#   GPU_TESTS_TIMEOUT    (default 180 s)
+#   KERNELS_ARGS         extra arguments of bench kernels (e.g. "--backends TRITON --sweep
+#                        decode,prefill"); KERNELS_TIMEOUT (default 90 s)
+#   THROUGHPUT_ARGS      extra arguments of bench throughput (e.g. "--attention-backend
+#                        FLASHINFER --hf-baseline --hf-num-prompts 16"); THROUGHPUT_TIMEOUT
+#                        (default 80 s)
+set -uo pipefail
+
+OUT="${OUT:-/tmp/gpu_session_out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
+export FLASHINFER_WORKSPACE_BASE=/tmp/fiws  # one JIT cache for every phase
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:src
+else
+    export PYTHONPATH=src
+fi
+
+status=0
+phase() {  # phase NAME SECONDS COMMAND...: log to $OUT/NAME.log, note the outcome, show its end
+    local name=$1 limit=$2 start=$SECONDS rc
+    shift 2
+    echo "== $name"
+    timeout "$limit" bash -c '"$@"' "$name" "$@" >"$OUT/$name.log" 2>&1  # functions too
+    rc=$?
+    tail -n 40 "$OUT/$name.log" | cut -c1-220
+    echo "$name: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+env_report() {
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+    python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
+    python3 -m attnserve.cli backends --dtype bfloat16 --device cuda
+}
+
+conformance() {
+    local select tests workers=()
+    select='(TORCH_SDPA|TRITON|ONE_FILE)-cuda|test_triton_(ops|prefill)\.py'
+    select+='|FLASHINFER-cuda(\]|-block|-Case\(.*head_size=128, block_size=[0-9]+, '
+    select+='dtype=torch\.bfloat16, sliding_window=None, alibi=False, soft_cap=None)'
+    select+='|FLEX_ATTENTION-cuda(\]|-block|-Case\(.*seed=(9|25|34)\))'
+    select="${CONFORMANCE_SELECT:-$select}"
+    mapfile -t tests < <(python3 -m pytest --collect-only -q -o addopts= -p no:cacheprovider \
+        tests/attention 2>/dev/null | grep -E '::' | grep -E -- "$select")
+    echo "${#tests[@]} tests selected by: $select"
+    [ "${#tests[@]}" -gt 0 ] || return 1
+    [ "${CONFORMANCE_WORKERS:-8}" -gt 0 ] && workers=(-n "${CONFORMANCE_WORKERS:-8}")
+    python3 -m pytest -o addopts= -v -p no:cacheprovider -p no:benchmark -rfE --durations=10 \
+        "${workers[@]}" "${tests[@]}"
+}
+
+export -f env_report conformance
+
+phases=("$@")
+[ ${#phases[@]} -gt 0 ] || phases=(conformance gpu kernels throughput)
+for name in "${phases[@]}"; do
+    case $name in
+        env | conformance | gpu | kernels | throughput) ;;
+        *) echo "unknown phase $name (env, conformance, gpu, kernels, throughput)" >&2 && exit 2 ;;
+    esac
+done
+: >"$OUT/summary.txt"
+phase env 30 env_report
+for name in "${phases[@]}"; do
+    case $name in
+        conformance) phase conformance "${CONFORMANCE_TIMEOUT:-170}" conformance ;;
+        gpu)
+            phase gpu "${GPU_TESTS_TIMEOUT:-180}" python3 -m pytest -o addopts= -v \
+                -p no:cacheprovider -p no:benchmark -rfEs -m cuda tests/gpu
+            ;;
+        kernels)
+            # shellcheck disable=SC2086  # KERNELS_ARGS is a list of words
+            phase kernels "${KERNELS_TIMEOUT:-90}" python3 -m attnserve.cli bench kernels \
+                --json "$OUT/kernels.json" ${KERNELS_ARGS:-}
+            ;;
+        throughput)
+            # shellcheck disable=SC2086  # THROUGHPUT_ARGS is a list of words
+            phase throughput "${THROUGHPUT_TIMEOUT:-80}" python3 -m attnserve.cli bench \
+                throughput --model qwen3-0.6b --load-format dummy --num-prompts 256 \
+                --min-len 100 --max-len 1024 --json "$OUT/throughput.json" ${THROUGHPUT_ARGS:-}
+            ;;
+    esac
+done
+cat "$OUT/summary.txt"
+exit "$status"
