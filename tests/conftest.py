@@ -1,12 +1,37 @@
-"""Shared fixtures: a tiny random Llama saved as an HF directory, and HF's own greedy output;
-and the `cuda` marker's skip (tests/gpu/)."""
+"""Shared fixtures: a tiny random Llama saved as an HF directory, HF's own greedy output,
+`wait_until` for what happens in another process, and the `cuda` marker's skip (tests/gpu/).
+
+The suite runs torch with one intra-op thread (and its subprocesses, through OMP_NUM_THREADS):
+its models are small, and on a busy machine (two cores, other jobs) OpenMP's threads wait for
+each other at every op, which makes a step ten times slower. Results do not depend on it.
+"""
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Only a hang takes this long: no test waits on a clock, this bound just turns a hang into a
+# failure. (The slowest wait here, under a loaded two-core machine, is a few seconds.)
+HANG_GUARD_S = 600.0
+
+
+def wait_until(done: Callable[[], bool], what: str) -> None:
+    """Poll `done` until it holds; fail only on a hang (see HANG_GUARD_S)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still waiting for {what} after {HANG_GUARD_S:.0f} s: a hang")
+        time.sleep(0.05)
+
 
 TINY_LLAMA = {
     "vocab_size": 384,

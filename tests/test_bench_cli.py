@@ -28,7 +28,27 @@ def test_latency_prints_the_figures_and_writes_json(
         assert field in printed
     report = json.loads(out.read_text())
     assert report["batch_size"] == 2 and len(report["e2e_latencies_s"]) == 2
-    assert report["mean_e2e_latency_ms"] > report["mean_prefill_ms"] > 0
+    # from the same requests: no request finishes before its first token, whatever the load
+    assert report["mean_e2e_latency_ms"] >= report["mean_prefill_ms"] > 0
+    assert report["mean_tpot_ms"] >= 0
+    assert report["median_e2e_latency_ms"] >= report["median_prefill_ms"]
+
+
+def test_latency_times_one_batch_from_its_streamed_requests() -> None:
+    from attnserve.bench.latency import time_batch
+    from attnserve.engine.arg_utils import EngineArgs
+    from attnserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs("llama-tiny", load_format="dummy", device="cpu"))
+    try:
+        times = time_batch(engine, [[1, 2, 3], [4, 5, 6, 7, 8]], output_len=5)
+    finally:
+        engine.shutdown()
+    assert len(times.first) == len(times.last) == 2
+    assert all(0 < f <= last for f, last in zip(times.first, times.last, strict=True))
+    assert times.e2e == max(times.last) and times.prefill == max(times.first)
+    assert times.tpot(5) >= 0
+    assert not engine.has_unfinished_requests()
 
 
 def test_latency_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -37,14 +57,15 @@ def test_latency_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_throughput_bound_breakdown_sweep_and_plot(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "throughput.json", tmp_path / "throughput.png"
     workload = ["--num-prompts", "4", "--min-len", "8", "--max-len", "16", "--profile-steps", "3"]
     extras = ["--batch-sizes", "2,4", "--json", str(out), "--plot", str(png)]
     assert main(["bench", "throughput", *TINY, *workload, *extras]) == 0
-    printed = capsys.readouterr().out
+    printed, errors = capfd.readouterr()
+    assert "USDT" not in errors  # the profiler's own lines on stderr
     for field in ("output_tokens_per_s", "bound_tokens_per_s", "fraction_of_bound", "host"):
         assert field in printed
     report = json.loads(out.read_text())

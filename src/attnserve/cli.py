@@ -1,24 +1,29 @@
-"""The `attnserve` command: generate, chat, serve, bench, backends — thin calls into the package."""
+"""The `attnserve` command: generate, chat, serve, backends, cache, bench — thin calls into the
+package."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
-
-import torch
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 from attnserve.attention.backends.abstract import AttentionSpec
 from attnserve.attention.selector import (
     backend_report,
-    default_device,
     describe_capabilities,
     get_attn_backend,
     registered_capabilities,
 )
 from attnserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from attnserve.model.model_cache import CacheEntry
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -59,34 +64,57 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"> {prompt}\n{output.outputs[0].text.strip()}\n")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"[{tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tokens/s]")
+    empty = any(not o.outputs[0].text.strip() for o in outputs)
+    if empty and not args.chat and getattr(llm.get_tokenizer(), "chat_template", None):
+        print(
+            "attnserve: an empty answer: this is a chat model; --chat applies its chat template",
+            file=sys.stderr,
+        )
     return 0
 
 
 def _chat(args: argparse.Namespace) -> int:
     from attnserve.engine.arg_utils import EngineArgs
     from attnserve.engine.llm_engine import LLMEngine
-    from attnserve.entrypoints.chat import chat_loop
+    from attnserve.entrypoints.chat import chat_loop, line_editing
 
     engine = LLMEngine(EngineArgs.from_cli_args(args))
-    chat_loop(engine, _sampling(args), sys.stdin, system=args.system)
+    try:
+        with line_editing():
+            chat_loop(engine, _sampling(args), _model_name(args), system=args.system)
+    finally:
+        engine.shutdown()
     return 0
 
 
+def _model_name(args: argparse.Namespace) -> str:
+    from attnserve.model.default_model import default_model_name
+
+    return str(args.model) if args.model is not None else default_model_name()
+
+
 def _serve(args: argparse.Namespace) -> int:
+    _check_port_free(args.host, args.port)  # before the server module loads anything
     from attnserve.entrypoints.openai.api_server import run_server
 
     return run_server(args)
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """ValueError unless `host`:`port` can be bound (as uvicorn binds it: SO_REUSEADDR)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(infos[0][4])
+    except OSError as error:
+        raise ValueError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+
+
 def _backends(args: argparse.Namespace) -> int:
-    spec = AttentionSpec(
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_size=args.head_size,
-        dtype=getattr(torch, args.dtype),
-        block_size=args.block_size,
-        device=args.device or default_device(),
-    )
+    spec = _backend_spec(args)
     print(f"attention backends for {spec}:")
     for name, reasons in backend_report([spec]).items():
         print(f"  {name:<16} {'can serve it' if not reasons else 'no: ' + '; '.join(reasons)}")
@@ -97,11 +125,71 @@ def _backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _backend_spec(args: argparse.Namespace) -> AttentionSpec:
+    """The spec `attnserve backends` reports on: the flags', or the model's where not given."""
+    from attnserve.engine.arg_utils import EngineArgs
+    from attnserve.model.config import ModelConfig, resolve_dtype
+
+    device = EngineArgs(device=args.device).resolved_device().type
+    shape = {"num_heads": 32, "num_kv_heads": 8, "head_size": 128, "sliding_window": None}
+    if args.model is not None:
+        config = ModelConfig.resolve(args.model, dtype=args.dtype, device=device)
+        shape = {
+            "num_heads": config.num_heads,
+            "num_kv_heads": config.num_kv_heads,
+            "head_size": config.head_size,
+            "sliding_window": config.sliding_window,
+        }
+    given = {name: getattr(args, name) for name in shape if getattr(args, name, None) is not None}
+    return AttentionSpec(
+        **(shape | given),
+        dtype=resolve_dtype(args.dtype, device),
+        block_size=args.block_size,
+        device=device,
+    )
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from attnserve.model.model_cache import cache_entries, cache_root, clear_cache
+
+    root = cache_root()
+    if args.cache_command == "clear":
+        removed = clear_cache(root)
+        print(f"removed {_count(removed)} ({_mb(removed)}) from {root}")
+        return 0
+    entries = cache_entries(root)
+    print(f"{root}: {_count(entries)}, {_mb(entries)}")
+    default = _default_model_entry()
+    for entry in entries:
+        note = "  (the default model)" if entry.path == default else ""
+        note = note if entry.finished else "  (unfinished: a conversion running or killed)"
+        print(f"  {entry.size_bytes / 1e6:9.1f} MB  {entry.path.name}{note}")
+    return 0
+
+
+def _default_model_entry() -> Path | None:
+    """The default model's cache path (converted or not), or None without its package."""
+    from attnserve.model.default_model import converted_dir, embedded_gguf_path
+
+    try:
+        return converted_dir(embedded_gguf_path())
+    except ValueError:
+        return None
+
+
+def _count(entries: Sequence[CacheEntry]) -> str:
+    return f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
+
+
+def _mb(entries: Sequence[CacheEntry]) -> str:
+    return f"{sum(e.size_bytes for e in entries) / 1e6:.1f} MB"
+
+
 def _engine_parser(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    commands: Commands,
     name: str,
     help_text: str,
-    positional_model: bool = True,
+    positional_model: bool = False,
 ) -> argparse.ArgumentParser:
     from attnserve.engine.arg_utils import EngineArgs
 
@@ -110,37 +198,77 @@ def _engine_parser(
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error on one line (the full usage is one --help away); its
+    subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+Commands: TypeAlias = "argparse._SubParsersAction[_Parser]"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnserve", description=__doc__)
+    parser = _Parser(prog="attnserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    generate = _engine_parser(commands, "generate", "generate text for prompts", False)
+    generate = _engine_parser(commands, "generate", "generate text for prompts")
     generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompts to answer")
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
     _add_sampling_args(generate, temperature=0.0)
     generate.set_defaults(handler=_generate)
-    chat = _engine_parser(commands, "chat", "chat with a model in the terminal", False)
+    chat = _engine_parser(commands, "chat", "chat with a model in the terminal")
     chat.add_argument("--system", default=None, help="system prompt")
     _add_sampling_args(chat, temperature=0.7)
     chat.set_defaults(handler=_chat)
     from attnserve.entrypoints.openai.cli_args import add_server_args
 
-    serve = _engine_parser(commands, "serve", "OpenAI-compatible server (loopback)")
+    serve = _engine_parser(commands, "serve", "OpenAI-compatible server (loopback)", True)
     add_server_args(serve)
     serve.set_defaults(handler=_serve)
+    _add_backends_command(commands)
+    _add_cache_command(commands)
+    _add_bench_commands(commands)
+    for leaf in _leaf_parsers(parser):
+        leaf.add_argument(
+            "--log-level",
+            default="warning",
+            choices=LOG_LEVELS,
+            help="attnserve's log level (default %(default)s)",
+        )
+    return parser
+
+
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+def _add_backends_command(commands: Commands) -> None:
     backends = commands.add_parser("backends", help="list attention backends and whether they fit")
-    backends.add_argument("--num-heads", type=int, default=32, help="query heads per layer")
-    backends.add_argument("--num-kv-heads", type=int, default=8, help="key/value heads per layer")
-    backends.add_argument("--head-size", type=int, default=128, help="attention head size")
     backends.add_argument(
-        "--dtype",
-        default="bfloat16" if torch.cuda.is_available() else "float32",
-        help="query and KV dtype",
+        "--model", default=None, help="take the attention shape from this model's config"
+    )
+    for flag, default, what in [
+        ("--num-heads", 32, "query heads per layer"),
+        ("--num-kv-heads", 8, "key/value heads per layer"),
+        ("--head-size", 128, "attention head size"),
+    ]:
+        backends.add_argument(
+            flag, type=int, default=None, help=f"{what} (default: the model's, else {default})"
+        )
+    backends.add_argument(
+        "--dtype", default="auto", help="query and KV dtype (auto: bfloat16 on CUDA, else float32)"
     )
     backends.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    backends.add_argument("--device", default=None, help="cpu or cuda (default: CUDA if any)")
+    backends.add_argument("--device", default="auto", help="cpu or cuda (default: CUDA if any)")
     backends.set_defaults(handler=_backends)
-    _add_bench_commands(commands)
-    return parser
+
+
+def _add_cache_command(commands: Commands) -> None:
+    cache = commands.add_parser("cache", help="the converted-model cache (~/.cache/attnserve)")
+    actions = cache.add_subparsers(dest="cache_command", required=True)
+    actions.add_parser("list", help="what the cache holds, and its size")
+    actions.add_parser("clear", help="remove everything it holds (converted again when used)")
+    cache.set_defaults(handler=_cache)
 
 
 BENCHMARKS = {
@@ -152,7 +280,7 @@ BENCHMARKS = {
 
 
 def _add_bench_commands(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    commands: Commands,
 ) -> None:
     """`attnserve bench NAME`: each benchmark module adds its own arguments and handler."""
     bench = commands.add_parser("bench", help="benchmarks")
@@ -161,14 +289,31 @@ def _add_bench_commands(
         importlib.import_module(module).add_arguments(names.add_parser(name, help=help_text))
 
 
+def _leaf_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """The parsers of the commands that run something (those without subcommands)."""
+    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not groups:
+        yield parser
+    for group in groups:
+        for subparser in group.choices.values():
+            yield from _leaf_parsers(subparser)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command; a user's mistake is one line on stderr and exit code 2."""
     args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", force=True
+    )
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
     except ValueError as error:
         print(f"attnserve: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -77,10 +77,12 @@ class ScheduledBatch:
 
 @dataclass
 class SampleOutput:
-    """One sequence's result: a token per draw, and log-probabilities where asked for."""
+    """One sequence's result: a token per draw, its log-probability, and the top-k where asked
+    for."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # per draw: the drawn token's and the top-k
+    token_logprobs: list[float] | None = None  # per draw: the drawn token's log-probability
     prompt_logprobs: list[TokenLogprobs] | None = None  # per new prompt token with a target
 
 

@@ -20,10 +20,7 @@ from attnserve.engine.llm_engine import LLMEngine
 from attnserve.engine.proc_client import ProcClient
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
-from tests.conftest import hf_greedy
-
-HANG_GUARD_S = 120  # only against a hang; nothing waits for time to pass
-
+from tests.conftest import HANG_GUARD_S, hf_greedy
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: Path) -> Iterator[AsyncLLMEngine]:

@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from attnserve import LLM, SamplingParams
 from tests.conftest import hf_greedy
@@ -109,6 +110,31 @@ def test_logprobs_and_prompt_logprobs(tiny_llama_dir: Path, prompts: list[list[i
     assert len(out.prompt_logprobs) == len(prompts[1])  # across chunks of 8
     for token, entry in zip(prompts[1][1:], out.prompt_logprobs[1:], strict=True):
         assert entry is not None and token in entry and all(v <= 0 for v in entry.values())
+
+
+def test_cumulative_logprob_is_filled_whether_logprobs_are_asked_or_not(
+    tiny_llama_dir: Path, prompts: list[list[int]]
+) -> None:
+    """As in vLLM: the sum of the drawn tokens' log-probabilities, here against HF's logits."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(tiny_llama_dir), device="cpu")
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    with_top = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    outputs = llm.generate(prompts[:2], [GREEDY, sampled], use_tqdm=False)
+    outputs += llm.generate(prompts[2:3], with_top, use_tqdm=False)  # alone: no top-k above
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs, strict=False):
+        completion = output.outputs[0]
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        drawn = [logprobs[len(prompt) - 1 + i, t] for i, t in enumerate(completion.token_ids)]
+        assert completion.cumulative_logprob == pytest.approx(float(sum(drawn)), abs=1e-4)
+    top = outputs[2].outputs[0]
+    assert top.logprobs is not None and outputs[0].outputs[0].logprobs is None
+    chosen = sum(entry[t] for t, entry in zip(top.token_ids, top.logprobs, strict=True))
+    assert top.cumulative_logprob == pytest.approx(chosen, abs=1e-6)
 
 
 def test_min_tokens_and_stop_token_ids(tiny_llama_dir: Path, expected: list[list[int]]) -> None:

@@ -1,19 +1,28 @@
-"""The embedded SmolLM2-135M-Instruct GGUF: conversion into the cache, the tokenizer, and a
-greedy answer that only a correctly dequantized and un-permuted model gets right. (Loading the
-GGUF through transformers takes over 30 s here, so the GGUF path's logits are checked against
-transformers on a tiny llama.cpp-style file in test_gguf.py, and here by the greedy answer.)"""
+"""The embedded SmolLM2-135M-Instruct GGUF: conversion into the cache (keyed by content, one
+writer at a time under the cache's lock), the tokenizer, and a greedy answer that only a
+correctly dequantized and un-permuted model gets right. (Loading the GGUF through transformers
+takes over 30 s here, so the GGUF path's logits are checked against transformers on a tiny
+llama.cpp-style file in test_gguf.py, and here by the greedy answer.)"""
 
 from __future__ import annotations
 
 import os
-import time
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from attnserve.model import ModelConfig, load_tokenizer
 from attnserve.model import default_model as default_model_module
-from attnserve.model.default_model import converted_dir, default_model_dir
+from attnserve.model.default_model import converted_dir, default_model_dir, embedded_gguf_path
+from attnserve.model.model_cache import (
+    LOCK_NAME,
+    STAGING_PREFIX,
+    clear_cache,
+    locked,
+    staging_dir,
+)
 from tests.model.paged import PagedRunner, load_reference_model
 
 # HuggingFaceTB/SmolLM2-135M-Instruct config.json
@@ -62,20 +71,66 @@ def test_cached_load_reuses_the_conversion(
         raise AssertionError("converted again")
 
     monkeypatch.setattr(default_model_module, "convert_gguf_to_cache_dir", fail)
-    start = time.perf_counter()
     path = default_model_dir(cache_dir)
-    assert time.perf_counter() - start < 1.0
-    assert sorted(p.name for p in Path(path).parent.iterdir()) == [Path(path).name]
+    assert sorted(p.name for p in Path(path).parent.iterdir()) == [LOCK_NAME, Path(path).name]
 
 
-def test_cache_key_follows_the_file(tmp_path: Path) -> None:
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"x")
-    first = converted_dir(gguf, tmp_path)
-    os.utime(gguf, ns=(0, 10**9))
-    assert converted_dir(gguf, tmp_path) != first
-    gguf.write_bytes(b"xy")
-    assert converted_dir(gguf, tmp_path).parent == tmp_path
+def test_cache_key_follows_the_content_not_the_install(tmp_path: Path) -> None:
+    first, second = tmp_path / "venv1" / "m.gguf", tmp_path / "venv2" / "m.gguf"
+    content = bytes(range(256)) * 10_000  # over 2 MiB: both ends are hashed
+    for gguf in (first, second):
+        gguf.parent.mkdir()
+        gguf.write_bytes(content)
+    os.utime(second, ns=(0, 10**9))
+    key = converted_dir(first, tmp_path)
+    assert converted_dir(second, tmp_path) == key  # another install, another mtime: one copy
+    second.write_bytes(content[:-1] + b"x")  # same size, a changed last byte
+    assert converted_dir(second, tmp_path) != key
+    assert key.parent == tmp_path and key.name.startswith(f"m-{len(content)}-")
+
+
+WRITER = """
+import sys
+from pathlib import Path
+from attnserve.model import default_model
+def convert(gguf, target):
+    raise SystemExit("converted although the lock's holder had written it")
+default_model.convert_gguf_to_cache_dir = convert
+print(default_model.default_model_dir(sys.argv[1]))
+"""
+
+
+def test_a_writer_waits_for_the_lock_and_then_finds_the_conversion(tmp_path: Path) -> None:
+    target = converted_dir(embedded_gguf_path(), tmp_path)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(["src", *sys.path])}
+    with locked(tmp_path):  # this process is converting: the other must wait, then reuse it
+        other = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        target.mkdir()
+        (target / "config.json").write_text("{}")
+    out, err = other.communicate()
+    assert other.returncode == 0, err
+    assert out.strip() == str(target)
+
+
+def test_a_killed_writers_staging_directory_is_removed_by_the_next(tmp_path: Path) -> None:
+    stale = tmp_path / f"{STAGING_PREFIX}model-123"
+    stale.mkdir(parents=True)
+    with locked(tmp_path):
+        fresh = staging_dir(tmp_path, "model")
+    assert not stale.exists() and fresh.is_dir() and fresh.name.startswith(STAGING_PREFIX)
+
+
+def test_clear_refuses_while_a_conversion_runs(tmp_path: Path) -> None:
+    (tmp_path / "entry").mkdir()
+    with locked(tmp_path), pytest.raises(ValueError, match="converting a model into"):
+        clear_cache(tmp_path)  # flock: another open of the lock file conflicts, as in a process
+    assert [e.path.name for e in clear_cache(tmp_path)] == ["entry"]
 
 
 def test_tokenizer_round_trip_and_chat_template(config: ModelConfig) -> None:

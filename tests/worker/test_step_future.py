@@ -9,8 +9,14 @@ from attnserve.worker.step_future import StepFuture
 
 
 def test_device_tokens_go_back_to_their_rows() -> None:
-    future = StepFuture(4, rows=[0, 2, 3], tokens=torch.tensor([11, 22, 33]))
-    assert future.result() == [SampleOutput([11]), None, SampleOutput([22]), SampleOutput([33])]
+    logprobs = torch.tensor([-0.5, -1.0, -2.0])
+    future = StepFuture(4, ([0, 2, 3], torch.tensor([11, 22, 33]), logprobs))
+    assert future.result() == [
+        SampleOutput([11], token_logprobs=[-0.5]),
+        None,
+        SampleOutput([22], token_logprobs=[-1.0]),
+        SampleOutput([33], token_logprobs=[-2.0]),
+    ]
     assert future.result() is future.result()  # read once
 
 

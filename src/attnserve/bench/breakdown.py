@@ -31,6 +31,10 @@ from attnserve.bench.common import Workload, sampling_params, sync
 from attnserve.engine.llm_engine import LLMEngine
 from attnserve.profiling import ATTENTION_RANGE, SAMPLING_RANGE
 
+# Kineto (the profiler's C++ side) prints a line to stderr at each profile's start and stop
+# unless its log level is past its last (5); it reads the variable once, when first started.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
 CATEGORIES = ("attention", "matmul", "sampling", "other", "host")
 MATMUL_OPS = frozenset(
     {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::bmm", "aten::baddbmm"}

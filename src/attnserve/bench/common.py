@@ -1,5 +1,6 @@
 """Helpers the offline benchmarks share: workloads of random token ids, timing `generate`, stage
-lines on stderr, printing / writing a result, and parsing lists of counts."""
+lines on stderr, checking where results go before a run, printing / writing a result, and
+parsing lists of counts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +57,15 @@ def sync() -> None:
 def progress(message: str) -> None:
     """Stage lines on stderr, so a run cut short by a time limit shows where it was."""
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def check_output_files(args: argparse.Namespace, *flags: str) -> None:
+    """ValueError unless each given output file's directory exists (checked before the run,
+    not after it)."""
+    for flag in flags:
+        path = getattr(args, flag)
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"--{flag}: the directory of {path!r} does not exist")
 
 
 def print_scalars(result: dict[str, Any]) -> None:

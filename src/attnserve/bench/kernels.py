@@ -37,7 +37,7 @@ from attnserve.attention import (
     build_step_layout,
     get_backend_cls,
 )
-from attnserve.bench.common import positive_ints
+from attnserve.bench.common import check_output_files, positive_ints
 from attnserve.bench.kernel_common import (
     BLOCK_SIZE,
     DECODE_SHAPES,
@@ -238,8 +238,8 @@ def _sweep_kernels(args: argparse.Namespace, copy_tbs: float) -> tuple[list[Any]
 
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        print("bench kernels needs a CUDA GPU")
-        return 1
+        raise ValueError("bench kernels needs a CUDA GPU; this machine has none")
+    check_output_files(args, "json")
     torch.manual_seed(0)
     copy_tbs = copy_bandwidth_tbs()
     print(f"device-to-device copy: {copy_tbs:.2f} TB/s (read + write)")

@@ -1,25 +1,80 @@
-"""`attnserve bench latency`: the latency of one batch, as vLLM's benchmark_latency measures it.
+"""`attnserve bench latency`: the latency of one batch, after vLLM's benchmark_latency.
 
 A batch of `--batch-size` requests of `--input-len` random token ids, each asking for exactly
 `--output-len` tokens (greedy, `ignore_eos`), submitted at once; one warm-up, then
-`--num-iters` iterations. Each iteration runs the batch twice on fresh prompts (so the prefix
-cache cannot help): with max_tokens=1, whose time is the prefill time (time to the batch's first
-token), then in full, whose time is the end-to-end latency. Time per output token =
-(end-to-end − prefill) / (output len − 1), per iteration.
+`--num-iters` iterations, each on fresh prompts (so the prefix cache cannot help). Every figure
+comes from the same requests, streamed through the engine: each request's first-token and
+last-token times (when the engine hands them out), from the batch's submission. Per iteration:
+prefill = when the last request of the batch got its first token, end-to-end = when the last
+request finished, time per output token = the mean over requests of (last − first token time) /
+(output len − 1), as vLLM's serving benchmark computes TPOT.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from attnserve.bench.common import Workload, print_scalars, progress, run_engine, write_json
+from attnserve.bench.common import check_output_files, print_scalars, progress, sync, write_json
 from attnserve.engine.arg_utils import EngineArgs
-from attnserve.entrypoints.llm import LLM
+from attnserve.engine.llm_engine import LLMEngine
+from attnserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass(frozen=True)
+class BatchTimes:
+    """One batch's requests' first-token and last-token times, in s from its submission."""
+
+    first: list[float]
+    last: list[float]
+
+    @property
+    def prefill(self) -> float:
+        return max(self.first)
+
+    @property
+    def e2e(self) -> float:
+        return max(self.last)
+
+    def tpot(self, output_len: int) -> float:
+        return statistics.fmean(
+            (last - first) / (output_len - 1)
+            for first, last in zip(self.first, self.last, strict=True)
+        )
+
+
+_request_ids = itertools.count()
+
+
+def time_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> BatchTimes:
+    """Run `prompts` at once (greedy, `ignore_eos`, `output_len` tokens each), streamed, and
+    note when each request's first and last tokens come out."""
+    params = SamplingParams(
+        temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    ids = [f"latency-{next(_request_ids)}" for _ in prompts]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    sync()
+    started = time.perf_counter()
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    while len(last) < len(ids):
+        outputs = engine.step()
+        now = time.perf_counter() - started
+        for output in outputs:
+            if output.outputs[0].token_ids:
+                first.setdefault(output.request_id, now)
+            if output.finished:
+                last[output.request_id] = now
+    return BatchTimes([first[i] for i in ids], [last[i] for i in ids])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +91,7 @@ def _check(args: argparse.Namespace) -> None:
     for flag in ("batch_size", "input_len", "output_len", "num_iters"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    check_output_files(args, "json")
 
 
 def _ms_summary(name: str, seconds: list[float]) -> dict[str, float]:
@@ -51,35 +107,40 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """The figures of the module docstring."""
     _check(args)
     progress("loading the engine")
-    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
-    vocab = llm.llm_engine.model_config.vocab_size
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    try:
+        return _figures(engine, args)
+    finally:
+        engine.shutdown()
+
+
+def _figures(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
+    vocab = engine.model_config.vocab_size
     rng = random.Random(args.seed)
 
-    def batch(output_len: int) -> Workload:
-        """Fresh random prompts, each asking for `output_len` tokens."""
+    def prompts() -> list[list[int]]:
+        """A fresh batch of random prompts."""
         length, size = args.input_len, args.batch_size
-        prompts = [[rng.randrange(vocab) for _ in range(length)] for _ in range(size)]
-        return Workload(prompts, [output_len] * size)
+        return [[rng.randrange(vocab) for _ in range(length)] for _ in range(size)]
 
     progress("warm-up")
-    run_engine(llm, batch(args.output_len))
-    prefill, e2e = [], []
+    time_batch(engine, prompts(), args.output_len)
+    batches = []
     for iteration in range(args.num_iters):
         progress(f"iteration {iteration + 1} of {args.num_iters}")
-        prefill.append(run_engine(llm, batch(1)))
-        e2e.append(run_engine(llm, batch(args.output_len)))
+        batches.append(time_batch(engine, prompts(), args.output_len))
+    e2e = [b.e2e for b in batches]
     result: dict[str, Any] = {
-        "model": llm.llm_engine.model_config.model,
-        "device": str(llm.llm_engine.config.device),
-        "backend": llm.llm_engine.executor.driver_runner.backend.get_name(),
+        "model": engine.model_config.model,
+        "device": str(engine.config.device),
+        "backend": engine.executor.driver_runner.backend.get_name(),
         "batch_size": args.batch_size,
         "input_len": args.input_len,
         "output_len": args.output_len,
     }
-    result |= _ms_summary("prefill", prefill)
+    result |= _ms_summary("prefill", [b.prefill for b in batches])
     if args.output_len > 1:
-        tpot = [(e - p) / (args.output_len - 1) for e, p in zip(e2e, prefill, strict=True)]
-        result |= _ms_summary("tpot", tpot)
+        result |= _ms_summary("tpot", [b.tpot(args.output_len) for b in batches])
     return result | _ms_summary("e2e_latency", e2e) | {"e2e_latencies_s": e2e}
 
 

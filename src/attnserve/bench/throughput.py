@@ -28,6 +28,7 @@ from attnserve.bench.bound import ModelShape, Rates, measure_rates, workload_bou
 from attnserve.bench.breakdown import Breakdown, format_breakdown, profile_engine
 from attnserve.bench.common import (
     Workload,
+    check_output_files,
     positive_ints,
     print_scalars,
     progress,
@@ -169,6 +170,7 @@ def _check(args: argparse.Namespace) -> None:
     too_many = [b for b in args.batch_sizes if b > args.max_num_seqs]
     if too_many:
         raise ValueError(f"--batch-sizes {too_many} exceed --max-num-seqs {args.max_num_seqs}")
+    check_output_files(args, "json", "plot")
 
 
 def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | None]:

@@ -105,7 +105,13 @@ class EngineArgs:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        return torch.device(self.device)
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device {self.device!r}: N in 'cuda:N' is a GPU number") from None
+        if device.type == "cuda":
+            _check_cuda_device(device)
+        return device
 
     def uses_core_process(self, default: bool) -> bool:
         """Whether the engine core runs in its own process(es): `engine_core_process`, or when
@@ -179,16 +185,25 @@ class EngineArgs:
         return config
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
-        """One `--flag-name` per field, with the field's help; `model` is positional (optional)
-        or `--model`."""
+    def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+        """One `--flag-name` per field, with the field's help; with `positional_model` the
+        model may also be given as an optional positional MODEL (as in `vllm serve MODEL`)."""
         hints = typing.get_type_hints(EngineArgs)
         for f in dataclasses.fields(EngineArgs):
             help_text = f.metadata["help"]
-            if f.name == "model" and positional_model:
-                parser.add_argument("model", nargs="?", default=None, help=help_text)
-                continue
             flag = "--" + f.name.replace("_", "-")
+            if f.name == "model":
+                if positional_model:
+                    parser.add_argument(
+                        "model",
+                        nargs="?",
+                        default=argparse.SUPPRESS,  # absent: keeps --model's value
+                        action=_ModelOnce,
+                        metavar="MODEL",
+                        help=f"{help_text}; or --model",
+                    )
+                parser.add_argument(flag, default=None, action=_ModelOnce, help=help_text)
+                continue
             kind = _cli_type(hints[f.name])
             if kind is bool:
                 parser.add_argument(
@@ -200,6 +215,38 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+class _ModelOnce(argparse.Action):
+    """Stores the model, given as MODEL or as --model; an error if given twice, differently."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = getattr(namespace, self.dest, None)
+        if given is not None and given != values:
+            parser.error(f"the model is given twice: {given!r} and {values!r}")
+        setattr(namespace, self.dest, values)
+
+
+def _check_cuda_device(device: torch.device) -> None:
+    """ValueError unless `device` is a GPU this process can use."""
+    if not torch.backends.cuda.is_built():
+        raise ValueError(
+            f"device {str(device)!r}: this torch ({torch.__version__}) is built without CUDA; "
+            "use device 'cpu' or install a CUDA build of torch"
+        )
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError(f"device {str(device)!r}: no GPU is visible; use device 'cpu'")
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"device {str(device)!r}: this host has {count} GPU(s), cuda:0..{count - 1}"
+        )
 
 
 def _cli_type(hint: Any) -> type:

@@ -56,7 +56,7 @@ class EngineCoreOutput:
     index: int
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None  # when the request asked for logprobs
-    cumulative_logprob: float | None = None  # when log-probabilities are computed
+    cumulative_logprob: float | None = None  # the sum of the drawn tokens' log-probabilities
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
 

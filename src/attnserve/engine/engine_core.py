@@ -56,7 +56,7 @@ def _output(seq: Sequence) -> EngineCoreOutput:
         index=seq.index,
         new_token_ids=[seq.token_ids[-1]] if drew else [],
         new_logprobs=[seq.logprobs[-1]] if drew and params.logprobs is not None else None,
-        cumulative_logprob=seq.cumulative_logprob if seq.logprobs else None,
+        cumulative_logprob=seq.cumulative_logprob,
         finish_reason=seq.finish_reason,
         prompt_logprobs=seq.prompt_logprobs
         if first and params.prompt_logprobs is not None

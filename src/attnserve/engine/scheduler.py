@@ -234,14 +234,13 @@ class Scheduler:
 
     def _accept(self, seq: Sequence, result: SampleOutput) -> list[Sequence]:
         tokens = result.token_ids
-        logprobs: list[TokenLogprobs] | list[None] = result.logprobs or [None] * len(tokens)
-        seq.resolve_pending(tokens[0], logprobs[0])
+        top: list[TokenLogprobs] | list[None] = result.logprobs or [None] * len(tokens)
+        chosen: list[float] | list[None] = result.token_logprobs or [None] * len(tokens)
+        draws = list(zip(tokens, chosen, top, strict=True))
+        seq.resolve_pending(*draws[0])
         if len(tokens) == 1:
             return [seq]
-        forks = [
-            seq.fork(seq.index + i, token, lp)
-            for i, (token, lp) in enumerate(zip(tokens[1:], logprobs[1:], strict=True), 1)
-        ]
+        forks = [seq.fork(seq.index + i, *draw) for i, draw in enumerate(draws[1:], 1)]
         position = self.running.index(seq) + 1
         self.running[position:position] = forks
         return [seq, *forks]

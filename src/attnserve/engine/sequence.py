@@ -85,20 +85,27 @@ class Sequence:
         """Hold the place of the token this step draws (see PENDING_TOKEN)."""
         self.token_ids.append(PENDING_TOKEN)
 
-    def resolve_pending(self, token: int, logprobs: TokenLogprobs | None) -> None:
+    def resolve_pending(
+        self, token: int, logprob: float | None, top: TokenLogprobs | None = None
+    ) -> None:
+        """Put the drawn `token` in the pending token's place, with its log-probability and,
+        where asked for, the top-k entries."""
         self.token_ids[-1] = token
-        self._add_logprobs(token, logprobs)
+        self._add_logprobs(logprob, top)
 
-    def append(self, token: int, logprobs: TokenLogprobs | None) -> None:
+    def append(self, token: int, logprob: float | None, top: TokenLogprobs | None = None) -> None:
         self.token_ids.append(token)
-        self._add_logprobs(token, logprobs)
+        self._add_logprobs(logprob, top)
 
-    def _add_logprobs(self, token: int, logprobs: TokenLogprobs | None) -> None:
-        if logprobs is not None:
-            self.logprobs.append(logprobs)
-            self.cumulative_logprob += logprobs[token]
+    def _add_logprobs(self, logprob: float | None, top: TokenLogprobs | None) -> None:
+        if logprob is not None:
+            self.cumulative_logprob += logprob
+        if top is not None:
+            self.logprobs.append(top)
 
-    def fork(self, index: int, token: int, logprobs: TokenLogprobs | None) -> Sequence:
+    def fork(
+        self, index: int, token: int, logprob: float | None, top: TokenLogprobs | None = None
+    ) -> Sequence:
         """A sibling that shares this sequence's computed blocks and continues with `token`."""
         child = Sequence(
             self.request_id,
@@ -110,7 +117,7 @@ class Sequence:
         child.num_forks_pending = 0
         child.num_computed_tokens = self.num_computed_tokens
         child.status = SequenceStatus.RUNNING
-        child.append(token, logprobs)
+        child.append(token, logprob, top)
         return child
 
     def reset_for_recompute(self) -> None:

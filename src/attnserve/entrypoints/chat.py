@@ -1,54 +1,141 @@
-"""The terminal chat: a conversation with the model, replies streamed as they are generated."""
+"""The terminal chat: a conversation with the model, replies streamed as they are generated.
+
+A one-line banner names the model and the commands (`/reset` forgets the conversation, `/quit`
+leaves); empty lines are ignored. In a terminal, lines are read through readline (editing, and
+a history kept in $XDG_STATE_HOME/attnserve/chat_history). Ctrl-C during a reply stops it (the
+request is aborted between engine steps, and what was shown stays in the conversation) and
+returns to the prompt; Ctrl-C at the prompt, a second Ctrl-C before a reply has stopped, Ctrl-D
+or `/quit` leave, on a new line.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
+import os
+import signal
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
 from typing import TextIO
 
 from attnserve.engine.llm_engine import LLMEngine
-from attnserve.sampling_params import SamplingParams
+from attnserve.sampling_params import RequestOutputKind, SamplingParams
+
+HISTORY_LENGTH = 1000
+Reader = Callable[[str], str]  # like `input`: the line without its newline; EOFError at the end
 
 
 def stream_reply(
-    engine: LLMEngine, request_id: str, prompt: str, params: SamplingParams, out: TextIO
+    engine: LLMEngine,
+    request_id: str,
+    prompt: str,
+    params: SamplingParams,
+    out: TextIO,
+    stop: threading.Event | None = None,
 ) -> str:
-    """Generate one reply, writing text to `out` as it arrives; return the whole reply."""
+    """Generate one reply, writing text to `out` as it arrives; return the text written. When
+    `stop` is set, the request is aborted after the step in progress."""
     engine.add_request(request_id, prompt, params)
     text = ""
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.request_id == request_id:
-                new = output.outputs[0].text
-                out.write(new[len(text) :])
-                out.flush()
-                text = new
-    out.write("\n")
+    try:
+        while engine.has_unfinished_requests() and not (stop is not None and stop.is_set()):
+            for output in engine.step():
+                if output.request_id == request_id:
+                    new = output.outputs[0].text
+                    out.write(new[len(text) :])
+                    out.flush()
+                    text = new
+    finally:
+        engine.abort_request(request_id)  # a no-op once the request has finished
+        out.write("\n")
     return text
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops(stop: threading.Event) -> Iterator[None]:
+    """While inside: the first Ctrl-C sets `stop`, a second raises KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only
+        return
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def history_file() -> Path:
+    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(state) / "attnserve" / "chat_history"
+
+
+@contextlib.contextmanager
+def line_editing() -> Iterator[None]:
+    """readline editing and a kept history for `input`, when stdin is a terminal."""
+    if not sys.stdin.isatty():
+        yield
+        return
+    import readline
+
+    path = history_file()
+    with contextlib.suppress(OSError):
+        readline.read_history_file(path)
+    readline.set_history_length(HISTORY_LENGTH)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
 
 
 def chat_loop(
     engine: LLMEngine,
     params: SamplingParams,
-    lines: Iterable[str],
+    model_name: str,
+    read: Reader = input,
     system: str | None = None,
     out: TextIO = sys.stdout,
 ) -> None:
-    """Read user turns from `lines` until it ends or a line is /quit; keep the history."""
+    """Read user turns with `read` until /quit, its end or Ctrl-C; keep the conversation."""
     tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
-    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    reader = iter(lines)
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
+    start = [{"role": "system", "content": system}] if system else []
+    history = list(start)
+    out.write(f"chatting with {model_name}: /reset forgets the conversation, /quit leaves\n")
     for turn in itertools.count():
-        out.write("you> ")
-        out.flush()
-        line = next(reader, None)
-        if line is None or line.strip() == "/quit":
+        try:
+            line = read("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            out.write("\n")
             return
-        history.append({"role": "user", "content": line.strip()})
+        if not line:
+            continue
+        if line == "/quit":
+            return
+        if line == "/reset":
+            history = list(start)
+            out.write("(the conversation is forgotten)\n")
+            continue
+        history.append({"role": "user", "content": line})
         prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
         out.write("model> ")
-        reply = stream_reply(engine, f"chat-{turn}", str(prompt), params, out)
+        stop = threading.Event()
+        try:
+            with _ctrl_c_stops(stop):
+                reply = stream_reply(engine, f"chat-{turn}", str(prompt), params, out, stop)
+        except KeyboardInterrupt:  # the second Ctrl-C: leave
+            return
         history.append({"role": "assistant", "content": reply})

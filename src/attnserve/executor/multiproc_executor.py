@@ -105,8 +105,9 @@ class MultiprocExecutor(ExecutorBase):
         if self._closing.is_set():
             return
         rank = sentinels[dead[0]]  # type: ignore[index]
-        self._broken = True
+        # the story first: a step checking health in between must not see a nameless failure
         self._failure = _death_message(rank, self.processes[rank - 1])
+        self._broken = True
         logger.error("%s; shutting the other ranks down", self._failure)
         if self.device.type == "cuda":
             abort_distributed_environment()  # a blocked NCCL collective would never return

@@ -80,12 +80,13 @@ class RayExecutor(ExecutorBase):
             ray.init(include_dashboard=False)
         world_size = config.parallel_config.world_size
         kind = "GPU" if device.type == "cuda" else "CPU"
-        if ray.cluster_resources().get(kind, 0) < world_size:
+        available = ray.cluster_resources().get(kind, 0)  # read before a shutdown below
+        if available < world_size:
             if self._owns_ray:
                 ray.shutdown()
             raise ValueError(
                 f"tensor_parallel_size {world_size} needs {world_size} {kind}s in the Ray "
-                f"cluster; it has {ray.cluster_resources().get(kind, 0):g}"
+                f"cluster; it has {available:g}"
             )
         resource = {kind: 1}
         self.placement_group = placement_group([dict(resource)] * world_size, strategy="PACK")

