@@ -138,7 +138,8 @@ def main() -> None:
     sync()
     timings["step"] = time.perf_counter() - start
     timings["host"] = timings["step"] - timings["model"] - timings["logits"]
-    print(f"{len(engine.engine_core.scheduler.running)} running, {args.steps} decode steps, ms per step:")
+    running = len(engine.engine_core.scheduler.running)
+    print(f"{running} running, {args.steps} decode steps, ms per step:")
     for key, total in timings.items():
         print(f"  {key:16s} {total / args.steps * 1e3:9.3f}")
     time_replay(engine)

@@ -22,6 +22,7 @@ from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.conftest import HANG_GUARD_S, hf_greedy
 
+
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: Path) -> Iterator[AsyncLLMEngine]:
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(str(tiny_llama_dir), device="cpu"))
