@@ -8,15 +8,20 @@ they run as one matmul; each rank stacks its own rows of each. `QKVParallelLinea
 query heads across ranks and the KV heads too, replicating them when there are fewer KV heads
 than ranks. Every sharded parameter has a `weight_loader` taking the FULL checkpoint weight (or
 one named part of a merged one) and copying only this rank's shard.
+
+How a layer holds its weight and multiplies with it is its `quant_method` (vLLM's name), taken
+from the quantization active while the model is built (`model.quantization`): plain weights in
+the model's dtype unless a quantization is active. The loaders write rows with `store_rows`, so
+a quantized weight is quantized (or kept as the checkpoint's) row range by row range.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnserve.distributed import (
@@ -28,27 +33,32 @@ from attnserve.distributed import (
 )
 from attnserve.model.layers.weight_utils import (
     LoadedWeight,
-    copy_checked,
     default_weight_loader,
     full_shape,
     narrow_weight,
     set_weight_attrs,
+    store_rows,
     weight_shape,
 )
+from attnserve.model.quantization import linear_method_for
 
 
 class Linear(nn.Module):
-    """A linear layer whose weights every rank holds whole (vLLM's ReplicatedLinear)."""
+    """A linear layer whose weights every rank holds whole (vLLM's ReplicatedLinear).
+    `shards_input`: its input features are split across ranks (row-parallel)."""
+
+    shards_input: ClassVar[bool] = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.quant_method = linear_method_for(self)
+        self.quant_method.create_weights(self, out_features, in_features)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 def _check_full_size(param: nn.Parameter, loaded: LoadedWeight, dim: int, expected: int) -> None:
@@ -69,7 +79,7 @@ def load_rank_slice(
         return
     _check_full_size(param, loaded, dim, full_shape(param)[dim])
     size = param.shape[dim]
-    copy_checked(param.data, narrow_weight(loaded, dim, tp_rank * size, size), what)
+    store_rows(param, 0, narrow_weight(loaded, dim, tp_rank * size, size), what)
 
 
 class ColumnParallelLinear(Linear):
@@ -99,7 +109,7 @@ class ColumnParallelLinear(Linear):
         load_rank_slice(param, loaded, 0, (self.tp_rank, self.tp_size), "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -161,8 +171,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     @staticmethod
     def _load_rows(param: nn.Parameter, loaded: LoadedWeight, spec: ShardSpec, base: int) -> None:
         rows = narrow_weight(loaded, 0, base + spec.rank_start, spec.local_size)
-        target = param.data.narrow(0, spec.local_offset, spec.local_size)
-        copy_checked(target, rows, "merged shard")
+        store_rows(param, spec.local_offset, rows, "merged shard")
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -199,6 +208,8 @@ class RowParallelLinear(Linear):
     """Y = X A^T with A's input columns split across ranks: each rank multiplies its slice of X
     (the output of a column-parallel layer) and an all-reduce sums the partial results."""
 
+    shards_input = True
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         self.tp_size = get_tensor_model_parallel_world_size()
         self.tp_rank = get_tensor_model_parallel_rank()
@@ -212,6 +223,6 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+            return self.quant_method.apply(self, x, self.bias)
+        out = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x, None))
         return out if self.bias is None else out + self.bias

@@ -2,13 +2,14 @@
 
 Each rank holds ceil(vocab / tp) rows (the last rank's tail is zero padding). The embedding
 looks up the tokens of its own range, zeroes the others and all-reduces; the LM head computes
-its slice of the logits, all-gathered (every rank then holds all logits, as in vLLM V1).
+its slice of the logits, all-gathered (every rank then holds all logits, as in vLLM V1). The
+table's `quant_method` (from the active quantization, as for linear layers) does the lookups and
+the logits' matmul.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnserve.distributed import (
@@ -19,12 +20,14 @@ from attnserve.distributed import (
 )
 from attnserve.model.layers.weight_utils import (
     LoadedWeight,
-    copy_checked,
     default_weight_loader,
     narrow_weight,
+    row_store,
     set_weight_attrs,
+    store_rows,
     weight_shape,
 )
+from attnserve.model.quantization import embedding_method_for
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,7 +39,8 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = -(-num_embeddings // self.tp_size)
         self.vocab_start = get_tensor_model_parallel_rank() * per_rank
         self.vocab_end = min(self.vocab_start + per_rank, num_embeddings)
-        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim), requires_grad=False)
+        self.quant_method = embedding_method_for(self)
+        self.quant_method.create_weights(self, per_rank, embedding_dim)
         set_weight_attrs(self.weight, self.weight_loader, (num_embeddings, embedding_dim))
 
     def weight_loader(
@@ -51,21 +55,21 @@ class VocabParallelEmbedding(nn.Module):
                 f"vocabulary is {self.num_embeddings}"
             )
         rows = self.vocab_end - self.vocab_start
-        param.data[rows:].zero_()
-        shard = narrow_weight(loaded, 0, self.vocab_start, rows)
-        copy_checked(param.data[:rows], shard, "embedding")
+        if row_store(param) is None:
+            param.data[rows:].zero_()  # a quantized table keeps unstored rows zero itself
+        store_rows(param, 0, narrow_weight(loaded, 0, self.vocab_start, rows), "embedding")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.quant_method.embedding(self, input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        embedded = F.embedding(local_ids, self.weight).masked_fill(outside[:, None], 0)
+        embedded = self.quant_method.embedding(self, local_ids).masked_fill(outside[:, None], 0)
         return tensor_model_parallel_all_reduce(embedded)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, embedding_dim] -> logits [N, num_embeddings] over the whole vocabulary."""
-        logits = tensor_model_parallel_all_gather(F.linear(hidden, self.weight))
+        logits = tensor_model_parallel_all_gather(self.quant_method.logits(self, hidden))
         return logits[..., : self.num_embeddings]
 
 

@@ -1,8 +1,10 @@
 """Checkpoint weights as the parallel layers' weight loaders see them.
 
 A loader always receives the FULL checkpoint weight and copies only its rank's shard. That
-weight is a tensor (GGUF, dummy, a single-rank safetensors load) or a lazy safetensors slice
-(`safe_open(...).get_slice`), so a rank reads only the rows or columns it keeps.
+weight is a tensor (GGUF, dummy, a single-rank safetensors load) or a lazy slice (safetensors'
+`safe_open(...).get_slice`, or a GGUF tensor kept quantized), so a rank reads only the rows or
+columns it keeps. Loaders write a parameter's rows with `store_rows`: a quantized parameter
+carries a `row_store` (set by its quantization method) that quantizes or keeps what it is given.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class LazySlice(Protocol):
 
 LoadedWeight = torch.Tensor | LazySlice
 WeightLoader = Callable[..., None]
+RowStore = Callable[[int, LoadedWeight], None]  # (first row of the parameter, the rows)
 
 
 def weight_shape(weight: LoadedWeight) -> tuple[int, ...]:
@@ -50,11 +53,41 @@ def copy_checked(target: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     target.copy_(loaded)
 
 
+def set_row_store(param: nn.Parameter, store: RowStore, source_dtype: torch.dtype) -> None:
+    """Route every write of `param`'s rows through `store`; dummy weights for it are drawn in
+    `source_dtype` (the model's) and stored the same way."""
+    param.row_store = store  # type: ignore[attr-defined]
+    param.source_dtype = source_dtype  # type: ignore[attr-defined]
+
+
+def row_store(param: nn.Parameter) -> RowStore | None:
+    store: RowStore | None = getattr(param, "row_store", None)
+    return store
+
+
+def store_rows(param: nn.Parameter, offset: int, rows: LoadedWeight, what: str) -> None:
+    """Write `rows` into `param`'s rows from `offset` on (through its `row_store`, if any)."""
+    store = row_store(param)
+    if store is not None:
+        if offset + weight_shape(rows)[0] > param.shape[0]:
+            raise ValueError(f"{what}: {weight_shape(rows)[0]} rows from {offset} overflow "
+                             f"{tuple(param.shape)}")
+        store(offset, rows)
+        return
+    loaded = full_weight(rows)
+    copy_checked(param.data.narrow(0, offset, loaded.shape[0]), loaded, what)
+
+
 def default_weight_loader(param: nn.Parameter, weight: LoadedWeight, name: str = "") -> None:
     """A replicated parameter takes the whole weight, without a copy when it can."""
+    if weight_shape(weight) != tuple(param.shape):
+        raise ValueError(
+            f"{name}: checkpoint shape {weight_shape(weight)} != {tuple(param.shape)}"
+        )
+    if row_store(param) is not None:
+        store_rows(param, 0, weight, name)
+        return
     loaded = full_weight(weight)
-    if param.shape != loaded.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} != {tuple(param.shape)}")
     if loaded.dtype == param.dtype and loaded.device == param.device:
         param.data = loaded  # no copy (a memory-mapped checkpoint stays mapped)
     else:
