@@ -29,6 +29,7 @@ from attnserve.config import (
 from attnserve.engine_config import EngineConfig
 from attnserve.model.config import LOAD_FORMATS, ModelConfig
 from attnserve.model.default_model import default_model_dir
+from attnserve.model.quantization.resolve import check_quantization
 
 
 def _arg(default: Any, help_text: str) -> Any:
@@ -51,6 +52,13 @@ class EngineArgs:
     )
     load_format: str = _arg(
         "auto", f"one of {', '.join(LOAD_FORMATS)} (dummy: random weights, no files read)"
+    )
+    quantization: str | None = _arg(
+        None,
+        "how the weights are kept: gguf (a GGUF file's Q4_0/Q4_1/Q8_0 matrices stay packed; "
+        "CPU), fp8 (FP8 E4M3 linear layers, per-channel weight and per-token activation "
+        "scales; needs FP8 matmuls), none (GGUF dequantized to the dtype); default: the "
+        "checkpoint's own (GGUF packed on the CPU, dequantized on CUDA; FP8 checkpoints in fp8)",
     )
     max_model_len: int | None = _arg(
         None, "longest sequence, prompt and output (default: the model's max_position_embeddings)"
@@ -121,6 +129,7 @@ class EngineArgs:
         return default or self.data_parallel_size > 1
 
     def create_engine_config(self) -> EngineConfig:
+        check_quantization(self.quantization)
         device = self.resolved_device()
         parallel_config = self.create_parallel_config(device)
         cache_config = CacheConfig(
@@ -138,6 +147,7 @@ class EngineArgs:
             load_format=self.load_format,
             max_model_len=self.max_model_len,
             device=device.type,
+            quantization=self.quantization,
         )
         model_config.verify_with_parallel_config(parallel_config.tensor_parallel_size)
         scheduler_config = SchedulerConfig(

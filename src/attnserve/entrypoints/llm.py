@@ -20,7 +20,7 @@ Message = dict[str, str]
 
 class LLM:
     """An engine for offline batched generation. Keyword arguments are `EngineArgs` fields
-    (block_size, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization,
+    (quantization: "gguf", "fp8", "none" or None for the checkpoint's own; block_size, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization,
     tensor_parallel_size, distributed_executor_backend, ...)."""
 
     def __init__(
@@ -34,6 +34,7 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         load_format: str = "auto",
+        quantization: str | None = None,
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
@@ -47,6 +48,7 @@ class LLM:
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             load_format=load_format,
+            quantization=quantization,
             seed=seed,
             **kwargs,
         )

@@ -1,9 +1,10 @@
 """`ModelConfig`: what model to serve, resolved and validated up front.
 
 `ModelConfig.resolve` accepts a local HF directory, a `.gguf` file or a dummy preset name (the
-embedded default model is resolved to its directory where the engine's configs are made, in
+embedded default model is resolved to its files where the engine's configs are made, in
 `EngineArgs`). Every problem (missing path, unknown preset, unsupported architecture or rope
-type, bad dtype, too long `max_model_len`) is a ValueError raised here, before any weight is read.
+type, bad dtype, too long `max_model_len`, a quantization the checkpoint or device cannot run) is
+a ValueError raised here, before any weight is read.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 
 from attnserve.model.layers.rotary_embedding import SUPPORTED_ROPE_TYPES
 from attnserve.model.presets import DUMMY_PRESETS, preset_hf_config
+from attnserve.model.quantization.fp8_checkpoint import fp8_checkpoint_scheme
+from attnserve.model.quantization.resolve import resolve_quantization
 from attnserve.model.registry import check_architecture
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -72,6 +75,7 @@ class ModelConfig:
     max_model_len: int
     load_format: str
     weights_path: str | None
+    quantization: str | None = None  # "gguf", "fp8" or None (see model.quantization.resolve)
 
     @property
     def architecture(self) -> str:
@@ -145,6 +149,7 @@ class ModelConfig:
         load_format: str = "auto",
         max_model_len: int | None = None,
         device: str = "cpu",
+        quantization: str | None = None,
     ) -> ModelConfig:
         """Validate the request and build the config (see the module docstring)."""
         if load_format not in LOAD_FORMATS:
@@ -152,6 +157,7 @@ class ModelConfig:
         torch_dtype = resolve_dtype(dtype, device)
         hf_config, default_tokenizer, load_format, weights_path = _describe(model, load_format)
         _validate_hf_config(hf_config)
+        checkpoint = _checkpoint_quantization(hf_config, load_format, weights_path)
         return cls(
             model=model,
             hf_config=hf_config,
@@ -160,7 +166,23 @@ class ModelConfig:
             max_model_len=_resolve_max_model_len(hf_config, max_model_len),
             load_format=load_format,
             weights_path=weights_path,
+            quantization=resolve_quantization(quantization, checkpoint, device, torch_dtype),
         )
+
+
+def _checkpoint_quantization(
+    hf_config: Any, load_format: str, weights_path: str | None
+) -> str | None:
+    """The weights' own kind: "gguf" (a GGUF file, or GGUF blocks in safetensors), "fp8" (an
+    FP8 `quantization_config`; dummy weights of such a model are quantized on load) or None."""
+    if load_format == "gguf":
+        return "gguf"
+    if load_format == "safetensors" and weights_path is not None:
+        from attnserve.model.loader.weights import has_gguf_blocks
+
+        if has_gguf_blocks(weights_path):
+            return "gguf"
+    return "fp8" if fp8_checkpoint_scheme(hf_config, weights_path) is not None else None
 
 
 def _describe(model: str, load_format: str) -> tuple[Any, str | None, str, str | None]:

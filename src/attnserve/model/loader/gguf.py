@@ -1,4 +1,5 @@
-"""Reading llama.cpp GGUF files: metadata -> HF LlamaConfig, tensors -> dequantized HF weights.
+"""Reading llama.cpp GGUF files: metadata -> HF LlamaConfig, tensors -> HF weights, dequantized
+or (with `keep_packed`) Q4_0/Q4_1/Q8_0 matrices kept as their blocks (`GGUFWeight`).
 
 Tensor names map to HF names (token_embd -> model.embed_tokens, blk.N.attn_q -> ...q_proj, ...).
 llama.cpp's converter interleaves the rows of q_proj/k_proj within each head (for its rotary
@@ -18,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from attnserve.model.layers.rotary_embedding import rope_inv_freq
+from attnserve.model.quantization.gguf_blocks import PACKED_TYPES, GGUFWeight, from_blocks
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -154,10 +156,23 @@ def _rope_scaling(reader: Any, head_dim: int, theta: float) -> dict[str, Any] | 
     return scaling
 
 
-def iter_gguf_weights(path: str | Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight of the file as (HF name, float32 tensor), dequantized and un-permuted."""
+def _read(tensor: Any, shape: tuple[int, ...], keep_packed: bool) -> torch.Tensor | GGUFWeight:
+    """One tensor's weight: its blocks when kept packed (a matrix of a packed type), else
+    dequantized to float32."""
     from gguf.quants import dequantize
 
+    qtype = tensor.tensor_type.name
+    if keep_packed and qtype in PACKED_TYPES and len(shape) == 2:
+        return from_blocks(qtype, tensor.data, (shape[0], shape[1]))
+    array = dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
+
+
+def iter_gguf_weights(
+    path: str | Path, hf_config: Any, keep_packed: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """Every weight of the file as (HF name, weight), un-permuted: float32 tensors, or with
+    `keep_packed` the blocks of Q4_0/Q4_1/Q8_0 matrices."""
     reader = _reader(str(path))
     heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
     for tensor in tqdm(reader.tensors, desc=f"Loading {Path(path).name}", unit="tensor"):
@@ -166,13 +181,18 @@ def iter_gguf_weights(path: str | Path, hf_config: Any) -> Iterator[tuple[str, t
         name = hf_name(tensor.name)
         shape = tuple(reversed([int(d) for d in tensor.shape]))
         try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-            weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
+            weight = _read(tensor, shape, keep_packed)
         except (ValueError, RuntimeError) as error:
             raise ValueError(
                 f"GGUF file {path}: tensor {tensor.name} is truncated or corrupt ({error})"
             ) from error
         projection = name.split(".")[-2]
         if projection in heads:
-            weight = unpermute_rows(weight, int(heads[projection]))
+            weight = _unpermuted(weight, int(heads[projection]))
         yield name, weight
+
+
+def _unpermuted(weight: torch.Tensor | GGUFWeight, num_heads: int) -> torch.Tensor | GGUFWeight:
+    if isinstance(weight, GGUFWeight):
+        return weight.rows(lambda rows: unpermute_rows(rows, num_heads))
+    return unpermute_rows(weight, num_heads)

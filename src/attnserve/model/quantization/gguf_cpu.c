@@ -2,17 +2,20 @@
  *
  * A weight row is K/32 blocks of the file's own layout: float16 d, [float16 m (Q4_1),] then the
  * codes (Q4: 16 bytes, code j in the low nibble of byte j and code j + 16 in its high nibble;
- * Q8_0: 32 int8). The codes are widened to float32 in registers and multiplied with float32
- * activations, so the product is the dequantized weight's (w = d * (q - 8), d * q + m, d * q) up
- * to the order of the float32 sums: out[m][n] = sum_g d_g * (x_g . q_g) + c_g * sum(x_g), with
- * c_g = -8 d_g (Q4_0), m_g (Q4_1) or 0 (Q8_0).
+ * Q8_0: 32 int8). A weight is d * (q - 8) (Q4_0), d * q + m (Q4_1) or d * q (Q8_0), so
+ *   x . w = sum_g  d_g * (x_g . q_g)  +  c_g * sum(x_g),   c_g = -8 d_g, m_g or 0.
  *
- * `gguf_mm` runs tiles of up to 4 activation rows against each weight row (the codes of a block
- * are widened once per tile); `gguf_dequantize` writes rows of the float32 weight (for large
- * batches, which multiply it with the BLAS). Both split the weight rows over OpenMP threads:
- * built with -fopenmp against libgomp.so.1, they share torch's own OpenMP runtime.
+ * `gguf_mm` (few activation rows: decode steps) quantizes each 32-block of an activation row to
+ * int8 with its own scale s (s = max|x| / 127, as llama.cpp's Q8 blocks) and computes x_g . q_g
+ * as s * (xq_g . q_g) in integers (maddubs: 32 products a block), the block sums sum(x_g) in
+ * float32 from x itself; tiles of up to 4 activation rows share each widened weight block.
+ * `gguf_dequantize` writes rows of the float32 weight, rounded as the reference dequantizer
+ * rounds them (for large batches, which multiply it with the BLAS, and for lookups).
+ * Both split the weight rows over OpenMP threads: built with -fopenmp against libgomp.so.1,
+ * they share torch's own OpenMP runtime.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,17 +58,70 @@ static inline void widen_codes(int type, const uint8_t *codes, __m256 w[4]) {
     w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
 }
 
+/* The 32 codes of a block as bytes in element order: Q4 codes 0..15 (unsigned), Q8_0 int8. */
+static inline __m256i code_bytes(int type, const uint8_t *codes) {
+    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)codes);
+    const __m128i packed = _mm_loadu_si128((const __m128i *)codes);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_and_si128(packed, mask);
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    return _mm256_set_m128i(high, low);
+}
+
+/* Eight float32 partial sums of unsigned bytes u times signed bytes s (32 products). */
+static inline __m256 byte_dot(__m256i u, __m256i s) {
+    const __m256i pairs = _mm256_maddubs_epi16(u, s);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
 /* c_g of the module comment: the factor of a block's activation sum. */
 static inline float sum_factor(int type, const uint8_t *block, float d) {
     return type == Q4_0 ? -8.0f * d : type == Q4_1 ? half_at(block + 2) : 0.0f;
 }
 
-/* out[m * ldo] = x row m . weight row, for the `rows` (1..TILE) activation rows of a tile. */
+/* Activation rows, quantized per block (see the module comment). */
+typedef struct {
+    int8_t *codes;  /* [M, K] */
+    float *scale;   /* [M, K/32] */
+    float *sum;     /* [M, K/32], of x itself */
+} QuantizedRows;
+
+static int quantize_rows(const float *x, int64_t M, int64_t K, QuantizedRows *q) {
+    const int64_t blocks = M * (K / BLOCK);
+    q->codes = malloc((size_t)(M * K));
+    q->scale = malloc(sizeof(float) * blocks);
+    q->sum = malloc(sizeof(float) * blocks);
+    if (q->codes == NULL || q->scale == NULL || q->sum == NULL) return -1;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *xb = x + b * BLOCK;
+        float amax = 0.0f, sum = 0.0f;
+        for (int j = 0; j < BLOCK; j++) {
+            const float a = xb[j] < 0 ? -xb[j] : xb[j];
+            amax = a > amax ? a : amax;
+            sum += xb[j];
+        }
+        const float scale = amax / 127.0f;
+        const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        for (int j = 0; j < BLOCK; j++) q->codes[b * BLOCK + j] = (int8_t)lrintf(xb[j] * inverse);
+        q->scale[b] = scale;
+        q->sum[b] = sum;
+    }
+    return 0;
+}
+
+static void free_rows(QuantizedRows *q) {
+    free(q->codes);
+    free(q->scale);
+    free(q->sum);
+}
+
+/* out[m * ldo] = activation row m . weight row, for the `rows` (1..TILE) rows of a tile. */
 static inline __attribute__((always_inline)) void tile_dot(
-    int type, const uint8_t *row, int64_t groups, const float *x, int64_t ldx,
+    int type, const uint8_t *row, int64_t groups, const int8_t *xq, const float *xscale,
     const float *xsum, int rows, float *out, int64_t ldo) {
     const int bytes = block_bytes(type);
     const int code_offset = type == Q4_1 ? 4 : 2;
+    const int64_t K = groups * BLOCK;
     __m256 acc[TILE];
     float offset[TILE];
     for (int m = 0; m < rows; m++) {
@@ -76,34 +132,33 @@ static inline __attribute__((always_inline)) void tile_dot(
         const uint8_t *block = row + g * bytes;
         const float d = half_at(block);
         const float c = sum_factor(type, block, d);
-        __m256 w[4];
-        widen_codes(type, block + code_offset, w);
-        const __m256 scale = _mm256_set1_ps(d);
+        const __m256i codes = code_bytes(type, block + code_offset);
+        /* maddubs takes one unsigned operand: Q8_0 multiplies |q| by x carrying q's sign */
+        const __m256i unsigned_codes = type == Q8_0 ? _mm256_sign_epi8(codes, codes) : codes;
         for (int m = 0; m < rows; m++) {
-            const float *xb = x + m * ldx + g * BLOCK;
-            __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
-            p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), p);
-            p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), p);
-            p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), p);
-            acc[m] = _mm256_fmadd_ps(scale, p, acc[m]);
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + m * K + g * BLOCK));
+            if (type == Q8_0) x = _mm256_sign_epi8(x, codes);
+            const __m256 scale = _mm256_set1_ps(d * xscale[m * groups + g]);
+            acc[m] = _mm256_fmadd_ps(scale, byte_dot(unsigned_codes, x), acc[m]);
             if (type != Q8_0) offset[m] += c * xsum[m * groups + g];
         }
     }
     for (int m = 0; m < rows; m++) out[m * ldo] = hsum(acc[m]) + offset[m];
 }
 
-static void row_times_tiles(int type, const uint8_t *row, int64_t groups, const float *x,
-                            int64_t M, const float *xsum, float *out, int64_t N) {
+static void row_times_tiles(int type, const uint8_t *row, int64_t groups,
+                            const QuantizedRows *x, int64_t M, float *out, int64_t N) {
     const int64_t K = groups * BLOCK;
     for (int64_t m0 = 0; m0 < M; m0 += TILE) {
         const int rows = M - m0 < TILE ? (int)(M - m0) : TILE;
-        const float *xt = x + m0 * K;
-        const float *st = xsum + m0 * groups;
+        const int8_t *xt = x->codes + m0 * K;
+        const float *st = x->scale + m0 * groups;
+        const float *sum = x->sum + m0 * groups;
         float *ot = out + m0 * N;
         /* constant `type` and `rows` in each call: the compiler specialises the loops */
         switch (type * 8 + rows) {
 #define CASE(T, R) \
-    case T * 8 + R: tile_dot(T, row, groups, xt, K, st, R, ot, N); break;
+    case T * 8 + R: tile_dot(T, row, groups, xt, st, sum, R, ot, N); break;
             CASE(Q4_0, 1) CASE(Q4_0, 2) CASE(Q4_0, 3) CASE(Q4_0, 4)
             CASE(Q4_1, 1) CASE(Q4_1, 2) CASE(Q4_1, 3) CASE(Q4_1, 4)
             CASE(Q8_0, 1) CASE(Q8_0, 2) CASE(Q8_0, 3) CASE(Q8_0, 4)
@@ -113,26 +168,20 @@ static void row_times_tiles(int type, const uint8_t *row, int64_t groups, const 
 }
 
 /* out [M, N] = x [M, K] times the weight [N, K] (rows of `row_stride` bytes) transposed.
- * Returns 0, or -1 for a bad type or K. */
+ * Returns 0, or -1 for a bad type or K, or no memory. */
 int gguf_mm(int type, const float *x, int64_t M, int64_t K, const uint8_t *weight, int64_t N,
             int64_t row_stride, float *out) {
     if (type < Q4_0 || type > Q8_0 || K % BLOCK) return -1;
-    const int64_t groups = K / BLOCK;
-    float *xsum = NULL;
-    if (type != Q8_0) {
-        xsum = malloc(sizeof(float) * M * groups);
-        if (xsum == NULL) return -1;
-        for (int64_t i = 0; i < M * groups; i++) {
-            float s = 0.0f;
-            for (int j = 0; j < BLOCK; j++) s += x[i * BLOCK + j];
-            xsum[i] = s;
-        }
+    QuantizedRows xq;
+    if (quantize_rows(x, M, K, &xq) != 0) {
+        free_rows(&xq);
+        return -1;
     }
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        row_times_tiles(type, weight + n * row_stride, groups, x, M, xsum, out + n, N);
+        row_times_tiles(type, weight + n * row_stride, K / BLOCK, &xq, M, out + n, N);
     }
-    free(xsum);
+    free_rows(&xq);
     return 0;
 }
 

@@ -64,7 +64,7 @@ def _built(compiler: str) -> Path:
     handle, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
-        command = [compiler, *FLAGS, str(SOURCE), "-o", staging]
+        command = [compiler, *FLAGS, str(SOURCE), "-o", staging, "-lm"]
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(staging, target)  # whole or absent, whoever builds at the same time
     finally:

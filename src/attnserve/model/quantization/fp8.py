@@ -1,0 +1,172 @@
+"""`quantization="fp8"`: linear layers in FP8 E4M3 through `torch._scaled_mm` (cuBLASLt on
+Ada/Hopper; torch's CPU kernel elsewhere).
+
+Weights are E4M3 [N, K] with one float32 scale per output row (w = q * scale); activations are
+quantized per token as they come (scale = the row's max |x| / 448), and `_scaled_mm` applies
+both scales to its float32 accumulators, row-wise (scale_a [M, 1], scale_b [1, N]; the weight
+goes in transposed, a column-major view). The embedding and the LM head stay in the model's
+dtype, as in vLLM.
+
+Float checkpoints (and dummy weights) are quantized on load, each rank's rows as its loader
+stores them, so no full-precision copy of the model is ever held. FP8 checkpoints
+(`fp8_checkpoint`) load as they are: per-tensor scales become per-row ones (the same value on
+each row of the tensor, exactly), sharded with the rows (column-parallel) or whole on every rank
+(row-parallel, whose rows are not split).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnserve.model.layers.weight_utils import (
+    LoadedWeight,
+    default_weight_loader,
+    full_shape,
+    full_weight,
+    set_row_store,
+    set_weight_attrs,
+)
+from attnserve.model.quantization.base import LinearMethod, QuantizationConfig
+from attnserve.model.quantization.fp8_checkpoint import Fp8Scheme
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (E4M3 [M, K], float32 scales [M]) with x ~ q * scale per row."""
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+    quantized = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return quantized, scale.squeeze(-1)
+
+
+def _matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """cuBLASLt's row-wise scaling writes bfloat16 only; the CPU kernel writes any float."""
+    return torch.bfloat16 if device.type == "cuda" else dtype
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [M, K] (float) times the E4M3 weight [N, K] (float32 row scales [N]) transposed."""
+    if x.shape[0] == 0:
+        return x.new_empty(0, weight.shape[0])
+    quantized, x_scale = quantize_rows(x)
+    out = torch._scaled_mm(
+        quantized,
+        weight.t(),
+        scale_a=x_scale[:, None],
+        scale_b=weight_scale[None, :],
+        out_dtype=_matmul_dtype(x.dtype, x.device),
+    ).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+class Fp8LinearMethod(LinearMethod):
+    """`scheme` None: quantize float weights on load; else load the checkpoint's FP8 weights
+    and their scales (named `scheme.scale_name`)."""
+
+    def __init__(self, scheme: Fp8Scheme | None) -> None:
+        self.scheme = scheme
+        self.scale_name = "weight_scale" if scheme is None else scheme.scale_name
+
+    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+        device = torch.get_default_device()
+        if device.type == "cuda" and (in_features % 16 or out_features % 16):
+            raise ValueError(
+                f"fp8: a {out_features} x {in_features} linear layer; FP8 matmuls on CUDA need "
+                "both sizes to be multiples of 16"
+            )
+        weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), False)
+        layer.weight = weight
+        scale = torch.full((out_features,), float("nan"), dtype=torch.float32)
+        if self.scheme is None:
+            layer.register_buffer(self.scale_name, scale)
+            set_row_store(weight, self._quantizing_store(layer), torch.get_default_dtype())
+            return
+        param = nn.Parameter(scale, requires_grad=False)
+        layer.register_parameter(self.scale_name, param)
+        set_row_store(weight, self._fp8_store(layer), torch.get_default_dtype())
+        set_weight_attrs(param, self._scale_loader(layer), (out_features,))
+
+    def _quantizing_store(self, layer: nn.Module) -> object:
+        def store(offset: int, rows: LoadedWeight) -> None:
+            loaded = full_weight(rows).to(layer.weight.device)
+            if loaded.dtype == FP8:
+                raise ValueError("fp8: an FP8 weight in a checkpoint without an FP8 "
+                                 "quantization_config (its scales are unknown)")
+            _check_columns(layer, loaded)
+            quantized, scale = quantize_rows(loaded)
+            layer.weight.data[offset : offset + len(loaded)] = quantized
+            getattr(layer, self.scale_name)[offset : offset + len(loaded)] = scale
+
+        return store
+
+    @staticmethod
+    def _fp8_store(layer: nn.Module) -> object:
+        def store(offset: int, rows: LoadedWeight) -> None:
+            loaded = full_weight(rows)
+            if loaded.dtype != FP8:
+                raise ValueError(f"fp8: an FP8 checkpoint holds a {loaded.dtype} linear weight "
+                                 "(mixed precision checkpoints are not supported)")
+            _check_columns(layer, loaded)
+            layer.weight.data[offset : offset + len(loaded)] = loaded
+
+        return store
+
+    @staticmethod
+    def _scale_loader(layer: nn.Module) -> object:
+        """Loads a per-tensor or per-row scale: sharded like the weight's rows, except in a
+        row-parallel layer (whose rows every rank holds whole)."""
+
+        def load(param: nn.Parameter, loaded: LoadedWeight, shard_id: str | None = None) -> None:
+            values = full_weight(loaded).float().reshape(-1)
+            if shard_id is not None:
+                rows = layer.specs[shard_id].full_size
+            else:
+                rows = full_shape(layer.weight)[0]
+            if values.numel() == 1:
+                values = values.expand(rows)
+            param.full_shape = (full_shape(layer.weight)[0],)  # type: ignore[attr-defined]
+            if layer.shards_input:
+                default_weight_loader(param, values, "weight scale")
+            else:
+                layer.weight_loader(param, values, shard_id)
+
+        return load
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        scale: torch.Tensor = getattr(layer, self.scale_name)
+        if torch.isnan(scale).any():
+            raise ValueError(
+                f"fp8: a {type(layer).__name__} has rows without a {self.scale_name} "
+                "(the checkpoint lacks some scales)"
+            )
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fp8_linear(x, layer.weight, getattr(layer, self.scale_name), bias)
+
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        scale: torch.Tensor = getattr(layer, self.scale_name)
+        return layer.weight.float() * scale[:, None]
+
+
+def _check_columns(layer: nn.Module, loaded: torch.Tensor) -> None:
+    if loaded.dim() != 2 or loaded.shape[1] != layer.weight.shape[1]:
+        raise ValueError(
+            f"fp8: checkpoint rows {tuple(loaded.shape)} do not fit the weight "
+            f"{tuple(layer.weight.shape)}"
+        )
+
+
+class Fp8Config(QuantizationConfig):
+    name = "fp8"
+
+    def __init__(self, scheme: Fp8Scheme | None) -> None:
+        self.scheme = scheme
+
+    def linear_method(self, layer: nn.Module) -> LinearMethod:
+        return Fp8LinearMethod(self.scheme)

@@ -1,0 +1,123 @@
+"""Which FP8 checkpoints load as they are: the `quantization_config` of an HF model directory.
+
+Loaded: FP8 E4M3 linear weights with float32 scales per tensor or per output channel (w = q *
+scale), activations quantized dynamically per token, in either of two spellings:
+- `quant_method: "fp8"` (vLLM's / HF's): scales in `weight_scale` (per tensor, as vLLM writes
+  them) or `weight_scale_inv` (HF's name; per tensor when `weight_block_size` is null);
+- `quant_method: "compressed-tensors"`, `format: "float-quantized"` (llm-compressor's FP8
+  "dynamic" scheme): one config group of 8-bit float weights, strategy "tensor" or "channel",
+  symmetric, with dynamic per-token 8-bit float input activations; scales in `weight_scale`.
+Everything else is refused by name (block-wise scales, static activation scales, weight-only
+schemes, other methods, `ignore` lists beyond the LM head, which is never quantized here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED = "FP8 checkpoints with per-tensor or per-channel scales"
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """An FP8 checkpoint's layout: the name of its weight scales."""
+
+    scale_name: str = "weight_scale"
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    converted: dict[str, Any] = config.to_dict()
+    return converted
+
+
+def fp8_checkpoint_scheme(hf_config: Any, weights_path: str | None = None) -> Fp8Scheme | None:
+    """The scheme of an FP8 `quantization_config` (None without one); ValueError for a
+    quantization this loader cannot take (see the module docstring). `weights_path` (a
+    safetensors directory) tells the scales' name for `quant_method: "fp8"`."""
+    raw = getattr(hf_config, "quantization_config", None)
+    if raw is None:
+        return None
+    config = _as_dict(raw)
+    method = str(config.get("quant_method", ""))
+    if method == "fp8":
+        return _fp8_scheme(config, weights_path)
+    if method == "compressed-tensors":
+        _check_compressed_tensors(config)
+        return Fp8Scheme()
+    raise ValueError(f"the checkpoint is quantized with {method!r}; attnserve loads {SUPPORTED}")
+
+
+def _fp8_scheme(config: dict[str, Any], weights_path: str | None) -> Fp8Scheme:
+    if config.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(
+            f"FP8 activation_scheme {config['activation_scheme']!r}: only 'dynamic' (per-token "
+            "activation scales) is supported"
+        )
+    if config.get("weight_block_size"):
+        raise ValueError(
+            f"block-wise FP8 (weight_block_size {config['weight_block_size']}) is not "
+            f"supported; attnserve loads {SUPPORTED}"
+        )
+    _check_ignored(config.get("modules_to_not_convert"))
+    inverse = weights_path is not None and _has_tensor_suffix(weights_path, ".weight_scale_inv")
+    return Fp8Scheme("weight_scale_inv" if inverse else "weight_scale")
+
+
+def _check_compressed_tensors(config: dict[str, Any]) -> None:
+    fmt = config.get("format")
+    if fmt != "float-quantized":
+        raise ValueError(f"compressed-tensors format {fmt!r}: only 'float-quantized' is supported")
+    groups = list((config.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ValueError(f"compressed-tensors with {len(groups)} config groups: one is supported")
+    group = groups[0]
+    if "Linear" not in (group.get("targets") or []):
+        raise ValueError(f"compressed-tensors targets {group.get('targets')}: 'Linear' expected")
+    _check_weights(group.get("weights") or {})
+    _check_activations(group.get("input_activations"))
+    _check_ignored(config.get("ignore"))
+
+
+def _check_weights(weights: dict[str, Any]) -> None:
+    wanted = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False}
+    wrong = {k: weights.get(k) for k, v in wanted.items() if weights.get(k) != v}
+    if wrong or weights.get("strategy") not in ("tensor", "channel"):
+        raise ValueError(
+            f"compressed-tensors weights {weights}: only symmetric 8-bit float weights with "
+            "strategy 'tensor' or 'channel' are supported"
+        )
+
+
+def _check_activations(activations: dict[str, Any] | None) -> None:
+    if activations is None:
+        raise ValueError("weight-only FP8 (no input_activations) is not supported")
+    if (
+        activations.get("type") != "float"
+        or activations.get("num_bits") != 8
+        or not activations.get("dynamic")
+        or activations.get("strategy") != "token"
+    ):
+        raise ValueError(
+            f"compressed-tensors input_activations {activations}: only dynamic per-token 8-bit "
+            "float activations are supported"
+        )
+
+
+def _check_ignored(ignored: list[str] | None) -> None:
+    extra = [name for name in ignored or [] if name != "lm_head"]
+    if extra:
+        raise ValueError(f"FP8 checkpoint keeps {extra} unquantized: not supported (only lm_head)")
+
+
+def _has_tensor_suffix(directory: str, suffix: str) -> bool:
+    from safetensors import safe_open
+
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            if any(name.endswith(suffix) for name in handle.keys()):  # noqa: SIM118
+                return True
+    return False

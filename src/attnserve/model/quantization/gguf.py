@@ -1,0 +1,216 @@
+"""`quantization="gguf"`: a GGUF file's Q4_0, Q4_1 and Q8_0 tensors stay packed (CPU only).
+
+Each linear layer (and the vocabulary table, with the tied LM head) collects the rows its loader
+stores: `GGUFWeight`s for packed tensors, float tensors for the rest (F32, F16, K-quants ...,
+which the loader dequantizes as before). After loading, runs of rows of one kind become one
+segment: a packed segment multiplies by the blocks themselves, a dense one by `F.linear` in the
+model's dtype; a layer of several segments (e.g. q in Q4_0, k in Q4_1, v in Q8_0, or a v in
+F16) concatenates their outputs. Packed segments run the native kernels (`gguf_cpu`): up to
+`NATIVE_MAX_ROWS` activation rows straight from the blocks, more by dequantizing a chunk of
+weight rows at a time into float32 for the BLAS; without the native kernels, through torch's
+int4 kernel (`gguf_torch`). Vocabulary lookups dequantize only the looked-up rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnserve.model.layers.weight_utils import LoadedWeight, full_weight, set_row_store
+from attnserve.model.quantization.base import EmbeddingMethod, LinearMethod, QuantizationConfig
+from attnserve.model.quantization.gguf_blocks import GGUFWeight
+from attnserve.model.quantization.gguf_cpu import native_dequantize, native_library, native_mm
+from attnserve.model.quantization.gguf_torch import TorchPackedWeight
+
+NATIVE_MAX_ROWS = 32  # above, dequantized chunks through the BLAS are faster (docs/quantization)
+CHUNK_FLOATS = 1 << 20  # weight floats dequantized at a time for the BLAS path
+
+
+@dataclass(frozen=True)
+class PackedSegment:
+    """Rows kept as GGUF blocks."""
+
+    weight: GGUFWeight
+    torch_packed: TorchPackedWeight | None  # set where the native kernels are unavailable
+
+    @classmethod
+    def of(cls, weight: GGUFWeight) -> PackedSegment:
+        packed = None if native_library() is not None else TorchPackedWeight.from_gguf(weight)
+        return cls(GGUFWeight(weight.qtype, weight.blocks.contiguous()), packed)
+
+    @property
+    def rows(self) -> int:
+        return self.weight.shape[0]
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] times the rows transposed, in float32 [M, rows]."""
+        if self.torch_packed is not None:
+            return self.torch_packed.mm(x)
+        if x.shape[0] <= NATIVE_MAX_ROWS:
+            return native_mm(x, self.weight)
+        return self._through_blas(x.to(torch.float32))
+
+    def _through_blas(self, x: torch.Tensor) -> torch.Tensor:
+        rows, cols = self.weight.shape
+        step = max(1, CHUNK_FLOATS // cols)
+        out_t = torch.empty(rows, x.shape[0], dtype=torch.float32)
+        chunk = torch.empty(min(step, rows), cols, dtype=torch.float32)
+        for start in range(0, rows, step):
+            size = min(step, rows - start)
+            dense = native_dequantize(self.weight[start : start + size], chunk[:size])
+            torch.mm(dense, x.t(), out=out_t[start : start + size])
+        return out_t.t()
+
+    def dense(self) -> torch.Tensor:
+        return self.weight.dequantize()
+
+
+@dataclass(frozen=True)
+class DenseSegment:
+    """Rows of a tensor the file does not hold packed, in the model's dtype."""
+
+    weight: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.weight.shape[0])
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+    def dense(self) -> torch.Tensor:
+        return self.weight.float()
+
+
+Segment = PackedSegment | DenseSegment
+
+
+class _Staged:
+    """The rows a layer's loader stored, by first row, until `segments` joins them."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, what: str) -> None:
+        self.rows, self.cols, self.dtype, self.what = rows, cols, dtype, what
+        self.parts: dict[int, GGUFWeight | torch.Tensor] = {}
+
+    def store(self, offset: int, loaded: LoadedWeight) -> None:
+        part = loaded if isinstance(loaded, GGUFWeight) else full_weight(loaded)
+        if part.shape[1] != self.cols:
+            raise ValueError(f"{self.what}: {part.shape[1]} columns, the layer has {self.cols}")
+        self.parts[offset] = part
+
+    def segments(self, pad_to: int | None = None) -> list[Segment]:
+        """The stored rows as segments (ValueError unless they tile the rows exactly); with
+        `pad_to`, rows up to it that were never stored are zero (a rank's vocabulary tail)."""
+        segments: list[Segment] = []
+        covered = 0
+        for offset in sorted(self.parts):
+            if offset != covered:
+                raise ValueError(f"{self.what}: rows {covered}..{offset - 1} were never loaded")
+            part = self.parts[offset]
+            segments = _appended(segments, part, self.dtype)
+            covered += part.shape[0]
+        if pad_to is not None and covered < pad_to:
+            segments = _appended(segments, self._zeros(segments, pad_to - covered), self.dtype)
+            covered = pad_to
+        if covered != self.rows:
+            raise ValueError(f"{self.what}: {covered} rows loaded, the layer has {self.rows}")
+        self.parts.clear()
+        return segments
+
+    def _zeros(self, segments: list[Segment], rows: int) -> GGUFWeight | torch.Tensor:
+        """`rows` zero rows of the last segment's kind (all-zero blocks have d = m = 0)."""
+        last = segments[-1] if segments else None
+        if isinstance(last, PackedSegment):
+            blocks = last.weight.blocks
+            return GGUFWeight(last.weight.qtype, blocks.new_zeros(rows, *blocks.shape[1:]))
+        return torch.zeros(rows, self.cols, dtype=self.dtype)
+
+
+def _appended(
+    segments: list[Segment], part: GGUFWeight | torch.Tensor, dtype: torch.dtype
+) -> list[Segment]:
+    """`segments` with `part` joined to the last one when of the same kind, else appended."""
+    last = segments[-1] if segments else None
+    if isinstance(part, GGUFWeight):
+        if isinstance(last, PackedSegment) and last.weight.qtype == part.qtype:
+            blocks = torch.cat([last.weight.blocks, part.blocks])
+            return [*segments[:-1], PackedSegment.of(GGUFWeight(part.qtype, blocks))]
+        return [*segments, PackedSegment.of(part)]
+    dense = part.to(dtype)
+    if isinstance(last, DenseSegment):
+        return [*segments[:-1], DenseSegment(torch.cat([last.weight, dense]))]
+    return [*segments, DenseSegment(dense)]
+
+
+def _placeholder(layer: nn.Module, rows: int, cols: int, what: str) -> None:
+    """The layer's `weight`, shape only (meta): its loader's rows go to `layer.gguf_staged`."""
+    dtype = torch.get_default_dtype()
+    layer.weight = nn.Parameter(torch.empty(rows, cols, device="meta"), requires_grad=False)
+    layer.gguf_staged = _Staged(rows, cols, dtype, what)
+    layer.gguf_segments = []
+    set_row_store(layer.weight, layer.gguf_staged.store, dtype)
+
+
+def segments_mm(segments: list[Segment], x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times the segments' rows transposed, in x's dtype [M, rows]."""
+    if len(segments) == 1:
+        return segments[0].mm(x).to(x.dtype)
+    return torch.cat([s.mm(x).to(x.dtype) for s in segments], dim=-1)
+
+
+def segments_dense(segments: list[Segment]) -> torch.Tensor:
+    return torch.cat([s.dense() for s in segments])
+
+
+class GGUFLinearMethod(LinearMethod):
+    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+        _placeholder(layer, out_features, in_features, type(layer).__name__)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.gguf_segments = layer.gguf_staged.segments()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = segments_mm(layer.gguf_segments, x)
+        return out if bias is None else out + bias
+
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        return segments_dense(layer.gguf_segments)
+
+
+class GGUFEmbeddingMethod(EmbeddingMethod):
+    """The table as one packed GGUFWeight (lookups dequantize the rows they take) or dense."""
+
+    def create_weights(self, layer: nn.Module, rows: int, dim: int) -> None:
+        _placeholder(layer, rows, dim, "embedding")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.gguf_segments = layer.gguf_staged.segments(pad_to=layer.weight.shape[0])
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        (table,) = layer.gguf_segments  # one tensor, padded with rows of its own kind
+        dtype = layer.gguf_staged.dtype
+        if isinstance(table, DenseSegment):
+            return F.embedding(ids, table.weight)
+        picked = GGUFWeight(table.weight.qtype, table.weight.blocks[ids.reshape(-1)])
+        if native_library() is None:
+            return picked.dequantize().to(dtype).view(*ids.shape, -1)
+        return native_dequantize(picked).to(dtype).view(*ids.shape, -1)
+
+    def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return segments_mm(layer.gguf_segments, hidden)
+
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        return segments_dense(layer.gguf_segments)
+
+
+class GGUFConfig(QuantizationConfig):
+    name = "gguf"
+
+    def linear_method(self, layer: nn.Module) -> LinearMethod:
+        return GGUFLinearMethod()
+
+    def embedding_method(self, layer: nn.Module) -> EmbeddingMethod:
+        return GGUFEmbeddingMethod()
