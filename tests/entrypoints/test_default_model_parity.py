@@ -1,5 +1,7 @@
 """Greedy parity on the embedded default model: attnserve's tokens and log-probabilities equal
-HF transformers' on the same (GGUF-dequantized, fp32) weights, whatever the block size and batch."""
+HF transformers' on the same (GGUF-dequantized, fp32) weights, whatever the block size and batch.
+The engine runs dequantized too (quantization "none"): the packed default runs its decode
+matmuls on int8-rounded activations (tests/model/test_gguf_quality.py compares the two)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[LLM, Any, list[list[int]]]:
-    llm = LLM(device="cpu", max_model_len=512)
+    llm = LLM(device="cpu", max_model_len=512, quantization="none")
     tokenizer = llm.get_tokenizer()
     chats = [
         tokenizer.apply_chat_template(
@@ -71,7 +73,13 @@ def test_greedy_tokens_equal_hf(
     max_num_seqs: int,
 ) -> None:
     _, _, prompts = reference
-    llm = LLM(device="cpu", max_model_len=512, block_size=block_size, max_num_seqs=max_num_seqs)
+    llm = LLM(
+        device="cpu",
+        max_model_len=512,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        quantization="none",
+    )
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_tokens
 

@@ -128,7 +128,7 @@ def test_tiny_gguf_config(tiny_gguf: tuple[Path, Any]) -> None:
 
 def test_tiny_gguf_logits_match_hf(tiny_gguf: tuple[Path, Any]) -> None:
     path, hf_model = tiny_gguf
-    config = ModelConfig.resolve(str(path), dtype="float32")
+    config = ModelConfig.resolve(str(path), dtype="float32", quantization="none")
     model = load_reference_model(config)
     seqs = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 6)]
     ours = PagedRunner(model, config, max_len=9, seqs=2).run(

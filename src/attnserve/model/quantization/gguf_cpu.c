@@ -5,10 +5,11 @@
  * Q8_0: 32 int8). A weight is d * (q - 8) (Q4_0), d * q + m (Q4_1) or d * q (Q8_0), so
  *   x . w = sum_g  d_g * (x_g . q_g)  +  c_g * sum(x_g),   c_g = -8 d_g, m_g or 0.
  *
- * `gguf_mm` (few activation rows: decode steps) quantizes each 32-block of an activation row to
- * int8 with its own scale s (s = max|x| / 127, as llama.cpp's Q8 blocks) and computes x_g . q_g
- * as s * (xq_g . q_g) in integers (maddubs: 32 products a block), the block sums sum(x_g) in
- * float32 from x itself; tiles of up to 4 activation rows share each widened weight block.
+ * `gguf_mm` (few activation rows: decode steps) rounds each 32-block of an activation row to
+ * int16 with its own scale s (s = max|x| / 32767: a relative rounding of 1.5e-5 of the block's
+ * largest value, where llama.cpp's int8 blocks round to 4e-3) and computes x_g . q_g as
+ * s * (xq_g . q_g) in integers (madd_epi16: 16 products an instruction), the block sums sum(x_g)
+ * in float32 from x itself; tiles of up to 4 activation rows share each widened weight block.
  * `gguf_dequantize` writes rows of the float32 weight, rounded as the reference dequantizer
  * rounds them (for large batches, which multiply it with the BLAS, and for lookups).
  * Both split the weight rows over OpenMP threads: built with -fopenmp against libgomp.so.1,
@@ -58,20 +59,25 @@ static inline void widen_codes(int type, const uint8_t *codes, __m256 w[4]) {
     w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
 }
 
-/* The 32 codes of a block as bytes in element order: Q4 codes 0..15 (unsigned), Q8_0 int8. */
-static inline __m256i code_bytes(int type, const uint8_t *codes) {
-    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)codes);
+/* The 32 codes of a block as int16 in element order, [0..15] and [16..31]. */
+static inline void code_words(int type, const uint8_t *codes, __m256i words[2]) {
+    if (type == Q8_0) {
+        words[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)codes));
+        words[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + 16)));
+        return;
+    }
     const __m128i packed = _mm_loadu_si128((const __m128i *)codes);
     const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(packed, mask);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-    return _mm256_set_m128i(high, low);
+    words[0] = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
+    words[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
 }
 
-/* Eight float32 partial sums of unsigned bytes u times signed bytes s (32 products). */
-static inline __m256 byte_dot(__m256i u, __m256i s) {
-    const __m256i pairs = _mm256_maddubs_epi16(u, s);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+/* Eight float32 partial sums of 32 int16 products (each pair sum fits int32: |q| <= 128). */
+static inline __m256 word_dot(const __m256i words[2], const int16_t *x) {
+    const __m256i low = _mm256_madd_epi16(words[0], _mm256_loadu_si256((const __m256i *)x));
+    const __m256i high =
+        _mm256_madd_epi16(words[1], _mm256_loadu_si256((const __m256i *)(x + 16)));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
 }
 
 /* c_g of the module comment: the factor of a block's activation sum. */
@@ -81,14 +87,14 @@ static inline float sum_factor(int type, const uint8_t *block, float d) {
 
 /* Activation rows, quantized per block (see the module comment). */
 typedef struct {
-    int8_t *codes;  /* [M, K] */
+    int16_t *codes; /* [M, K] */
     float *scale;   /* [M, K/32] */
     float *sum;     /* [M, K/32], of x itself */
 } QuantizedRows;
 
 static int quantize_rows(const float *x, int64_t M, int64_t K, QuantizedRows *q) {
     const int64_t blocks = M * (K / BLOCK);
-    q->codes = malloc((size_t)(M * K));
+    q->codes = malloc(sizeof(int16_t) * M * K);
     q->scale = malloc(sizeof(float) * blocks);
     q->sum = malloc(sizeof(float) * blocks);
     if (q->codes == NULL || q->scale == NULL || q->sum == NULL) return -1;
@@ -100,9 +106,9 @@ static int quantize_rows(const float *x, int64_t M, int64_t K, QuantizedRows *q)
             amax = a > amax ? a : amax;
             sum += xb[j];
         }
-        const float scale = amax / 127.0f;
+        const float scale = amax / 32767.0f;
         const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-        for (int j = 0; j < BLOCK; j++) q->codes[b * BLOCK + j] = (int8_t)lrintf(xb[j] * inverse);
+        for (int j = 0; j < BLOCK; j++) q->codes[b * BLOCK + j] = (int16_t)lrintf(xb[j] * inverse);
         q->scale[b] = scale;
         q->sum[b] = sum;
     }
@@ -117,7 +123,7 @@ static void free_rows(QuantizedRows *q) {
 
 /* out[m * ldo] = activation row m . weight row, for the `rows` (1..TILE) rows of a tile. */
 static inline __attribute__((always_inline)) void tile_dot(
-    int type, const uint8_t *row, int64_t groups, const int8_t *xq, const float *xscale,
+    int type, const uint8_t *row, int64_t groups, const int16_t *xq, const float *xscale,
     const float *xsum, int rows, float *out, int64_t ldo) {
     const int bytes = block_bytes(type);
     const int code_offset = type == Q4_1 ? 4 : 2;
@@ -132,14 +138,12 @@ static inline __attribute__((always_inline)) void tile_dot(
         const uint8_t *block = row + g * bytes;
         const float d = half_at(block);
         const float c = sum_factor(type, block, d);
-        const __m256i codes = code_bytes(type, block + code_offset);
-        /* maddubs takes one unsigned operand: Q8_0 multiplies |q| by x carrying q's sign */
-        const __m256i unsigned_codes = type == Q8_0 ? _mm256_sign_epi8(codes, codes) : codes;
+        __m256i words[2];
+        code_words(type, block + code_offset, words);
         for (int m = 0; m < rows; m++) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + m * K + g * BLOCK));
-            if (type == Q8_0) x = _mm256_sign_epi8(x, codes);
             const __m256 scale = _mm256_set1_ps(d * xscale[m * groups + g]);
-            acc[m] = _mm256_fmadd_ps(scale, byte_dot(unsigned_codes, x), acc[m]);
+            const __m256 dot = word_dot(words, xq + m * K + g * BLOCK);
+            acc[m] = _mm256_fmadd_ps(scale, dot, acc[m]);
             if (type != Q8_0) offset[m] += c * xsum[m * groups + g];
         }
     }
@@ -151,7 +155,7 @@ static void row_times_tiles(int type, const uint8_t *row, int64_t groups,
     const int64_t K = groups * BLOCK;
     for (int64_t m0 = 0; m0 < M; m0 += TILE) {
         const int rows = M - m0 < TILE ? (int)(M - m0) : TILE;
-        const int8_t *xt = x->codes + m0 * K;
+        const int16_t *xt = x->codes + m0 * K;
         const float *st = x->scale + m0 * groups;
         const float *sum = x->sum + m0 * groups;
         float *ot = out + m0 * N;
