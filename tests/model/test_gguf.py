@@ -153,3 +153,25 @@ def test_unpermute_matches_transformers(gguf_name: str, heads: int) -> None:
     np.testing.assert_array_equal(
         unpermute_rows(torch.from_numpy(permuted), heads).numpy(), expected
     )
+
+
+def test_tiny_gguf_packed_logits_close_to_hf(tiny_gguf: tuple[Path, Any]) -> None:
+    """Kept packed (the CPU default), every GGUF type of the file runs through its own kernel;
+    the decode rows' activations are rounded to int16 per block, so the logits stay within
+    3e-4 of HF's on the dequantized weights (of logits up to 3)."""
+    path, hf_model = tiny_gguf
+    config = ModelConfig.resolve(str(path), dtype="float32")
+    assert config.quantization == "gguf"
+    model = load_reference_model(config)
+    layer = model.model.layers[0]
+    kinds = [getattr(s.weight, "qtype", "dense") for s in layer.self_attn.qkv_proj.gguf_segments]
+    assert kinds == ["Q4_0", "Q4_1", "Q8_0"]
+    assert [type(s).__name__ for s in layer.self_attn.o_proj.gguf_segments] == ["DenseSegment"]
+    seqs = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 6)]
+    ours = PagedRunner(model, config, max_len=9, seqs=2).run(
+        [s[:-2].tolist() for s in seqs], [s[-2:].tolist() for s in seqs]
+    )
+    for seq, logits in zip(seqs, ours, strict=True):
+        with torch.no_grad():
+            expected = hf_model(seq[None]).logits[0]
+        torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
