@@ -59,6 +59,8 @@ def test_an_unusable_device_is_one_line_and_exit_code_2() -> None:
         (["generate", *TINY, "--max-tokens", "0", "hi"], "max_tokens"),
         (["generate", *TINY, "--device", "mps", "hi"], "device must be"),
         (["generate", *TINY, "hello"], "this model has no tokenizer"),
+        (["generate", *TINY, "--quantization", "int4", "hi"], "unknown quantization 'int4'"),
+        (["generate", *TINY, "--quantization", "gguf", "hi"], "'gguf' needs GGUF weights"),
         (["chat", *TINY], "this model has no chat template"),
         (["serve", *TINY, "--port", "70000"], "--port must be in 0..65535"),
         (["bench", "latency", *TINY, "--json", "/no/such/dir/x.json"], "/no/such/dir/x.json"),

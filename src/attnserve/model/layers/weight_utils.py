@@ -44,7 +44,7 @@ def narrow_weight(weight: LoadedWeight, dim: int, start: int, size: int) -> torc
 
 
 def full_weight(weight: LoadedWeight) -> torch.Tensor:
-    return weight if isinstance(weight, torch.Tensor) else weight[:]
+    return weight if isinstance(weight, torch.Tensor) else weight[...]
 
 
 def copy_checked(target: torch.Tensor, loaded: torch.Tensor, what: str) -> None:

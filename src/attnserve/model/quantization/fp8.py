@@ -129,7 +129,7 @@ class Fp8LinearMethod(LinearMethod):
             else:
                 rows = full_shape(layer.weight)[0]
             if values.numel() == 1:
-                values = values.expand(rows)
+                values = values.expand(rows).contiguous()
             param.full_shape = (full_shape(layer.weight)[0],)  # type: ignore[attr-defined]
             if layer.shards_input:
                 default_weight_loader(param, values, "weight scale")

@@ -37,7 +37,8 @@ class GGUFWeight:
         return list(self.shape)
 
     def __getitem__(self, index: Any) -> GGUFWeight:
-        """Rows and/or columns by unit-step slices; columns must start and end on blocks."""
+        """Rows and/or columns by unit-step slices (or `...`: all); columns must start and end
+        on blocks."""
         rows, cols = _two_slices(index)
         start, stop, _ = cols.indices(self.shape[1])
         if start % BLOCK or stop % BLOCK:
@@ -81,6 +82,8 @@ class GGUFWeight:
 
 
 def _two_slices(index: Any) -> tuple[slice, slice]:
+    if index is Ellipsis:
+        return slice(None), slice(None)
     parts = index if isinstance(index, tuple) else (index,)
     if len(parts) > 2 or not all(isinstance(p, slice) and p.step in (None, 1) for p in parts):
         raise ValueError(f"a GGUF weight is sliced by up to two unit-step slices, got {index!r}")
