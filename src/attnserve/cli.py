@@ -277,6 +277,7 @@ BENCHMARKS = {
     "kernels": ("attnserve.bench.kernels", "attention kernels' decode/prefill speed (GPU)"),
     "serve": ("attnserve.bench.serve", "a running server's throughput, TTFT, TPOT, ITL, latency"),
     "quality": ("attnserve.bench.quality", "a quantization's greedy tokens against a reference run"),
+    "llamacpp": ("attnserve.bench.llamacpp", "single-stream chat decode against llama.cpp (CPU)"),
 }
 
 

@@ -109,13 +109,13 @@ def test_exact_paths_against_dequantized_product(qtype: str, n: int, k: int, m: 
     tolerance = {"atol": 2e-5 * exact.abs().max().item(), "rtol": 0}
     torch.testing.assert_close(TorchPackedWeight.from_gguf(weight).mm(x).double(), exact, **tolerance)
     if native_library() is not None and m > NATIVE_MAX_ROWS:
-        torch.testing.assert_close(PackedSegment.of(weight).mm(x).double(), exact, **tolerance)
+        torch.testing.assert_close(PackedSegment(weight).mm(x).double(), exact, **tolerance)
 
 
 @native
 def test_segment_picks_the_blas_path_past_the_native_limit() -> None:
     raw = _raw("Q8_0", 40, 64, seed=1)
-    segment = PackedSegment.of(from_blocks("Q8_0", raw, (40, 64)))
+    segment = PackedSegment(from_blocks("Q8_0", raw, (40, 64)))
     x = torch.randn(NATIVE_MAX_ROWS + 1, 64)
     exact = x.double() @ _dequantized("Q8_0", raw).t()
     # the dequantized weight through the BLAS: float32 rounding only, far below the int16 bound

@@ -1,4 +1,5 @@
-"""The converted-model cache: its root (~/.cache/attnserve, or $ATTNSERVE_CACHE_DIR), the lock
+"""The converted-model cache: its root (~/.cache/attnserve, or $ATTNSERVE_CACHE_DIR; it also
+holds the built native kernels, `attnserve.native`), the lock
 that lets one process at a time write into it, and listing and clearing it (`attnserve cache`).
 
 Writers take the root's lock (`locked`), build an entry in a staging directory and rename it
@@ -17,7 +18,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-CACHE_ENV = "ATTNSERVE_CACHE_DIR"
+from attnserve.native import CACHE_ENV, cache_root
+
+__all__ = ["CACHE_ENV", "CacheEntry", "cache_entries", "cache_root", "clear_cache", "locked",
+           "staging_dir"]
+
 LOCK_NAME = ".lock"
 STAGING_PREFIX = ".staging-"
 
@@ -31,13 +36,6 @@ class CacheEntry:
     def finished(self) -> bool:
         """False for a staging directory: a conversion running, or one that was killed."""
         return not self.path.name.startswith(STAGING_PREFIX)
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """`cache_dir`, else $ATTNSERVE_CACHE_DIR, else ~/.cache/attnserve."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "attnserve")
 
 
 @contextmanager

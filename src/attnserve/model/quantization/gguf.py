@@ -22,24 +22,23 @@ from torch import nn
 from attnserve.model.layers.weight_utils import LoadedWeight, full_weight, set_row_store
 from attnserve.model.quantization.base import EmbeddingMethod, LinearMethod, QuantizationConfig
 from attnserve.model.quantization.gguf_blocks import GGUFWeight
-from attnserve.model.quantization.gguf_cpu import native_dequantize, native_library, native_mm
+from attnserve.model.quantization.gguf_cpu import NativeWeight, native_dequantize, native_library
 from attnserve.model.quantization.gguf_torch import TorchPackedWeight
 
 NATIVE_MAX_ROWS = 32  # above, dequantized chunks through the BLAS are faster (docs/quantization)
 CHUNK_FLOATS = 1 << 20  # weight floats dequantized at a time for the BLAS path
 
 
-@dataclass(frozen=True)
 class PackedSegment:
-    """Rows kept as GGUF blocks."""
+    """Rows kept as GGUF blocks: through the native kernels, else torch's int4 kernel."""
 
-    weight: GGUFWeight
-    torch_packed: TorchPackedWeight | None  # set where the native kernels are unavailable
-
-    @classmethod
-    def of(cls, weight: GGUFWeight) -> PackedSegment:
-        packed = None if native_library() is not None else TorchPackedWeight.from_gguf(weight)
-        return cls(GGUFWeight(weight.qtype, weight.blocks.contiguous()), packed)
+    def __init__(self, weight: GGUFWeight) -> None:
+        self.weight = GGUFWeight(weight.qtype, weight.blocks.contiguous())
+        self.kernel: NativeWeight | TorchPackedWeight = (
+            NativeWeight(self.weight)
+            if native_library() is not None
+            else TorchPackedWeight.from_gguf(self.weight)
+        )
 
     @property
     def rows(self) -> int:
@@ -47,21 +46,20 @@ class PackedSegment:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] times the rows transposed, in float32 [M, rows]."""
-        if self.torch_packed is not None:
-            return self.torch_packed.mm(x)
-        if x.shape[0] <= NATIVE_MAX_ROWS:
-            return native_mm(x, self.weight)
-        return self._through_blas(x.to(torch.float32))
+        kernel = self.kernel
+        if isinstance(kernel, TorchPackedWeight) or x.shape[0] <= NATIVE_MAX_ROWS:
+            return kernel.mm(x)
+        return self._through_blas(kernel, x.to(torch.float32))
 
-    def _through_blas(self, x: torch.Tensor) -> torch.Tensor:
-        rows, cols = self.weight.shape
+    @staticmethod
+    def _through_blas(native: NativeWeight, x: torch.Tensor) -> torch.Tensor:
+        rows, cols = native.rows, native.cols
         step = max(1, CHUNK_FLOATS // cols)
         out_t = torch.empty(rows, x.shape[0], dtype=torch.float32)
         chunk = torch.empty(min(step, rows), cols, dtype=torch.float32)
         for start in range(0, rows, step):
-            size = min(step, rows - start)
-            dense = native_dequantize(self.weight[start : start + size], chunk[:size])
-            torch.mm(dense, x.t(), out=out_t[start : start + size])
+            dense = native.dequantize(start, chunk[: min(step, rows - start)])
+            torch.mm(dense, x.t(), out=out_t[start : start + len(dense)])
         return out_t.t()
 
     def dense(self) -> torch.Tensor:
@@ -137,8 +135,8 @@ def _appended(
     if isinstance(part, GGUFWeight):
         if isinstance(last, PackedSegment) and last.weight.qtype == part.qtype:
             blocks = torch.cat([last.weight.blocks, part.blocks])
-            return [*segments[:-1], PackedSegment.of(GGUFWeight(part.qtype, blocks))]
-        return [*segments, PackedSegment.of(part)]
+            return [*segments[:-1], PackedSegment(GGUFWeight(part.qtype, blocks))]
+        return [*segments, PackedSegment(part)]
     dense = part.to(dtype)
     if isinstance(last, DenseSegment):
         return [*segments[:-1], DenseSegment(torch.cat([last.weight, dense]))]
@@ -195,9 +193,9 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         if isinstance(table, DenseSegment):
             return F.embedding(ids, table.weight)
         picked = GGUFWeight(table.weight.qtype, table.weight.blocks[ids.reshape(-1)])
-        if native_library() is None:
-            return picked.dequantize().to(dtype).view(*ids.shape, -1)
-        return native_dequantize(picked).to(dtype).view(*ids.shape, -1)
+        native = isinstance(table.kernel, NativeWeight)
+        rows = native_dequantize(picked) if native else picked.dequantize()
+        return rows.to(dtype).view(*ids.shape, -1)
 
     def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return segments_mm(layer.gguf_segments, hidden)

@@ -1,0 +1,75 @@
+"""Native CPU kernels: C sources built once per machine with the system C compiler and called
+through ctypes on torch tensors' memory.
+
+A library is built into `<cache>/kernels/` ($ATTNSERVE_CACHE_DIR or ~/.cache/attnserve), keyed by
+its source, flags and compiler, written whole or not at all (a staging file renamed into place).
+The kernels use AVX2/FMA/F16C and OpenMP: built with -fopenmp against libgomp.so.1, they run on
+torch's own OpenMP runtime (its threads, `torch.set_num_threads`). Where they cannot run (torch's
+CPU capability below AVX2, no compiler, a failed build), `load_native` returns None, logging why
+once, and the callers take their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "ATTNSERVE_CACHE_DIR"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+_CAPABLE = ("AVX2", "AVX512")
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """`cache_dir`, else $ATTNSERVE_CACHE_DIR, else ~/.cache/attnserve."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "attnserve")
+
+
+@functools.cache
+def load_native(source: Path) -> ctypes.CDLL | None:
+    """The built library of `source`, or None where it cannot run here (see the module)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in _CAPABLE:
+        logger.info("native kernels of %s off: CPU capability %s", source.name, capability)
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc")
+    if compiler is None:
+        logger.warning("native kernels of %s off: no C compiler (set CC)", source.name)
+        return None
+    try:
+        return ctypes.CDLL(str(_built(source, compiler)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        logger.warning("native kernels of %s off: the build failed: %s", source.name, error)
+        return None
+
+
+def _built(source: Path, compiler: str) -> Path:
+    """The shared library in the cache, compiled first if it is not there yet."""
+    key = source.read_bytes() + " ".join((compiler, *FLAGS)).encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"{source.stem}-{digest}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        command = [compiler, *FLAGS, str(source), "-o", staging, "-lm"]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        os.replace(staging, target)
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+    return target
