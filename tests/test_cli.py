@@ -125,7 +125,7 @@ def test_serve_also_takes_the_model_positionally() -> None:
 
 
 def test_backends_names_the_selected_backend(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["backends", "--device", "cpu", "--dtype", "float32"]) == 0
+    assert main(["backends", "--device", "cpu", "--dtype", "bfloat16"]) == 0
     assert "selected: TORCH_SDPA" in capsys.readouterr().out
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attnserve.attention import AttentionSpec, registry
+from attnserve.attention.backends.cpu_native import CpuNativeBackend
 from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
 from attnserve.attention.selector import ENV_VAR, get_attn_backend, get_model_attn_backend
 
@@ -18,9 +19,16 @@ def _spec(head_size: int, dtype: torch.dtype, **features: object) -> AttentionSp
     return AttentionSpec(4, 2, head_size, dtype, device="cpu", **features)  # type: ignore[arg-type]
 
 
-def test_cpu_default_is_torch_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+# the native CPU kernel where it builds (an AVX2 CPU, a C compiler), else the torch reference
+CPU_FP32 = CpuNativeBackend if CpuNativeBackend.unavailable_reason() is None else TorchSDPABackend
+
+
+def test_cpu_default_is_the_native_kernel_in_fp32_else_torch_sdpa(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert get_attn_backend(_spec(64, torch.float32)) is TorchSDPABackend
+    assert get_attn_backend(_spec(64, torch.float32)) is CPU_FP32
+    assert get_attn_backend(_spec(64, torch.bfloat16)) is TorchSDPABackend
 
 
 def test_env_var_forces_backend(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,7 +67,7 @@ def test_model_backend_serves_every_spec(monkeypatch: pytest.MonkeyPatch) -> Non
     backend that cannot serve one of them is refused with that layer's reason."""
     monkeypatch.delenv(ENV_VAR, raising=False)
     specs = [_spec(64, torch.float32), _spec(64, torch.float32, sliding_window=8)]
-    assert get_model_attn_backend(specs) is TorchSDPABackend
+    assert get_model_attn_backend(specs) is CPU_FP32
     with pytest.raises(ValueError, match="no attention layers"):
         get_model_attn_backend([])
     with pytest.raises(ValueError, match=r"TORCH_SDPA cannot serve.*block size 512"):

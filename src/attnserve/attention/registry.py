@@ -17,6 +17,7 @@ ENTRY_POINT_GROUP = "attnserve.attention_backends"
 
 _registry: dict[str, type[AttentionBackend] | str] = {
     "TORCH_SDPA": "attnserve.attention.backends.torch_sdpa:TorchSDPABackend",
+    "CPU_NATIVE": "attnserve.attention.backends.cpu_native:CpuNativeBackend",
     "TRITON": "attnserve.attention.backends.triton:TritonBackend",
     "FLASHINFER": "attnserve.attention.backends.flashinfer:FlashInferBackend",
     "FLEX_ATTENTION": "attnserve.attention.backends.flex:FlexAttentionBackend",

@@ -1,0 +1,103 @@
+"""CPU_NATIVE: paged attention in one native call per layer (`ops/cpu_attention.c`), float32 on
+the CPU, where its kernel builds (an AVX2 CPU and a C compiler); preferred there over
+TORCH_SDPA, whose per-step gathers and masks cost a decode step more than the attention itself.
+
+KV layout: [2, num_blocks, block_size, num_kv_heads, head_size] (K then V, as TORCH_SDPA's). The
+builder hands the kernel the layout's own host tensors (slot of each new token, its sequence and
+position, the block table); the kernel writes the new K/V and reads the cache in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnserve.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    BackendCapabilities,
+)
+from attnserve.attention.backends.layout import StepLayout
+from attnserve.attention.ops.cpu_attention import cpu_attention_library, cpu_paged_attention
+
+
+@dataclass(frozen=True)
+class CpuNativeMetadata(AttentionMetadata):
+    token_seq: torch.Tensor  # [T] int64
+    token_pos: torch.Tensor  # [T] int64
+    block_table: torch.Tensor  # [B, W] int64, contiguous
+
+
+class CpuNativeMetadataBuilder(AttentionMetadataBuilder[CpuNativeMetadata]):
+    def build(self, layout: StepLayout) -> CpuNativeMetadata:
+        return CpuNativeMetadata(
+            **layout.common_metadata(self.device),
+            token_seq=layout.token_seq.contiguous(),
+            token_pos=layout.token_pos.contiguous(),
+            block_table=layout.block_table.contiguous(),
+        )
+
+
+class CpuNativeImpl(AttentionImpl[CpuNativeMetadata]):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CpuNativeMetadata,
+    ) -> torch.Tensor:
+        if kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
+            raise ValueError("CPU_NATIVE takes a contiguous float32 KV cache")
+        tables = (
+            attn_metadata.slot_mapping.contiguous(),
+            attn_metadata.token_seq,
+            attn_metadata.token_pos,
+            attn_metadata.block_table,
+        )
+        slopes = None if self.alibi_slopes is None else self.alibi_slopes.contiguous()
+        out = cpu_paged_attention(
+            query,
+            key,
+            value,
+            kv_cache,
+            tables,
+            (self.num_heads, self.num_kv_heads, self.head_size),
+            self.scale,
+            self.sliding_window,
+            self.logits_soft_cap,
+            slopes,
+        )
+        return out.to(query.dtype)
+
+
+class CpuNativeBackend(AttentionBackend):
+    name = "CPU_NATIVE"
+    impl_cls = CpuNativeImpl
+    builder_cls = CpuNativeMetadataBuilder
+    capabilities = BackendCapabilities(
+        dtypes=(torch.float32,),
+        devices=("cpu",),
+        head_sizes=None,
+        min_block_size=1,
+        max_block_size=256,
+        sliding_window=True,
+        alibi=True,
+        logits_soft_cap=True,
+        priority=5,
+    )
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if cpu_attention_library() is None:
+            return "its native kernel cannot be built here (needs an AVX2 CPU and a C compiler)"
+        return None
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
