@@ -164,7 +164,7 @@ def test_tiny_gguf_packed_logits_close_to_hf(tiny_gguf: tuple[Path, Any]) -> Non
     assert config.quantization == "gguf"
     model = load_reference_model(config)
     layer = model.model.layers[0]
-    kinds = [getattr(s.weight, "qtype", "dense") for s in layer.self_attn.qkv_proj.gguf_segments]
+    kinds = [getattr(s, "qtype", "dense") for s in layer.self_attn.qkv_proj.gguf_segments]
     assert kinds == ["Q4_0", "Q4_1", "Q8_0"]
     assert [type(s).__name__ for s in layer.self_attn.o_proj.gguf_segments] == ["DenseSegment"]
     seqs = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 6)]

@@ -4,7 +4,7 @@ computed here from `gguf.quants` (quantize, dequantize) and float64 products, od
 Two references: the product with the dequantized weight (the exact paths: large batches through
 the BLAS, torch's int4 kernel) and, for the native small-batch kernel, the same product with the
 activations rounded the way that kernel documents (per 32-block int16 codes, scale max|x|/32767;
-block sums of x kept exact) — which it must meet to float32 accuracy — plus the bound that
+Q4_1's m times the exact block sums of x) — which it must meet to float32 accuracy — plus the bound that
 rounding puts on its distance from the exact product.
 """
 
@@ -37,13 +37,13 @@ def _dequantized(qtype: str, raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64))
 
 
-def _block_factors(qtype: str, raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each block's d and c (the factor of sum(x_g): -8 d, m, 0), from the raw bytes."""
+def _sum_factors(qtype: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Each block's c, the factor of sum(x_g) in the kernel's x . w (gguf_cpu.c): Q4_1's m,
+    read from the raw bytes; 0 for the others (their codes carry the whole weight)."""
     blocks = raw.reshape(n, k // 32, -1)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
     if qtype == "Q4_1":
-        return d, blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
-    return d, -8 * d if qtype == "Q4_0" else np.zeros_like(d)
+        return blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    return np.zeros((n, k // 32))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -74,11 +74,11 @@ def _rounded_reference(
     blocks = x.double().view(m, k // 32, 32)
     scale = blocks.abs().amax(-1, keepdim=True) / 32767
     rounded = torch.round(blocks / torch.where(scale > 0, scale, 1)) * scale
-    d, c = (torch.from_numpy(a) for a in _block_factors(qtype, raw, n, k))
+    c = torch.from_numpy(_sum_factors(qtype, raw, n, k))
     weight = _dequantized(qtype, raw)
     sums_gap = blocks.sum(-1) - rounded.sum(-1)  # exact sums in the kernel, rounded ones here
     reference = rounded.view(m, k) @ weight.t() + sums_gap @ c.t()
-    # |x - rounded| <= scale / 2 per element, times |d q| summed over the block
+    # |x - rounded| <= scale / 2 per element, times |w - c| summed over the block
     codes_part = (weight - c.repeat_interleave(32, dim=1)).abs().view(n, k // 32, 32).sum(-1)
     bound = (scale.squeeze(-1) / 2) @ codes_part.t()
     return reference, bound

@@ -22,7 +22,7 @@ from torch import nn
 from attnserve.model.layers.weight_utils import LoadedWeight, full_weight, set_row_store
 from attnserve.model.quantization.base import EmbeddingMethod, LinearMethod, QuantizationConfig
 from attnserve.model.quantization.gguf_blocks import GGUFWeight
-from attnserve.model.quantization.gguf_cpu import NativeWeight, native_dequantize, native_library
+from attnserve.model.quantization.gguf_cpu import NativeWeight, native_library
 from attnserve.model.quantization.gguf_torch import TorchPackedWeight
 
 NATIVE_MAX_ROWS = 32  # above, dequantized chunks through the BLAS are faster (docs/quantization)
@@ -33,16 +33,16 @@ class PackedSegment:
     """Rows kept as GGUF blocks: through the native kernels, else torch's int4 kernel."""
 
     def __init__(self, weight: GGUFWeight) -> None:
-        self.weight = GGUFWeight(weight.qtype, weight.blocks.contiguous())
+        self.qtype = weight.qtype
         self.kernel: NativeWeight | TorchPackedWeight = (
-            NativeWeight(self.weight)
+            NativeWeight(weight)
             if native_library() is not None
-            else TorchPackedWeight.from_gguf(self.weight)
+            else TorchPackedWeight.from_gguf(weight)
         )
 
     @property
     def rows(self) -> int:
-        return self.weight.shape[0]
+        return self.kernel.rows
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] times the rows transposed, in float32 [M, rows]."""
@@ -58,12 +58,16 @@ class PackedSegment:
         out_t = torch.empty(rows, x.shape[0], dtype=torch.float32)
         chunk = torch.empty(min(step, rows), cols, dtype=torch.float32)
         for start in range(0, rows, step):
-            dense = native.dequantize(start, chunk[: min(step, rows - start)])
+            dense = native.dequantize_into(start, chunk[: min(step, rows - start)])
             torch.mm(dense, x.t(), out=out_t[start : start + len(dense)])
         return out_t.t()
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows `ids` (a vocabulary lookup)."""
+        return self.kernel.dequantize_rows(ids)
+
     def dense(self) -> torch.Tensor:
-        return self.weight.dequantize()
+        return self.kernel.dequantize()
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ class DenseSegment:
 
 
 Segment = PackedSegment | DenseSegment
+Part = GGUFWeight | torch.Tensor  # rows as a loader stores them
 
 
 class _Staged:
@@ -91,7 +96,7 @@ class _Staged:
 
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, what: str) -> None:
         self.rows, self.cols, self.dtype, self.what = rows, cols, dtype, what
-        self.parts: dict[int, GGUFWeight | torch.Tensor] = {}
+        self.parts: dict[int, Part] = {}
 
     def store(self, offset: int, loaded: LoadedWeight) -> None:
         part = loaded if isinstance(loaded, GGUFWeight) else full_weight(loaded)
@@ -102,45 +107,47 @@ class _Staged:
     def segments(self, pad_to: int | None = None) -> list[Segment]:
         """The stored rows as segments (ValueError unless they tile the rows exactly); with
         `pad_to`, rows up to it that were never stored are zero (a rank's vocabulary tail)."""
-        segments: list[Segment] = []
+        runs: list[list[Part]] = []
         covered = 0
         for offset in sorted(self.parts):
             if offset != covered:
                 raise ValueError(f"{self.what}: rows {covered}..{offset - 1} were never loaded")
             part = self.parts[offset]
-            segments = _appended(segments, part, self.dtype)
+            _add_to_runs(runs, part)
             covered += part.shape[0]
         if pad_to is not None and covered < pad_to:
-            segments = _appended(segments, self._zeros(segments, pad_to - covered), self.dtype)
+            _add_to_runs(runs, self._zeros(runs[-1][-1] if runs else None, pad_to - covered))
             covered = pad_to
         if covered != self.rows:
             raise ValueError(f"{self.what}: {covered} rows loaded, the layer has {self.rows}")
         self.parts.clear()
-        return segments
+        return [self._segment(run) for run in runs]
 
-    def _zeros(self, segments: list[Segment], rows: int) -> GGUFWeight | torch.Tensor:
-        """`rows` zero rows of the last segment's kind (all-zero blocks have d = m = 0)."""
-        last = segments[-1] if segments else None
-        if isinstance(last, PackedSegment):
-            blocks = last.weight.blocks
-            return GGUFWeight(last.weight.qtype, blocks.new_zeros(rows, *blocks.shape[1:]))
+    def _zeros(self, last: Part | None, rows: int) -> Part:
+        """`rows` zero rows of the last part's kind (all-zero blocks have d = m = 0)."""
+        if isinstance(last, GGUFWeight):
+            blocks = last.blocks
+            return GGUFWeight(last.qtype, blocks.new_zeros(rows, *blocks.shape[1:]))
         return torch.zeros(rows, self.cols, dtype=self.dtype)
 
+    def _segment(self, run: list[Part]) -> Segment:
+        packed = [part for part in run if isinstance(part, GGUFWeight)]
+        if packed:  # a run is of one kind
+            return PackedSegment(GGUFWeight(packed[0].qtype, torch.cat([p.blocks for p in packed])))
+        dense = [part.to(self.dtype) for part in run if isinstance(part, torch.Tensor)]
+        return DenseSegment(torch.cat(dense))
 
-def _appended(
-    segments: list[Segment], part: GGUFWeight | torch.Tensor, dtype: torch.dtype
-) -> list[Segment]:
-    """`segments` with `part` joined to the last one when of the same kind, else appended."""
-    last = segments[-1] if segments else None
-    if isinstance(part, GGUFWeight):
-        if isinstance(last, PackedSegment) and last.weight.qtype == part.qtype:
-            blocks = torch.cat([last.weight.blocks, part.blocks])
-            return [*segments[:-1], PackedSegment(GGUFWeight(part.qtype, blocks))]
-        return [*segments, PackedSegment(part)]
-    dense = part.to(dtype)
-    if isinstance(last, DenseSegment):
-        return [*segments[:-1], DenseSegment(torch.cat([last.weight, dense]))]
-    return [*segments, DenseSegment(dense)]
+
+def _kind(part: Part) -> str:
+    return part.qtype if isinstance(part, GGUFWeight) else "dense"
+
+
+def _add_to_runs(runs: list[list[Part]], part: Part) -> None:
+    """Append `part` to the last run when of the same kind, else start a run."""
+    if runs and _kind(runs[-1][-1]) == _kind(part):
+        runs[-1].append(part)
+    else:
+        runs.append([part])
 
 
 def _placeholder(layer: nn.Module, rows: int, cols: int, what: str) -> None:
@@ -192,10 +199,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         dtype = layer.gguf_staged.dtype
         if isinstance(table, DenseSegment):
             return F.embedding(ids, table.weight)
-        picked = GGUFWeight(table.weight.qtype, table.weight.blocks[ids.reshape(-1)])
-        native = isinstance(table.kernel, NativeWeight)
-        rows = native_dequantize(picked) if native else picked.dequantize()
-        return rows.to(dtype).view(*ids.shape, -1)
+        return table.lookup(ids.reshape(-1)).to(dtype).view(*ids.shape, -1)
 
     def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return segments_mm(layer.gguf_segments, hidden)

@@ -21,7 +21,7 @@ import torch
 BLOCK = 32
 PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 BLOCK_BYTES = {"Q4_0": 2 + BLOCK // 2, "Q4_1": 4 + BLOCK // 2, "Q8_0": 2 + BLOCK}
-_CODES_AT = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}  # first code byte of a block
+CODES_AT = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}  # first code byte of a block
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class GGUFWeight:
 
     def codes(self) -> torch.Tensor:
         """The codes, one per weight [N, K]: uint8 0..15 (Q4_0, Q4_1) or int8 (Q8_0)."""
-        raw = self.blocks[..., _CODES_AT[self.qtype] :]
+        raw = self.blocks[..., CODES_AT[self.qtype] :]
         if self.qtype == "Q8_0":
             return raw.contiguous().view(torch.int8).reshape(self.shape)
         return torch.cat([raw & 0x0F, raw >> 4], dim=-1).reshape(self.shape)

@@ -1,17 +1,19 @@
-/* GGUF Q4_0 / Q4_1 / Q8_0 weights multiplied as llama.cpp stores them, on x86-64 with AVX2.
+/* GGUF Q4_0 / Q4_1 / Q8_0 weights multiplied on x86-64 with AVX2, from a repacked copy of the
+ * file's blocks: the same bytes, split by kind so that eight blocks' scales load at once.
  *
- * A weight row is K/32 blocks of the file's own layout: float16 d, [float16 m (Q4_1),] then the
- * codes (Q4: 16 bytes, code j in the low nibble of byte j and code j + 16 in its high nibble;
- * Q8_0: 32 int8). A weight is d * (q - 8) (Q4_0), d * q + m (Q4_1) or d * q (Q8_0), so
- *   x . w = sum_g  d_g * (x_g . q_g)  +  c_g * sum(x_g),   c_g = -8 d_g, m_g or 0.
+ * A weight row of K = 32 G inputs is, for block g: `codes` (Q4: 16 bytes, code j in the low
+ * nibble of byte j and code j + 16 in the high one; Q8_0: 32 int8), `d[g]` and `c[g]` (float16;
+ * these rows are padded with zeros to whole eights of blocks).
+ * A weight is d (q - 8) (Q4_0), d q + m (Q4_1) or d q (Q8_0), so
+ *   x . w = sum_g  d_g (x_g . q'_g)  +  c_g sum(x_g),
+ * with q' = q - 8 (Q4_0) or q, and c = m (Q4_1) or 0 (c unused).
  *
- * `gguf_mm` (few activation rows: decode steps) rounds each 32-block of an activation row to
- * int16 with its own scale s (s = max|x| / 32767: a relative rounding of 1.5e-5 of the block's
- * largest value, where llama.cpp's int8 blocks round to 4e-3) and computes x_g . q_g as
- * s * (xq_g . q_g) in integers (madd_epi16: 16 products an instruction), the block sums sum(x_g)
- * in float32 from x itself; tiles of up to 4 activation rows share each widened weight block.
- * `gguf_dequantize` writes rows of the float32 weight, rounded as the reference dequantizer
- * rounds them (for large batches, which multiply it with the BLAS, and for lookups).
+ * `gguf_mm` rounds each 32-block of an activation row to int16 codes with its own scale s (s =
+ * max|x| / 32767: a relative rounding of 1.5e-5 of the block's largest value, where llama.cpp's
+ * int8 blocks round to 4e-3) and computes x_g . q_g as s (xq_g . q_g) in integers (madd_epi16),
+ * the sums sum(x_g) in float32 from x itself. Eight blocks' integer sums are reduced together
+ * (hadd), converted and scaled by one vector of their d s, so the float work is per eight blocks.
+ * `gguf_dequantize` writes float32 rows, rounded as gguf.quants.dequantize rounds them.
  * Both split the weight rows over OpenMP threads: built with -fopenmp against libgomp.so.1,
  * they share torch's own OpenMP runtime.
  */
@@ -19,19 +21,22 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 #define BLOCK 32
-#define TILE 4
 
-static int block_bytes(int type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34; }
+#define PAD(g) (((g) + 7) / 8 * 8) /* per-row length of the scale arrays: whole eights */
 
-static inline float half_at(const uint8_t *p) {
-    uint16_t bits;
-    memcpy(&bits, p, 2);
-    return _cvtsh_ss(bits);
-}
+typedef struct {
+    int type;
+    const uint8_t *codes;  /* [N, G * code bytes] */
+    const uint16_t *d, *c; /* [N, PAD(G)] float16, zero past G (c: Q4_1 only) */
+    int64_t rows, groups;
+} Weight;
+
+static inline int code_bytes(int type) { return type == Q8_0 ? BLOCK : BLOCK / 2; }
+
+static inline float half(uint16_t bits) { return _cvtsh_ss(bits); }
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -40,178 +45,165 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The 32 codes of a block as float32, elements 0-7, 8-15, 16-23, 24-31. */
-static inline void widen_codes(int type, const uint8_t *codes, __m256 w[4]) {
-    if (type == Q8_0) {
-        for (int i = 0; i < 4; i++) {
-            __m128i bytes = _mm_loadl_epi64((const __m128i *)(codes + 8 * i));
-            w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-        }
-        return;
-    }
-    const __m128i packed = _mm_loadu_si128((const __m128i *)codes);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(packed, mask);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
-}
-
-/* The 32 codes of a block as int16 in element order, [0..15] and [16..31]. */
+/* The 32 codes of a block as int16 in element order, [0..15] and [16..31]. A Q4 byte j holds
+ * code j (low nibble) and code j + 16 (high): widened to a word, they are w & 15 and w >> 4. */
 static inline void code_words(int type, const uint8_t *codes, __m256i words[2]) {
     if (type == Q8_0) {
         words[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)codes));
         words[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + 16)));
         return;
     }
-    const __m128i packed = _mm_loadu_si128((const __m128i *)codes);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    words[0] = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
-    words[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)codes));
+    words[0] = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
+    words[1] = _mm256_srli_epi16(bytes, 4);
+    if (type == Q4_0) { /* q - 8 in integers: no c term to cancel against in float */
+        words[0] = _mm256_sub_epi16(words[0], _mm256_set1_epi16(8));
+        words[1] = _mm256_sub_epi16(words[1], _mm256_set1_epi16(8));
+    }
 }
 
-/* Eight float32 partial sums of 32 int16 products (each pair sum fits int32: |q| <= 128). */
-static inline __m256 word_dot(const __m256i words[2], const int16_t *x) {
+/* Eight int32 partial sums of a block's 32 code x activation products (|q| <= 128, |x| <=
+ * 32767: the block's total stays below 2^31). */
+static inline __m256i block_products(int type, const uint8_t *codes, const int16_t *x) {
+    __m256i words[2];
+    code_words(type, codes, words);
     const __m256i low = _mm256_madd_epi16(words[0], _mm256_loadu_si256((const __m256i *)x));
     const __m256i high =
         _mm256_madd_epi16(words[1], _mm256_loadu_si256((const __m256i *)(x + 16)));
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
+    return _mm256_add_epi32(low, high);
 }
 
-/* c_g of the module comment: the factor of a block's activation sum. */
-static inline float sum_factor(int type, const uint8_t *block, float d) {
-    return type == Q4_0 ? -8.0f * d : type == Q4_1 ? half_at(block + 2) : 0.0f;
+/* The totals of eight blocks' partial sums, block i in lane i. */
+static inline __m256i eight_totals(const __m256i p[8]) {
+    const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]),
+                                          _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]),
+                                           _mm256_hadd_epi32(p[6], p[7]));
+    /* each 128-bit half holds half of every block's sum: add the halves across */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
+                            _mm256_permute2x128_si256(low, high, 0x31));
 }
 
-/* Activation rows, quantized per block (see the module comment). */
+/* Activation rows rounded per block (see the module comment). */
 typedef struct {
     int16_t *codes; /* [M, K] */
-    float *scale;   /* [M, K/32] */
-    float *sum;     /* [M, K/32], of x itself */
-} QuantizedRows;
+    float *scale;   /* [M, PAD(G)], zero past G */
+    float *sum;     /* [M, PAD(G)], of x itself, zero past G */
+} Rows;
 
-static int quantize_rows(const float *x, int64_t M, int64_t K, QuantizedRows *q) {
-    const int64_t blocks = M * (K / BLOCK);
-    q->codes = malloc(sizeof(int16_t) * M * K);
-    q->scale = malloc(sizeof(float) * blocks);
-    q->sum = malloc(sizeof(float) * blocks);
-    if (q->codes == NULL || q->scale == NULL || q->sum == NULL) return -1;
-    for (int64_t b = 0; b < blocks; b++) {
+static void free_rows(Rows *r) {
+    free(r->codes);
+    free(r->scale);
+    free(r->sum);
+}
+
+static int round_rows(const float *x, int64_t M, int64_t K, Rows *r) {
+    const int64_t G = K / BLOCK, padded = PAD(G);
+    r->codes = malloc(sizeof(int16_t) * M * K);
+    r->scale = calloc((size_t)(M * padded), sizeof(float));
+    r->sum = calloc((size_t)(M * padded), sizeof(float));
+    if (r->codes == NULL || r->scale == NULL || r->sum == NULL) return -1;
+    for (int64_t b = 0; b < M * G; b++) {
         const float *xb = x + b * BLOCK;
+        const int64_t at = b / G * padded + b % G;
         float amax = 0.0f, sum = 0.0f;
         for (int j = 0; j < BLOCK; j++) {
-            const float a = xb[j] < 0 ? -xb[j] : xb[j];
+            const float a = fabsf(xb[j]);
             amax = a > amax ? a : amax;
             sum += xb[j];
         }
         const float scale = amax / 32767.0f;
         const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-        for (int j = 0; j < BLOCK; j++) q->codes[b * BLOCK + j] = (int16_t)lrintf(xb[j] * inverse);
-        q->scale[b] = scale;
-        q->sum[b] = sum;
+        for (int j = 0; j < BLOCK; j++) r->codes[b * BLOCK + j] = (int16_t)lrintf(xb[j] * inverse);
+        r->scale[at] = scale;
+        r->sum[at] = sum;
     }
     return 0;
 }
 
-static void free_rows(QuantizedRows *q) {
-    free(q->codes);
-    free(q->scale);
-    free(q->sum);
-}
-
-/* out[m * ldo] = activation row m . weight row, for the `rows` (1..TILE) rows of a tile. */
-static inline __attribute__((always_inline)) void tile_dot(
-    int type, const uint8_t *row, int64_t groups, const int16_t *xq, const float *xscale,
-    const float *xsum, int rows, float *out, int64_t ldo) {
-    const int bytes = block_bytes(type);
-    const int code_offset = type == Q4_1 ? 4 : 2;
-    const int64_t K = groups * BLOCK;
-    __m256 acc[TILE];
-    float offset[TILE];
-    for (int m = 0; m < rows; m++) {
-        acc[m] = _mm256_setzero_ps();
-        offset[m] = 0.0f;
-    }
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *block = row + g * bytes;
-        const float d = half_at(block);
-        const float c = sum_factor(type, block, d);
-        __m256i words[2];
-        code_words(type, block + code_offset, words);
-        for (int m = 0; m < rows; m++) {
-            const __m256 scale = _mm256_set1_ps(d * xscale[m * groups + g]);
-            const __m256 dot = word_dot(words, xq + m * K + g * BLOCK);
-            acc[m] = _mm256_fmadd_ps(scale, dot, acc[m]);
-            if (type != Q8_0) offset[m] += c * xsum[m * groups + g];
+/* Weight row n . activation row m, eight blocks at a time (the last eight padded with zero
+ * sums and zero scales). */
+static inline __attribute__((always_inline)) float row_dot(int type, const Weight *w,
+                                                           int64_t n, const Rows *x, int64_t m) {
+    const int64_t G = w->groups, padded = PAD(G), bytes = code_bytes(type);
+    const uint8_t *codes = w->codes + n * G * bytes;
+    const uint16_t *d = w->d + n * padded, *c = w->c + n * padded;
+    const int16_t *xq = x->codes + m * G * BLOCK;
+    const float *scale = x->scale + m * padded, *sum = x->sum + m * padded;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g += 8) {
+        __m256i p[8];
+        if (g + 8 <= G) {
+            for (int i = 0; i < 8; i++)
+                p[i] = block_products(type, codes + (g + i) * bytes, xq + (g + i) * BLOCK);
+        } else {
+            for (int i = 0; i < 8; i++) p[i] = _mm256_setzero_si256();
+            for (int64_t i = 0; i < G - g; i++)
+                p[i] = block_products(type, codes + (g + i) * bytes, xq + (g + i) * BLOCK);
+        }
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g)));
+        const __m256 scales = _mm256_mul_ps(d8, _mm256_loadu_ps(scale + g));
+        acc = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(eight_totals(p)), acc);
+        if (type == Q4_1) {
+            const __m256 c8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + g)));
+            acc = _mm256_fmadd_ps(c8, _mm256_loadu_ps(sum + g), acc);
         }
     }
-    for (int m = 0; m < rows; m++) out[m * ldo] = hsum(acc[m]) + offset[m];
+    return hsum(acc);
 }
 
-static void row_times_tiles(int type, const uint8_t *row, int64_t groups,
-                            const QuantizedRows *x, int64_t M, float *out, int64_t N) {
-    const int64_t K = groups * BLOCK;
-    for (int64_t m0 = 0; m0 < M; m0 += TILE) {
-        const int rows = M - m0 < TILE ? (int)(M - m0) : TILE;
-        const int16_t *xt = x->codes + m0 * K;
-        const float *st = x->scale + m0 * groups;
-        const float *sum = x->sum + m0 * groups;
-        float *ot = out + m0 * N;
-        /* constant `type` and `rows` in each call: the compiler specialises the loops */
-        switch (type * 8 + rows) {
-#define CASE(T, R) \
-    case T * 8 + R: tile_dot(T, row, groups, xt, st, sum, R, ot, N); break;
-            CASE(Q4_0, 1) CASE(Q4_0, 2) CASE(Q4_0, 3) CASE(Q4_0, 4)
-            CASE(Q4_1, 1) CASE(Q4_1, 2) CASE(Q4_1, 3) CASE(Q4_1, 4)
-            CASE(Q8_0, 1) CASE(Q8_0, 2) CASE(Q8_0, 3) CASE(Q8_0, 4)
-#undef CASE
-        }
+static void rows_times_row(const Weight *w, int64_t n, const Rows *x, int64_t M, float *out) {
+    /* a constant type in each loop: the compiler specialises row_dot */
+    switch (w->type) {
+        case Q4_0: for (int64_t m = 0; m < M; m++) out[m * w->rows] = row_dot(Q4_0, w, n, x, m);
+            break;
+        case Q4_1: for (int64_t m = 0; m < M; m++) out[m * w->rows] = row_dot(Q4_1, w, n, x, m);
+            break;
+        default: for (int64_t m = 0; m < M; m++) out[m * w->rows] = row_dot(Q8_0, w, n, x, m);
     }
 }
 
-/* out [M, N] = x [M, K] times the weight [N, K] (rows of `row_stride` bytes) transposed.
- * Returns 0, or -1 for a bad type or K, or no memory. */
-int gguf_mm(int type, const float *x, int64_t M, int64_t K, const uint8_t *weight, int64_t N,
-            int64_t row_stride, float *out) {
+/* out [M, N] = x [M, K] times the weight [N, K] transposed. Returns 0, or -1 for a bad type
+ * or K, or no memory. */
+int gguf_mm(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c, int64_t N,
+            int64_t K, const float *x, int64_t M, float *out) {
     if (type < Q4_0 || type > Q8_0 || K % BLOCK) return -1;
-    QuantizedRows xq;
-    if (quantize_rows(x, M, K, &xq) != 0) {
-        free_rows(&xq);
+    const Weight w = {type, codes, d, c, N, K / BLOCK};
+    Rows rows;
+    if (round_rows(x, M, K, &rows) != 0) {
+        free_rows(&rows);
         return -1;
     }
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        row_times_tiles(type, weight + n * row_stride, K / BLOCK, &xq, M, out + n, N);
-    }
-    free_rows(&xq);
+    for (int64_t n = 0; n < N; n++) rows_times_row(&w, n, &rows, M, out + n);
+    free_rows(&rows);
     return 0;
 }
 
-/* out [N, K] = the float32 weight. Returns 0, or -1 for a bad type or K. */
-int gguf_dequantize(int type, const uint8_t *weight, int64_t N, int64_t K, int64_t row_stride,
-                    float *out) {
+/* out [R, K] = float32 rows `row_ids[i]` (or rows 0..R-1 without ids) of the weight. Returns
+ * 0, or -1 for a bad type or K. */
+int gguf_dequantize(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c,
+                    int64_t K, const int64_t *row_ids, int64_t R, float *out) {
     if (type < Q4_0 || type > Q8_0 || K % BLOCK) return -1;
-    const int64_t groups = K / BLOCK;
-    const int bytes = block_bytes(type);
-    const int code_offset = type == Q4_1 ? 4 : 2;
+    const int64_t G = K / BLOCK, padded = PAD(G), bytes = code_bytes(type);
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *block = weight + n * row_stride + g * bytes;
-            const float d = half_at(block);
-            const float m = type == Q4_1 ? half_at(block + 2) : 0.0f;
-            const __m256 scale = _mm256_set1_ps(d);
-            const __m256 shift = _mm256_set1_ps(type == Q4_0 ? -8.0f : 0.0f);
-            const __m256 low = _mm256_set1_ps(m);
-            __m256 w[4];
-            widen_codes(type, block + code_offset, w);
-            float *dst = out + n * K + g * BLOCK;
-            for (int i = 0; i < 4; i++) {
-                /* the reference's rounding: d * (q - 8), d * q + m, d * q */
-                __m256 v = _mm256_mul_ps(_mm256_add_ps(w[i], shift), scale);
-                _mm256_storeu_ps(dst + 8 * i, _mm256_add_ps(v, low));
+    for (int64_t i = 0; i < R; i++) {
+        const int64_t n = row_ids == NULL ? i : row_ids[i];
+        for (int64_t g = 0; g < G; g++) {
+            __m256i words[2];
+            code_words(type, codes + (n * G + g) * bytes, words);
+            const __m256 scale = _mm256_set1_ps(half(d[n * padded + g]));
+            const __m256 low = _mm256_set1_ps(type == Q4_1 ? half(c[n * padded + g]) : 0.0f);
+            float *dst = out + i * K + g * BLOCK;
+            for (int h = 0; h < 2; h++) {
+                const __m128i lanes[2] = {_mm256_castsi256_si128(words[h]),
+                                          _mm256_extracti128_si256(words[h], 1)};
+                for (int j = 0; j < 2; j++) {
+                    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(lanes[j]));
+                    /* the reference's rounding: d * (q - 8), d * q + m, d * q */
+                    const __m256 v = _mm256_mul_ps(q, scale);
+                    _mm256_storeu_ps(dst + 16 * h + 8 * j, _mm256_add_ps(v, low));
+                }
             }
         }
     }

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from attnserve.model.quantization.gguf_blocks import GGUFWeight
+from attnserve.model.quantization.gguf_blocks import CODES_AT, GGUFWeight
 from attnserve.native import load_native
 
 SOURCE = Path(__file__).with_name("gguf_cpu.c")
@@ -25,56 +25,80 @@ def native_library() -> ctypes.CDLL | None:
     if library is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    library.gguf_mm.argtypes = [ctypes.c_int, pointer, size, size, pointer, size, size, pointer]
-    library.gguf_dequantize.argtypes = [ctypes.c_int, pointer, size, size, size, pointer]
+    weight = [ctypes.c_int, pointer, pointer, pointer]  # type, codes, d, c
+    library.gguf_mm.argtypes = [*weight, size, size, pointer, size, pointer]
+    library.gguf_dequantize.argtypes = [*weight, size, pointer, size, pointer]
     return library
 
 
+def _halves(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The float16 at `offset` of every block, as int16 bits [N, G padded to a multiple of 8
+    with zeros], contiguous (the kernels load eight blocks' scales at once)."""
+    bits = blocks[..., offset : offset + 2].contiguous().view(torch.int16).squeeze(-1)
+    return torch.nn.functional.pad(bits, (0, -bits.shape[1] % 8))
+
+
 class NativeWeight:
-    """A GGUF weight [N, K] bound to the native kernels, the call's constants worked out once
-    (a decode step makes hundreds of these calls)."""
+    """A GGUF weight [N, K] repacked for the native kernels (the same bytes, split into codes,
+    d and c arrays: see gguf_cpu.c), with each call's constants worked out once (a decode step
+    makes hundreds of calls)."""
 
     def __init__(self, weight: GGUFWeight) -> None:
         library = native_library()
         if library is None:
             raise RuntimeError("the native GGUF kernels are not available here")
         blocks = weight.blocks
-        if blocks.device.type != "cpu" or not blocks.is_contiguous():
-            raise ValueError("the native GGUF kernels take contiguous CPU blocks")
-        self.weight = weight
+        if blocks.device.type != "cpu":
+            raise ValueError("the native GGUF kernels take CPU blocks")
+        self.qtype = weight.qtype
         self.rows, self.cols = weight.shape
+        self.codes = blocks[..., CODES_AT[weight.qtype] :].contiguous()
+        self.d = _halves(blocks, 0)
+        # m of Q4_1 (the others have none: a pointer never read)
+        self.c = _halves(blocks, 2) if weight.qtype == "Q4_1" else self.d
         self._mm, self._dequantize = library.gguf_mm, library.gguf_dequantize
         self._type = TYPE_IDS[weight.qtype]
-        self._blocks, self._stride = blocks.data_ptr(), blocks.stride(0)
+
+    def _pointers(self, first_row: int = 0) -> tuple[int, int, int, int]:
+        codes, d, c = self.codes[first_row:], self.d[first_row:], self.c[first_row:]
+        return self._type, codes.data_ptr(), d.data_ptr(), c.data_ptr()
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (any float dtype) times the weight transposed: float32 [M, N]."""
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
         if x.dim() != 2 or x.shape[1] != self.cols:
-            raise ValueError(f"x {tuple(x.shape)} does not match the weight {self.weight.shape}")
+            raise ValueError(f"x {tuple(x.shape)} does not match the weight {self.shape}")
         out = torch.empty(x.shape[0], self.rows, dtype=torch.float32)
-        failed = self._mm(
-            self._type, x.data_ptr(), x.shape[0], self.cols, self._blocks, self.rows,
-            self._stride, out.data_ptr(),
-        )  # fmt: skip
-        if failed:
+        if self._mm(*self._pointers(), self.rows, self.cols, x.data_ptr(), x.shape[0],
+                    out.data_ptr()):  # fmt: skip
             raise MemoryError("gguf_mm: out of memory for the rounded activations")
         return out
 
-    def dequantize(self, start: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 rows start.. of the weight (as many as `out` has; all without `out`)."""
-        if out is None:
-            out = torch.empty(self.rows - start, self.cols, dtype=torch.float32)
-        if out.shape[1] != self.cols or out.dtype != torch.float32 or not out.is_contiguous():
-            raise ValueError(f"out must be contiguous float32 rows of {self.weight.shape}")
-        if start + out.shape[0] > self.rows:
-            raise ValueError(f"rows {start}..{start + out.shape[0] - 1} of {self.rows}")
-        self._dequantize(
-            self._type, self._blocks + start * self._stride, out.shape[0], self.cols,
-            self._stride, out.data_ptr(),
-        )  # fmt: skip
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows `ids` [R] of the weight [R, K] (rounded as gguf.quants rounds them)."""
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
+            raise ValueError(f"row ids outside 0..{self.rows - 1}")
+        out = torch.empty(ids.numel(), self.cols, dtype=torch.float32)
+        self._dequantize(*self._pointers(), self.cols, ids.data_ptr(), ids.numel(), out.data_ptr())
         return out
+
+    def dequantize_into(self, first_row: int, out: torch.Tensor) -> torch.Tensor:
+        """Float32 rows first_row.. of the weight into `out` (contiguous [R, K] float32)."""
+        if out.shape[1] != self.cols or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous float32 rows of {self.shape}")
+        if first_row + out.shape[0] > self.rows:
+            raise ValueError(f"rows {first_row}..{first_row + out.shape[0] - 1} of {self.rows}")
+        self._dequantize(*self._pointers(first_row), self.cols, None, out.shape[0], out.data_ptr())
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        return self.dequantize_into(0, torch.empty(self.rows, self.cols, dtype=torch.float32))
 
 
 def native_mm(x: torch.Tensor, weight: GGUFWeight) -> torch.Tensor:
@@ -84,4 +108,4 @@ def native_mm(x: torch.Tensor, weight: GGUFWeight) -> torch.Tensor:
 
 def native_dequantize(weight: GGUFWeight) -> torch.Tensor:
     """The float32 weight [N, K], rounded as `gguf.quants.dequantize` rounds it."""
-    return NativeWeight(weight.rows(torch.Tensor.contiguous)).dequantize()
+    return NativeWeight(weight).dequantize()

@@ -43,10 +43,19 @@ def _plane(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> _Pla
 
 @dataclass(frozen=True)
 class TorchPackedWeight:
-    """A GGUF weight [rows, K] as one (Q4_0, Q4_1) or two (Q8_0) planes of torch's kernel."""
+    """A GGUF weight [rows, K] as one (Q4_0, Q4_1) or two (Q8_0) planes of torch's kernel, and
+    its blocks (for dequantizing)."""
 
-    rows: int
+    weight: GGUFWeight
     planes: tuple[_Plane, ...]
+
+    @property
+    def qtype(self) -> str:
+        return self.weight.qtype
+
+    @property
+    def rows(self) -> int:
+        return self.weight.shape[0]
 
     @classmethod
     def from_gguf(cls, weight: GGUFWeight) -> TorchPackedWeight:
@@ -61,7 +70,7 @@ class TorchPackedWeight:
                 _plane(unsigned >> 4, 16 * d, torch.zeros_like(d)),
                 _plane(unsigned & 0x0F, d, 8 * d),
             )
-        return cls(weight.shape[0], planes)
+        return cls(weight, planes)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] times the weight transposed: float32 [M, rows]."""
@@ -71,6 +80,13 @@ class TorchPackedWeight:
         for plane in rest:
             out.add_(_plane_mm(x32, plane))
         return out[:, : self.rows]
+
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return GGUFWeight(self.qtype, self.weight.blocks[ids]).dequantize()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.dequantize()
 
 
 def _plane_mm(x: torch.Tensor, plane: _Plane) -> torch.Tensor:
