@@ -50,9 +50,11 @@ def load_native(source: Path) -> ctypes.CDLL | None:
         return None
     try:
         return ctypes.CDLL(str(_built(source, compiler)))
-    except (OSError, subprocess.CalledProcessError) as error:
-        logger.warning("native kernels of %s off: the build failed: %s", source.name, error)
-        return None
+    except subprocess.CalledProcessError as error:
+        logger.warning("native kernels of %s off: %s", source.name, error.stderr[-2000:])
+    except OSError as error:
+        logger.warning("native kernels of %s off: %s", source.name, error)
+    return None
 
 
 def _built(source: Path, compiler: str) -> Path:

@@ -1,5 +1,6 @@
 """`SiluAndMul`: the gated activation of a merged gate/up projection (one fused Triton kernel on
-CUDA, `fused_ops.silu_and_mul`; plain torch elsewhere)."""
+CUDA, `fused_ops.silu_and_mul`; one native call on the CPU in float32, `cpu_ops`; plain torch
+elsewhere)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnserve.model.layers import cpu_ops
 from attnserve.model.layers.layernorm import use_triton
 
 
@@ -18,5 +20,7 @@ class SiluAndMul(nn.Module):
             from attnserve.model.layers.fused_ops import silu_and_mul
 
             return silu_and_mul(x)
+        if cpu_ops.use_cpu_ops(x):
+            return cpu_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

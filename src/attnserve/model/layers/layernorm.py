@@ -1,7 +1,8 @@
 """`RMSNorm`, with a fused residual-add variant, computed in float32 like HF's Llama norm.
 
 On CUDA (with Triton installed) each call is one fused Triton kernel (`fused_ops`) computing
-the same math with the same roundings; elsewhere, and as their reference, plain torch ops.
+the same math with the same roundings; on the CPU in float32, one native call (`cpu_ops`);
+elsewhere, and as their reference, plain torch ops.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 
 import torch
 from torch import nn
+
+from attnserve.model.layers import cpu_ops
 
 # ATTNSERVE_FUSED_OPS=0 keeps the plain torch ops on CUDA too.
 _FUSED = (
@@ -45,6 +48,8 @@ class RMSNorm(nn.Module):
             from attnserve.model.layers.fused_ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
+        if cpu_ops.use_cpu_ops(x):
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         return self._norm(x)
 
     def forward_with_residual(
@@ -55,5 +60,7 @@ class RMSNorm(nn.Module):
             from attnserve.model.layers.fused_ops import fused_add_rms_norm
 
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if cpu_ops.use_cpu_ops(x) and residual.dtype == torch.float32:
+            return cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         summed = x + residual
         return self._norm(summed), summed

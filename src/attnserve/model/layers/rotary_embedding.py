@@ -2,7 +2,8 @@
 
 The cos/sin table for every position up to `max_position` is built once, in float32, on the
 module's device; a forward gathers the rows of the batch's positions. On CUDA (with Triton) a
-forward is one fused Triton kernel for q and k (`fused_ops.rotary_embedding`), the same math.
+forward is one fused Triton kernel for q and k (`fused_ops.rotary_embedding`), the same math;
+on the CPU in float32, one native call (`cpu_ops.rotary_embedding`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnserve.model.layers import cpu_ops
 from attnserve.model.layers.layernorm import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -82,6 +84,10 @@ class RotaryEmbedding(nn.Module):
             from attnserve.model.layers.fused_ops import rotary_embedding
 
             return rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
+        if cpu_ops.use_cpu_ops(query) and key.dtype == torch.float32:
+            return cpu_ops.rotary_embedding(
+                positions, query, key, self.cos_sin_cache, self.head_size
+            )
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         rotated = []
         for x in (query, key):

@@ -1,0 +1,109 @@
+"""The model's small ops in one native call each on the CPU (`cpu_ops.c`, built and loaded by
+`attnserve.native`): RMSNorm with or without the residual add, rotary embedding of q and k, and
+SiLU-and-mul, for float32 tensors. The layers call them where `use_cpu_ops(x)` holds and keep
+their torch code as the other path and the reference (ATTNSERVE_FUSED_OPS=0 keeps torch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from attnserve.native import load_native
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+
+
+@functools.cache
+def cpu_ops_library() -> ctypes.CDLL | None:
+    """The built ops with their signatures, or None where they cannot run here."""
+    if os.environ.get("ATTNSERVE_FUSED_OPS", "1") == "0":
+        return None
+    library = load_native(SOURCE)
+    if library is None:
+        return None
+    pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    library.rms_norm.argtypes = [pointer, size, pointer, size, pointer, real, size, size,
+                                 pointer, pointer]  # fmt: skip
+    library.rotary_embedding.argtypes = [pointer, size, pointer, size, size, pointer, size, size,
+                                         size, pointer, pointer, pointer]  # fmt: skip
+    library.silu_and_mul.argtypes = [pointer, size, size, size, pointer]
+    return library
+
+
+def use_cpu_ops(x: torch.Tensor) -> bool:
+    """Whether `x` goes through these ops: a float32 CPU tensor where they are built."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu_ops_library() is not None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` [..., N] as rows [R, N] with a unit inner stride (a view where one exists)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _library() -> ctypes.CDLL:
+    library = cpu_ops_library()
+    if library is None:
+        raise RuntimeError("the native CPU ops are not available here (use_cpu_ops)")
+    return library
+
+
+def _launch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = _rows(x)
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    summed = out if residual is None else torch.empty(rows.shape, dtype=torch.float32)
+    residual_rows = rows if residual is None else _rows(residual)
+    _library().rms_norm(
+        rows.data_ptr(), rows.stride(0),
+        None if residual is None else residual_rows.data_ptr(), residual_rows.stride(0),
+        weight.contiguous().data_ptr(), eps, rows.shape[0], rows.shape[1], out.data_ptr(),
+        summed.data_ptr(),
+    )  # fmt: skip
+    return out.view(x.shape), summed.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm.forward`: weight * x / sqrt(mean(x^2) + eps), a new tensor of x's shape."""
+    return _launch_rms_norm(x, weight, eps, None)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`RMSNorm.forward_with_residual`: (normed x + residual, x + residual), new tensors."""
+    return _launch_rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`RotaryEmbedding.forward`: new contiguous (q [T, Hq*D], k [T, Hkv*D])."""
+    q, k = _rows(query.flatten(1)), _rows(key.flatten(1))
+    q_out, k_out = torch.empty(q.shape), torch.empty(k.shape)
+    positions = positions.to(torch.int64).contiguous()
+    _library().rotary_embedding(
+        positions.data_ptr(), q.shape[0], q.data_ptr(), q.stride(0), q.shape[1] // head_size,
+        k.data_ptr(), k.stride(0), k.shape[1] // head_size, head_size,
+        cos_sin_cache.contiguous().data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
+    )  # fmt: skip
+    return q_out, k_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] [..., 2*I] -> silu(gate) * up [..., I]."""
+    rows = _rows(x)
+    inter = rows.shape[1] // 2
+    out = torch.empty(rows.shape[0], inter)
+    _library().silu_and_mul(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr())
+    return out.view(*x.shape[:-1], inter)
