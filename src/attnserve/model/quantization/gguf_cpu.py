@@ -58,8 +58,9 @@ class NativeWeight:
         self.c = _halves(blocks, 2) if weight.qtype == "Q4_1" else self.d
         self._mm, self._dequantize = library.gguf_mm, library.gguf_dequantize
         self._type = TYPE_IDS[weight.qtype]
+        self._weight = self._pointers(0)  # the arguments of every call on the whole weight
 
-    def _pointers(self, first_row: int = 0) -> tuple[int, int, int, int]:
+    def _pointers(self, first_row: int) -> tuple[int, int, int, int]:
         codes, d, c = self.codes[first_row:], self.d[first_row:], self.c[first_row:]
         return self._type, codes.data_ptr(), d.data_ptr(), c.data_ptr()
 
@@ -70,7 +71,7 @@ class NativeWeight:
         if x.dim() != 2 or x.shape[1] != self.cols:
             raise ValueError(f"x {tuple(x.shape)} does not match the weight {self.shape}")
         out = torch.empty(x.shape[0], self.rows, dtype=torch.float32)
-        if self._mm(*self._pointers(), self.rows, self.cols, x.data_ptr(), x.shape[0],
+        if self._mm(*self._weight, self.rows, self.cols, x.data_ptr(), x.shape[0],
                     out.data_ptr()):  # fmt: skip
             raise MemoryError("gguf_mm: out of memory for the rounded activations")
         return out
@@ -85,7 +86,7 @@ class NativeWeight:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
             raise ValueError(f"row ids outside 0..{self.rows - 1}")
         out = torch.empty(ids.numel(), self.cols, dtype=torch.float32)
-        self._dequantize(*self._pointers(), self.cols, ids.data_ptr(), ids.numel(), out.data_ptr())
+        self._dequantize(*self._weight, self.cols, ids.data_ptr(), ids.numel(), out.data_ptr())
         return out
 
     def dequantize_into(self, first_row: int, out: torch.Tensor) -> torch.Tensor:
