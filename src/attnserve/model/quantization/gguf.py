@@ -25,7 +25,7 @@ from attnserve.model.quantization.gguf_blocks import GGUFWeight
 from attnserve.model.quantization.gguf_cpu import NativeWeight, native_library
 from attnserve.model.quantization.gguf_torch import TorchPackedWeight
 
-NATIVE_MAX_ROWS = 32  # above, dequantized chunks through the BLAS are faster (docs/quantization)
+NATIVE_MAX_ROWS = 12  # above, dequantized chunks through the BLAS are faster (crossover 12-16)
 CHUNK_FLOATS = 1 << 20  # weight floats dequantized at a time for the BLAS path
 
 
