@@ -16,7 +16,9 @@ every unfinished request) and perfect overlap of memory traffic and arithmetic:
 - bound tokens/s = output tokens / (prefill time + the sum of the decode step times).
 
 Weight bytes are the decoder's matmul and norm weights and lm_head, in the model dtype; an untied
-input embedding is not counted (a step gathers only its tokens' rows). Keys beyond a sliding
+input embedding is not counted (a step gathers only its tokens' rows). Quantized matmul weights
+count as stored: FP8, one byte (the LM head stays in the model dtype); packed GGUF, the smallest
+packed type's 18 bytes per 32 weights (Q4_0, so the bound stays a bound), the LM head too. Keys beyond a sliding
 window are not counted (the model's widest window caps every layer: fewer bytes, still a bound).
 """
 
@@ -30,6 +32,8 @@ import torch
 from attnserve.bench.kernel_common import copy_bandwidth_tbs, median_us
 from attnserve.model.config import ModelConfig
 
+_GGUF_BYTES = 18 / 32  # Q4_0: a float16 scale and 32 four-bit codes
+_QUANTIZED_BYTES = {"fp8": 1.0, "gguf": _GGUF_BYTES}
 # (copy buffer bytes, matmul size, calls per timing, timings): large on a GPU, small elsewhere
 _CUDA_PROBE = (2 << 30, 8192, 10, 10)
 _HOST_PROBE = (64 << 20, 1024, 1, 3)
@@ -47,6 +51,8 @@ class ModelShape:
     dtype_bytes: int
     kv_dtype_bytes: int
     sliding_window: int | None = None
+    matmul_weight_bytes: float | None = None  # per decoder matmul weight (None: dtype_bytes)
+    lm_head_weight_bytes: float | None = None  # per LM head weight (None: dtype_bytes)
 
     @classmethod
     def from_config(cls, config: ModelConfig, kv_cache_dtype: str = "auto") -> ModelShape:
@@ -62,6 +68,8 @@ class ModelShape:
             dtype_bytes=dtype_bytes,
             kv_dtype_bytes=1 if kv_cache_dtype == "fp8" else dtype_bytes,
             sliding_window=config.sliding_window,
+            matmul_weight_bytes=_QUANTIZED_BYTES.get(config.quantization or ""),
+            lm_head_weight_bytes=_GGUF_BYTES if config.quantization == "gguf" else None,
         )
 
     @property
@@ -78,7 +86,13 @@ class ModelShape:
     def weight_bytes(self) -> int:
         """Bytes one forward pass reads of the weights (see the module docstring)."""
         norms = (2 * self.num_layers + 1) * self.hidden_size
-        return (self.decoder_matmul_params + norms + self.lm_head_params) * self.dtype_bytes
+        matmul = self.matmul_weight_bytes or self.dtype_bytes
+        lm_head = self.lm_head_weight_bytes or self.dtype_bytes
+        return int(
+            self.decoder_matmul_params * matmul
+            + self.lm_head_params * lm_head
+            + norms * self.dtype_bytes
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -69,6 +69,22 @@ DUMMY_PRESETS: dict[str, dict[str, Any]] = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
+    "llama-3-70b": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 8192,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 28672,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
     # A few-MB model for fast engine tests.
     "llama-tiny": {
         "model_type": "llama",
