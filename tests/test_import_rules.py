@@ -34,8 +34,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine_config",),
     ("model",),
     ("attention",),
-    ("core", "sampling_params", "outputs", "config", "distributed", "host_copy", "profiling",
-     "native"),
+    (
+        "core",
+        "sampling_params",
+        "outputs",
+        "config",
+        "distributed",
+        "host_copy",
+        "profiling",
+        "native",
+    ),
 ]
 # (importer, what it may not import although it lies below)
 SKIPS: list[tuple[str, tuple[str, ...]]] = [("engine", ("worker",))]

@@ -276,7 +276,10 @@ BENCHMARKS = {
     "latency": ("attnserve.bench.latency", "one batch's prefill time, time per output token"),
     "kernels": ("attnserve.bench.kernels", "attention kernels' decode/prefill speed (GPU)"),
     "serve": ("attnserve.bench.serve", "a running server's throughput, TTFT, TPOT, ITL, latency"),
-    "quality": ("attnserve.bench.quality", "a quantization's greedy tokens against a reference run"),
+    "quality": (
+        "attnserve.bench.quality",
+        "a quantization's greedy tokens against a reference run",
+    ),
     "llamacpp": ("attnserve.bench.llamacpp", "single-stream chat decode against llama.cpp (CPU)"),
 }
 

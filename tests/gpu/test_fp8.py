@@ -81,7 +81,9 @@ def test_fp8_decode_through_cuda_graphs_equals_eager() -> None:
     tokens = []
     for eager in (True, False):
         llm = _engine("fp8", enforce_eager=eager)
-        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        tokens.append(
+            [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        )
         llm.shutdown()
         del llm
         torch.cuda.empty_cache()
@@ -102,7 +104,7 @@ def test_fp8_model_tracks_the_bf16_model_on_the_same_weights() -> None:
         )  # fmt: skip
         model = load_reference_model_on_cuda(config)
         states: list[torch.Tensor] = []
-        model.register_forward_hook(lambda module, args, out: states.append(out.float()))
+        model.register_forward_hook(lambda _m, _a, out, keep=states.append: keep(out.float()))
         runner = PagedRunner(model, config, max_len=80, seqs=len(prompts), device="cuda")
         logits[quantization] = torch.cat(runner.run([p[:-4] for p in prompts],
                                                     [p[-4:] for p in prompts]))  # fmt: skip
@@ -111,9 +113,11 @@ def test_fp8_model_tracks_the_bf16_model_on_the_same_weights() -> None:
         torch.cuda.empty_cache()
     hidden_error = _relative(hidden["fp8"], hidden[None])
     agreement = float((logits["fp8"].argmax(-1) == logits[None].argmax(-1)).float().mean())
-    print(f"FP8 vs bf16: final hidden states relative error {hidden_error:.4f}, "
-          f"logits relative error {_relative(logits['fp8'], logits[None]):.4f}, "
-          f"top-1 agreement {agreement:.3f} over {len(logits[None])} positions")
+    print(
+        f"FP8 vs bf16: final hidden states relative error {hidden_error:.4f}, "
+        f"logits relative error {_relative(logits['fp8'], logits[None]):.4f}, "
+        f"top-1 agreement {agreement:.3f} over {len(logits[None])} positions"
+    )
     assert hidden_error < HIDDEN_TOL and agreement >= TOP1_MIN
 
 
@@ -127,8 +131,6 @@ def load_reference_model_on_cuda(config: ModelConfig) -> torch.nn.Module:
     return model
 
 
-
-
 @needs_fp8
 def test_fp8_weights_with_the_fp8_kv_cache() -> None:
     """Both quantizations at once, decode steps from CUDA graphs: the run completes and its
@@ -140,7 +142,9 @@ def test_fp8_weights_with_the_fp8_kv_cache() -> None:
         llm = LLM(MODEL, load_format="dummy", dtype="bfloat16", quantization="fp8",
                   kv_cache_dtype=cache, max_model_len=512, max_num_seqs=8,
                   kv_cache_memory_bytes=1 << 30)  # fmt: skip
-        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        tokens.append(
+            [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        )
         llm.shutdown()
         del llm
         torch.cuda.empty_cache()
@@ -160,8 +164,15 @@ def test_fp8_over_two_gpus_scores_like_one() -> None:
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     scores = []
     for tp in (1, 2):
-        llm = LLM(MODEL, load_format="dummy", dtype="bfloat16", quantization="fp8",
-                  tensor_parallel_size=tp, max_model_len=512, kv_cache_memory_bytes=1 << 30)
+        llm = LLM(
+            MODEL,
+            load_format="dummy",
+            dtype="bfloat16",
+            quantization="fp8",
+            tensor_parallel_size=tp,
+            max_model_len=512,
+            kv_cache_memory_bytes=1 << 30,
+        )
         (output,) = llm.generate([prompt], params, use_tqdm=False)
         llm.shutdown()
         del llm

@@ -57,7 +57,9 @@ def test_rotary_embedding_against_the_formula() -> None:
         first, second = heads[..., :8], heads[..., 8:]
         expected = torch.cat([first * cos - second * sin, second * cos + first * sin], -1)
         torch.testing.assert_close(got.double(), expected.flatten(1), atol=1e-5, rtol=1e-5)
-    assert all(torch.equal(a, b) for a, b in zip(rope(positions, q, k), (got_q, got_k), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(rope(positions, q, k), (got_q, got_k), strict=True)
+    )
 
 
 def test_silu_and_mul_against_the_formula() -> None:

@@ -73,7 +73,9 @@ def test_fp8_linear_is_the_product_of_its_rounded_operands(m: int) -> None:
     assert (got - exact).norm() / exact.norm() < 0.05  # the activations' FP8 rounding
 
 
-def _write_fp8_checkpoint(source: Path, target: Path, config: dict[str, Any], channel: bool) -> None:
+def _write_fp8_checkpoint(
+    source: Path, target: Path, config: dict[str, Any], channel: bool
+) -> None:
     """`source`'s linear weights as E4M3 with float32 scales (per channel [N, 1] as
     compressed-tensors writes them, or one per tensor as `weight_scale_inv`)."""
     shutil.copytree(source, target)

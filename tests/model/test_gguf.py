@@ -164,9 +164,10 @@ def test_tiny_gguf_packed_logits_close_to_hf(tiny_gguf: tuple[Path, Any]) -> Non
     assert config.quantization == "gguf"
     model = load_reference_model(config)
     layer = model.model.layers[0]
-    kinds = [getattr(s, "qtype", "dense") for s in layer.self_attn.qkv_proj.gguf_segments]
+    kinds = [getattr(s, "qtype", "dense") for s in layer.self_attn.qkv_proj.quant_method.segments]
     assert kinds == ["Q4_0", "Q4_1", "Q8_0"]
-    assert [type(s).__name__ for s in layer.self_attn.o_proj.gguf_segments] == ["DenseSegment"]
+    o_proj = layer.self_attn.o_proj.quant_method.segments
+    assert [type(s).__name__ for s in o_proj] == ["DenseSegment"]
     seqs = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 6)]
     ours = PagedRunner(model, config, max_len=9, seqs=2).run(
         [s[:-2].tolist() for s in seqs], [s[-2:].tolist() for s in seqs]

@@ -4,8 +4,8 @@ computed here from `gguf.quants` (quantize, dequantize) and float64 products, od
 Two references: the product with the dequantized weight (the exact paths: large batches through
 the BLAS, torch's int4 kernel) and, for the native small-batch kernel, the same product with the
 activations rounded the way that kernel documents (per 32-block int16 codes, scale max|x|/32767;
-Q4_1's m times the exact block sums of x) — which it must meet to float32 accuracy — plus the bound that
-rounding puts on its distance from the exact product.
+Q4_1's m times the exact block sums of x), which it must meet to float32 accuracy, plus the
+bound that rounding puts on its distance from the exact product.
 """
 
 from __future__ import annotations
@@ -107,7 +107,9 @@ def test_exact_paths_against_dequantized_product(qtype: str, n: int, k: int, m: 
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     exact = x.double() @ _dequantized(qtype, raw).t()
     tolerance = {"atol": 2e-5 * exact.abs().max().item(), "rtol": 0}
-    torch.testing.assert_close(TorchPackedWeight.from_gguf(weight).mm(x).double(), exact, **tolerance)
+    torch.testing.assert_close(
+        TorchPackedWeight.from_gguf(weight).mm(x).double(), exact, **tolerance
+    )
     if native_library() is not None and m > NATIVE_MAX_ROWS:
         torch.testing.assert_close(PackedSegment(weight).mm(x).double(), exact, **tolerance)
 

@@ -18,8 +18,9 @@ every unfinished request) and perfect overlap of memory traffic and arithmetic:
 Weight bytes are the decoder's matmul and norm weights and lm_head, in the model dtype; an untied
 input embedding is not counted (a step gathers only its tokens' rows). Quantized matmul weights
 count as stored: FP8, one byte (the LM head stays in the model dtype); packed GGUF, the smallest
-packed type's 18 bytes per 32 weights (Q4_0, so the bound stays a bound), the LM head too. Keys beyond a sliding
-window are not counted (the model's widest window caps every layer: fewer bytes, still a bound).
+packed type's 18 bytes per 32 weights (Q4_0, so the bound stays a bound), the LM head too. Keys
+beyond a sliding window are not counted (the model's widest window caps every layer: fewer
+bytes, still a bound).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ Per prompt (the model's chat template around fixed questions, or random token id
 without a tokenizer): `--max-tokens` greedy tokens from each engine (`ignore_eos`); equal, or the
 first step where they part, the two tokens, and the reference's log-probability gap between its
 token and the quantized run's there (from its top `TOP_LOGPROBS`: "> gap" when the quantized
-token is not among them). Then both engines (prefix caching off) score the same text (prompt + the reference's
-tokens) token by token: the share of positions where their top-1 tokens agree, and the mean and
-largest |difference| of the log-probability they give the text's next token.
+token is not among them). Then both engines (prefix caching off) score the same text (prompt +
+the reference's tokens) token by token: the share of positions where their top-1 tokens agree,
+and the mean and largest |difference| of the log-probability they give the text's next token.
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def _prompts(llm: LLM, count: int, seed: int) -> list[list[int]]:
         vocab = llm.llm_engine.model_config.vocab_size
         return [[rng.randrange(vocab) for _ in range(rng.randint(8, 64))] for _ in range(count)]
     chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(count)]
-    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    texts = [
+        tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats
+    ]
     return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
 
 

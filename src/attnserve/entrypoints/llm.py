@@ -20,8 +20,9 @@ Message = dict[str, str]
 
 class LLM:
     """An engine for offline batched generation. Keyword arguments are `EngineArgs` fields
-    (quantization: "gguf", "fp8", "none" or None for the checkpoint's own; block_size, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization,
-    tensor_parallel_size, distributed_executor_backend, ...)."""
+    (quantization: "gguf", "fp8", "none" or None for the checkpoint's own; block_size,
+    max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, tensor_parallel_size,
+    distributed_executor_backend, ...)."""
 
     def __init__(
         self,

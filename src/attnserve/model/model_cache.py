@@ -10,7 +10,6 @@ so staging directories left by a killed writer are removed then.
 from __future__ import annotations
 
 import fcntl
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -20,8 +19,15 @@ from pathlib import Path
 
 from attnserve.native import CACHE_ENV, cache_root
 
-__all__ = ["CACHE_ENV", "CacheEntry", "cache_entries", "cache_root", "clear_cache", "locked",
-           "staging_dir"]
+__all__ = [
+    "CACHE_ENV",
+    "CacheEntry",
+    "cache_entries",
+    "cache_root",
+    "clear_cache",
+    "locked",
+    "staging_dir",
+]
 
 LOCK_NAME = ".lock"
 STAGING_PREFIX = ".staging-"

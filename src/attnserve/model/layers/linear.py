@@ -48,6 +48,7 @@ class Linear(nn.Module):
     `shards_input`: its input features are split across ranks (row-parallel)."""
 
     shards_input: ClassVar[bool] = False
+    weight: nn.Parameter  # registered by the quant method
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()

@@ -31,6 +31,8 @@ from attnserve.model.quantization import embedding_method_for
 
 
 class VocabParallelEmbedding(nn.Module):
+    weight: nn.Parameter  # registered by the quant method
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings

@@ -17,11 +17,12 @@ from torch import nn
 
 
 class LazySlice(Protocol):
-    """A tensor still on disk (safetensors' `PySafeSlice`): its shape, and slicing reads it."""
+    """A weight not yet a plain tensor: still on disk (safetensors' `PySafeSlice`: slicing reads
+    it) or packed (a GGUF tensor's blocks: slicing narrows them); its shape, and slices."""
 
     def get_shape(self) -> list[int]: ...
 
-    def __getitem__(self, index: Any) -> torch.Tensor: ...
+    def __getitem__(self, index: Any) -> torch.Tensor | LazySlice: ...
 
 
 LoadedWeight = torch.Tensor | LazySlice
@@ -35,7 +36,7 @@ def weight_shape(weight: LoadedWeight) -> tuple[int, ...]:
     return tuple(weight.get_shape())
 
 
-def narrow_weight(weight: LoadedWeight, dim: int, start: int, size: int) -> torch.Tensor:
+def narrow_weight(weight: LoadedWeight, dim: int, start: int, size: int) -> LoadedWeight:
     """Rows (dim 0) or columns (dim 1) [start, start + size) of `weight`, read only there."""
     if isinstance(weight, torch.Tensor):
         return weight.narrow(dim, start, size)
@@ -44,7 +45,14 @@ def narrow_weight(weight: LoadedWeight, dim: int, start: int, size: int) -> torc
 
 
 def full_weight(weight: LoadedWeight) -> torch.Tensor:
-    return weight if isinstance(weight, torch.Tensor) else weight[...]
+    """The whole weight as a tensor (reading a lazy slice); ValueError for a packed weight,
+    which only a quantized parameter's row store takes."""
+    if isinstance(weight, torch.Tensor):
+        return weight
+    loaded = weight[...]
+    if not isinstance(loaded, torch.Tensor):
+        raise ValueError(f"a packed {type(weight).__name__} reached an unquantized parameter")
+    return loaded
 
 
 def copy_checked(target: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -70,8 +78,9 @@ def store_rows(param: nn.Parameter, offset: int, rows: LoadedWeight, what: str) 
     store = row_store(param)
     if store is not None:
         if offset + weight_shape(rows)[0] > param.shape[0]:
-            raise ValueError(f"{what}: {weight_shape(rows)[0]} rows from {offset} overflow "
-                             f"{tuple(param.shape)}")
+            raise ValueError(
+                f"{what}: {weight_shape(rows)[0]} rows from {offset} overflow {tuple(param.shape)}"
+            )
         store(offset, rows)
         return
     loaded = full_weight(rows)
@@ -81,9 +90,7 @@ def store_rows(param: nn.Parameter, offset: int, rows: LoadedWeight, what: str) 
 def default_weight_loader(param: nn.Parameter, weight: LoadedWeight, name: str = "") -> None:
     """A replicated parameter takes the whole weight, without a copy when it can."""
     if weight_shape(weight) != tuple(param.shape):
-        raise ValueError(
-            f"{name}: checkpoint shape {weight_shape(weight)} != {tuple(param.shape)}"
-        )
+        raise ValueError(f"{name}: checkpoint shape {weight_shape(weight)} != {tuple(param.shape)}")
     if row_store(param) is not None:
         store_rows(param, 0, weight, name)
         return

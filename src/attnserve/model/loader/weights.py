@@ -67,6 +67,7 @@ def save_with_gguf_blocks(
             tensors[name] = weight.contiguous()
     save_file(tensors, str(path), metadata={GGUF_TYPES_KEY: json.dumps(types)})
 
+
 DUMMY_STD = 0.02
 
 
@@ -79,7 +80,7 @@ def iter_safetensors(
     for file in _files(directory):
         with _open(file) as handle:  # type: ignore[attr-defined]
             types = _gguf_types(handle)
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name in types:
                     packed = GGUFWeight(types[name], handle.get_tensor(name))
                     yield name, packed if keep_packed else packed.dequantize()

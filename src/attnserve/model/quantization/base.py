@@ -18,6 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def layer_weight(layer: nn.Module) -> nn.Parameter:
+    """The `weight` parameter a layer's method registered."""
+    weight = layer.weight
+    if not isinstance(weight, nn.Parameter):
+        raise TypeError(f"{type(layer).__name__}.weight is not a parameter")
+    return weight
+
+
 class LinearMethod:
     """How a linear layer holds its weight [out, in] and computes `x W^T + bias`."""
 
@@ -44,11 +52,10 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(weight, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return F.linear(x, layer_weight(layer), bias)
 
     def dense_weight(self, layer: nn.Module) -> torch.Tensor:
-        weight: torch.Tensor = layer.weight
-        return weight
+        return layer_weight(layer)
 
 
 class EmbeddingMethod:
@@ -76,14 +83,13 @@ class UnquantizedEmbeddingMethod(EmbeddingMethod):
         layer.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, layer.weight)
+        return F.embedding(ids, layer_weight(layer))
 
     def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, layer.weight)
+        return F.linear(hidden, layer_weight(layer))
 
     def dense_weight(self, layer: nn.Module) -> torch.Tensor:
-        weight: torch.Tensor = layer.weight
-        return weight
+        return layer_weight(layer)
 
 
 class QuantizationConfig:

@@ -16,11 +16,14 @@ each row of the tensor, exactly), sharded with the rows (column-parallel) or who
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from attnserve.model.layers.weight_utils import (
     LoadedWeight,
+    WeightLoader,
     default_weight_loader,
     full_shape,
     full_weight,
@@ -67,99 +70,93 @@ def fp8_linear(
 
 class Fp8LinearMethod(LinearMethod):
     """`scheme` None: quantize float weights on load; else load the checkpoint's FP8 weights
-    and their scales (named `scheme.scale_name`)."""
+    and their scales (named `scheme.scale_name`). One method object per layer: it keeps the
+    layer's weight and scales."""
 
     def __init__(self, scheme: Fp8Scheme | None) -> None:
         self.scheme = scheme
         self.scale_name = "weight_scale" if scheme is None else scheme.scale_name
+        self.weight = nn.Parameter(torch.empty(0, dtype=FP8), requires_grad=False)
+        self.scale = torch.empty(0)
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
-        device = torch.get_default_device()
-        if device.type == "cuda" and (in_features % 16 or out_features % 16):
+        if torch.get_default_device().type == "cuda" and (in_features % 16 or out_features % 16):
             raise ValueError(
                 f"fp8: a {out_features} x {in_features} linear layer; FP8 matmuls on CUDA need "
                 "both sizes to be multiples of 16"
             )
-        weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), False)
-        layer.weight = weight
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), False)
+        layer.weight = self.weight
         scale = torch.full((out_features,), float("nan"), dtype=torch.float32)
         if self.scheme is None:
             layer.register_buffer(self.scale_name, scale)
-            set_row_store(weight, self._quantizing_store(layer), torch.get_default_dtype())
+            self.scale = scale
+            set_row_store(self.weight, self._quantize_rows, torch.get_default_dtype())
             return
         param = nn.Parameter(scale, requires_grad=False)
         layer.register_parameter(self.scale_name, param)
-        set_row_store(weight, self._fp8_store(layer), torch.get_default_dtype())
+        self.scale = param
+        set_row_store(self.weight, self._copy_fp8_rows, torch.get_default_dtype())
         set_weight_attrs(param, self._scale_loader(layer), (out_features,))
 
-    def _quantizing_store(self, layer: nn.Module) -> object:
-        def store(offset: int, rows: LoadedWeight) -> None:
-            loaded = full_weight(rows).to(layer.weight.device)
-            if loaded.dtype == FP8:
-                raise ValueError("fp8: an FP8 weight in a checkpoint without an FP8 "
-                                 "quantization_config (its scales are unknown)")
-            _check_columns(layer, loaded)
-            quantized, scale = quantize_rows(loaded)
-            layer.weight.data[offset : offset + len(loaded)] = quantized
-            getattr(layer, self.scale_name)[offset : offset + len(loaded)] = scale
+    def _quantize_rows(self, offset: int, rows: LoadedWeight) -> None:
+        loaded = full_weight(rows).to(self.weight.device)
+        if loaded.dtype == FP8:
+            raise ValueError("fp8: an FP8 weight in a checkpoint without an FP8 "
+                             "quantization_config (its scales are unknown)")  # fmt: skip
+        self._check_columns(loaded)
+        quantized, scale = quantize_rows(loaded)
+        self.weight.data[offset : offset + len(loaded)] = quantized
+        self.scale.data[offset : offset + len(loaded)] = scale
 
-        return store
+    def _copy_fp8_rows(self, offset: int, rows: LoadedWeight) -> None:
+        loaded = full_weight(rows)
+        if loaded.dtype != FP8:
+            raise ValueError(f"fp8: an FP8 checkpoint holds a {loaded.dtype} linear weight "
+                             "(mixed precision checkpoints are not supported)")  # fmt: skip
+        self._check_columns(loaded)
+        self.weight.data[offset : offset + len(loaded)] = loaded
 
-    @staticmethod
-    def _fp8_store(layer: nn.Module) -> object:
-        def store(offset: int, rows: LoadedWeight) -> None:
-            loaded = full_weight(rows)
-            if loaded.dtype != FP8:
-                raise ValueError(f"fp8: an FP8 checkpoint holds a {loaded.dtype} linear weight "
-                                 "(mixed precision checkpoints are not supported)")
-            _check_columns(layer, loaded)
-            layer.weight.data[offset : offset + len(loaded)] = loaded
+    def _check_columns(self, loaded: torch.Tensor) -> None:
+        if loaded.dim() != 2 or loaded.shape[1] != self.weight.shape[1]:
+            raise ValueError(
+                f"fp8: checkpoint rows {tuple(loaded.shape)} do not fit the weight "
+                f"{tuple(self.weight.shape)}"
+            )
 
-        return store
-
-    @staticmethod
-    def _scale_loader(layer: nn.Module) -> object:
+    def _scale_loader(self, layer: nn.Module) -> WeightLoader:
         """Loads a per-tensor or per-row scale: sharded like the weight's rows, except in a
         row-parallel layer (whose rows every rank holds whole)."""
+        linear: Any = layer  # a parallel linear layer: its loader, specs, `shards_input`
 
         def load(param: nn.Parameter, loaded: LoadedWeight, shard_id: str | None = None) -> None:
             values = full_weight(loaded).float().reshape(-1)
-            if shard_id is not None:
-                rows = layer.specs[shard_id].full_size
-            else:
-                rows = full_shape(layer.weight)[0]
+            full_rows = full_shape(self.weight)[0]
+            rows = full_rows if shard_id is None else linear.specs[shard_id].full_size
             if values.numel() == 1:
                 values = values.expand(rows).contiguous()
-            param.full_shape = (full_shape(layer.weight)[0],)  # type: ignore[attr-defined]
-            if layer.shards_input:
+            set_weight_attrs(param, load, (full_rows,))
+            if linear.shards_input:
                 default_weight_loader(param, values, "weight scale")
             else:
-                layer.weight_loader(param, values, shard_id)
+                linear.weight_loader(param, values, shard_id)
+            self.scale = param
 
         return load
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        scale: torch.Tensor = getattr(layer, self.scale_name)
-        if torch.isnan(scale).any():
+        self.scale = getattr(layer, self.scale_name)  # a zero-copy load may have replaced it
+        if torch.isnan(self.scale).any():
             raise ValueError(
                 f"fp8: a {type(layer).__name__} has rows without a {self.scale_name} "
                 "(the checkpoint lacks some scales)"
             )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_linear(x, layer.weight, getattr(layer, self.scale_name), bias)
+        return fp8_linear(x, self.weight, self.scale, bias)
 
     def dense_weight(self, layer: nn.Module) -> torch.Tensor:
-        scale: torch.Tensor = getattr(layer, self.scale_name)
-        return layer.weight.float() * scale[:, None]
-
-
-def _check_columns(layer: nn.Module, loaded: torch.Tensor) -> None:
-    if loaded.dim() != 2 or loaded.shape[1] != layer.weight.shape[1]:
-        raise ValueError(
-            f"fp8: checkpoint rows {tuple(loaded.shape)} do not fit the weight "
-            f"{tuple(layer.weight.shape)}"
-        )
+        return self.weight.float() * self.scale[:, None]
 
 
 class Fp8Config(QuantizationConfig):

@@ -20,7 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnserve.model.layers.weight_utils import LoadedWeight, full_weight, set_row_store
-from attnserve.model.quantization.base import EmbeddingMethod, LinearMethod, QuantizationConfig
+from attnserve.model.quantization.base import (
+    EmbeddingMethod,
+    LinearMethod,
+    QuantizationConfig,
+    layer_weight,
+)
 from attnserve.model.quantization.gguf_blocks import GGUFWeight
 from attnserve.model.quantization.gguf_cpu import NativeWeight, native_library
 from attnserve.model.quantization.gguf_torch import TorchPackedWeight
@@ -150,15 +155,6 @@ def _add_to_runs(runs: list[list[Part]], part: Part) -> None:
         runs.append([part])
 
 
-def _placeholder(layer: nn.Module, rows: int, cols: int, what: str) -> None:
-    """The layer's `weight`, shape only (meta): its loader's rows go to `layer.gguf_staged`."""
-    dtype = torch.get_default_dtype()
-    layer.weight = nn.Parameter(torch.empty(rows, cols, device="meta"), requires_grad=False)
-    layer.gguf_staged = _Staged(rows, cols, dtype, what)
-    layer.gguf_segments = []
-    set_row_store(layer.weight, layer.gguf_staged.store, dtype)
-
-
 def segments_mm(segments: list[Segment], x: torch.Tensor) -> torch.Tensor:
     """x [M, K] times the segments' rows transposed, in x's dtype [M, rows]."""
     if len(segments) == 1:
@@ -170,42 +166,60 @@ def segments_dense(segments: list[Segment]) -> torch.Tensor:
     return torch.cat([s.dense() for s in segments])
 
 
-class GGUFLinearMethod(LinearMethod):
+class _GGUFMethod:
+    """What both GGUF methods keep (one method object per layer): the rows its loader stored,
+    then the segments. The layer's `weight` is its shape only (on "meta")."""
+
+    def __init__(self) -> None:
+        self.staged: _Staged | None = None
+        self.segments: list[Segment] = []
+        self.dtype = torch.get_default_dtype()  # the model's, where the layer is built
+
+    def _placeholder(self, layer: nn.Module, rows: int, cols: int) -> None:
+        weight = nn.Parameter(torch.empty(rows, cols, device="meta"), requires_grad=False)
+        layer.weight = weight
+        self.staged = _Staged(rows, cols, self.dtype, type(layer).__name__)
+        set_row_store(weight, self.staged.store, self.dtype)
+
+    def _finish(self, pad_to: int | None = None) -> None:
+        if self.staged is None:
+            raise RuntimeError("a GGUF layer finished before its weights were created")
+        self.segments = self.staged.segments(pad_to)
+
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        return segments_dense(self.segments)
+
+
+class GGUFLinearMethod(_GGUFMethod, LinearMethod):
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
-        _placeholder(layer, out_features, in_features, type(layer).__name__)
+        self._placeholder(layer, out_features, in_features)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.gguf_segments = layer.gguf_staged.segments()
+        self._finish()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = segments_mm(layer.gguf_segments, x)
+        out = segments_mm(self.segments, x)
         return out if bias is None else out + bias
 
-    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
-        return segments_dense(layer.gguf_segments)
 
-
-class GGUFEmbeddingMethod(EmbeddingMethod):
-    """The table as one packed GGUFWeight (lookups dequantize the rows they take) or dense."""
+class GGUFEmbeddingMethod(_GGUFMethod, EmbeddingMethod):
+    """The table as one packed GGUFWeight (lookups dequantize the rows they take) or dense;
+    a rank's rows past the vocabulary are zero rows of the table's own kind."""
 
     def create_weights(self, layer: nn.Module, rows: int, dim: int) -> None:
-        _placeholder(layer, rows, dim, "embedding")
+        self._placeholder(layer, rows, dim)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.gguf_segments = layer.gguf_staged.segments(pad_to=layer.weight.shape[0])
+        self._finish(pad_to=layer_weight(layer).shape[0])
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        (table,) = layer.gguf_segments  # one tensor, padded with rows of its own kind
-        dtype = layer.gguf_staged.dtype
+        (table,) = self.segments  # one tensor, padded with rows of its own kind
         if isinstance(table, DenseSegment):
             return F.embedding(ids, table.weight)
-        return table.lookup(ids.reshape(-1)).to(dtype).view(*ids.shape, -1)
+        return table.lookup(ids.reshape(-1)).to(self.dtype).view(*ids.shape, -1)
 
     def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        return segments_mm(layer.gguf_segments, hidden)
-
-    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
-        return segments_dense(layer.gguf_segments)
+        return segments_mm(self.segments, hidden)
 
 
 class GGUFConfig(QuantizationConfig):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ def native_library() -> ctypes.CDLL | None:
     if library is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    weight = [ctypes.c_int, pointer, pointer, pointer]  # type, codes, d, c
+    weight: list[Any] = [ctypes.c_int, pointer, pointer, pointer]  # type, codes, d, c
     library.gguf_mm.argtypes = [*weight, size, size, pointer, size, pointer]
     library.gguf_dequantize.argtypes = [*weight, size, pointer, size, pointer]
     return library

@@ -81,7 +81,6 @@ class TorchPackedWeight:
             out.add_(_plane_mm(x32, plane))
         return out[:, : self.rows]
 
-
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return GGUFWeight(self.qtype, self.weight.blocks[ids]).dequantize()
 
@@ -90,4 +89,6 @@ class TorchPackedWeight:
 
 
 def _plane_mm(x: torch.Tensor, plane: _Plane) -> torch.Tensor:
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, plane.packed, BLOCK, plane.scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, plane.packed, BLOCK, plane.scales_and_zeros
+    )

@@ -50,8 +50,10 @@ def resolve_quantization(
     if requested == "gguf":
         raise ValueError("quantization 'gguf' needs GGUF weights (a .gguf file)")
     if checkpoint == "fp8" and requested == "none":
-        raise ValueError("the checkpoint is FP8: quantization 'none' (dequantizing it) is not "
-                         "supported; use 'fp8' or leave quantization unset")
+        raise ValueError(
+            "the checkpoint is FP8: quantization 'none' (dequantizing it) is not "
+            "supported; use 'fp8' or leave quantization unset"
+        )
     if requested == "fp8" or checkpoint == "fp8":
         _check_fp8_device(device, dtype)
         return "fp8"
@@ -60,8 +62,9 @@ def resolve_quantization(
 
 def _for_gguf(requested: str | None, device_type: str) -> str | None:
     if requested == "fp8":
-        raise ValueError("quantization 'fp8' takes float or FP8 weights, not a GGUF file's; "
-                         "use 'gguf' or 'none'")
+        raise ValueError(
+            "quantization 'fp8' takes float or FP8 weights, not a GGUF file's; use 'gguf' or 'none'"
+        )
     if keeps_gguf_packed(requested, device_type):
         if device_type != "cpu":
             raise ValueError(
