@@ -103,5 +103,12 @@ class SamplingParams:
         )
 
     @property
+    def outputs_only_when_finished(self) -> bool:
+        """Whether the request's completions are needed only once finished: FINAL_ONLY output
+        (or best_of pruning) and no stop string to watch for token by token."""
+        pruning = self.num_candidates > self.n
+        return (self.output_kind is RequestOutputKind.FINAL_ONLY or pruning) and not self.stop
+
+    @property
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])

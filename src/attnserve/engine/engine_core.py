@@ -46,9 +46,12 @@ def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
     return any(i.samples and i.seq.sampling_params.has_penalties for i in scheduled.scheduled)
 
 
-def _output(seq: Sequence) -> EngineCoreOutput:
-    """What `seq` got this step: its one new token (none when the scheduler ended it)."""
+def _output(seq: Sequence) -> EngineCoreOutput | None:
+    """What `seq` got this step: its one new token (none when the scheduler ended it); for a
+    request that needs its outputs only when finished, nothing until then, and then all of it."""
     params = seq.sampling_params
+    if params.outputs_only_when_finished:
+        return _whole_output(seq) if seq.is_finished else None
     num_output_tokens = seq.num_output_tokens
     drew = num_output_tokens > 0 and not seq.has_pending_token
     if not drew:
@@ -62,6 +65,19 @@ def _output(seq: Sequence) -> EngineCoreOutput:
         seq.cumulative_logprob,
         seq.finish_reason,
         seq.prompt_logprobs if first and params.prompt_logprobs is not None else None,
+    )
+
+
+def _whole_output(seq: Sequence) -> EngineCoreOutput:
+    params = seq.sampling_params
+    return EngineCoreOutput(
+        seq.request_id,
+        seq.index,
+        seq.output_token_ids,
+        list(seq.logprobs) if params.logprobs is not None else None,
+        seq.cumulative_logprob,
+        seq.finish_reason,
+        seq.prompt_logprobs if seq.index == 0 and params.prompt_logprobs is not None else None,
     )
 
 
@@ -178,7 +194,9 @@ class EngineCore:
         """Each sequence's output (forks join their request here); then end every request
         whose sequences have all finished."""
         for seq in seqs:
-            out.outputs.append(_output(seq))
+            output = _output(seq)
+            if output is not None:
+                out.outputs.append(output)
             self.requests[seq.request_id].setdefault(seq.index, seq)
         for seq in seqs:
             request = self.requests.get(seq.request_id) if seq.is_finished else None

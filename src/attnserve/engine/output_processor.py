@@ -63,10 +63,10 @@ class RequestState:
         self.stop_strings = params.stop_strings
         self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
         # Outputs only once finished (FINAL_ONLY, or best_of pruning); with no stop string to
-        # watch for, the text is then decoded once, at the end, rather than token by token.
+        # watch for, the core sends each completion once, finished, and its text is decoded then.
         kind, pruning = params.output_kind, params.num_candidates > params.n
         self.final_only = kind is RequestOutputKind.FINAL_ONLY or pruning
-        self.text_at_end = self.final_only and not self.stop_strings
+        self.text_at_end = params.outputs_only_when_finished
 
     @property
     def finished(self) -> bool:
