@@ -233,11 +233,19 @@ def _validate_hf_config(hf_config: Any) -> None:
     if not architectures:
         raise ValueError("the model config names no architecture (config.json 'architectures')")
     check_architecture(architectures[0])
-    sparse_layers(hf_config)
+    _validate_experts(hf_config)
     _, scaling = rope_settings(hf_config)
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+
+def _validate_experts(hf_config: Any) -> None:
+    sparse_layers(hf_config)
+    experts = num_experts(hf_config)
+    top_k = int(getattr(hf_config, "num_experts_per_tok", 0) or 0)
+    if experts and not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in 1..{experts} (the experts)")
 
 
 def _resolve_tokenizer(tokenizer: str | None, default: str | None) -> str | None:
