@@ -44,10 +44,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def tiny_moe_model(case: str) -> Any:
-    """HF's model of `case` in float32 with seeded random weights."""
+def tiny_moe_model(case: str, **changes: Any) -> Any:
+    """HF's model of `case` (config `changes` applied) in float32 with seeded random weights."""
     config_cls, overrides = CASES[case]
-    config = getattr(transformers, config_cls)(**{**TINY_MOE, **overrides})
+    config = getattr(transformers, config_cls)(**{**TINY_MOE, **overrides, **changes})
     config.architectures = [config_cls.replace("Config", "ForCausalLM")]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
