@@ -47,7 +47,9 @@ def _routes(tokens: int, top_k: int, experts: int, seed: int) -> tuple[torch.Ten
     """Random distinct experts per token (expert 1 never chosen) and positive weights."""
     gen = torch.Generator().manual_seed(seed)
     allowed = torch.tensor([e for e in range(experts) if e != 1])
-    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[:top_k]] for _ in range(tokens)])
+    ids = torch.stack(
+        [allowed[torch.randperm(len(allowed), generator=gen)[:top_k]] for _ in range(tokens)]
+    )
     weights = torch.rand(tokens, top_k, generator=gen) + 0.1
     return weights.to(DEVICE), ids.to(DEVICE)
 

@@ -65,7 +65,9 @@ def _gguf_tensors(hf_model: Any, arch: Any) -> dict[str, tuple[np.ndarray, Any]]
         for part_name, part in parts.items():
             data = part.numpy()
             if arch == gguf.MODEL_ARCH.LLAMA and (".q_proj." in name or ".k_proj." in name):
-                heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+                heads = (
+                    config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+                )
                 data = llama_cpp_permute(data, heads)
             gguf_name = names.get_name(part_name, try_suffixes=(".weight", ".bias"))
             assert gguf_name is not None, part_name
@@ -140,7 +142,9 @@ def test_moe_gguf_logits_match_hf(moe_gguf: Any) -> None:
     config = ModelConfig.resolve(str(path), dtype="float32")
     model = load_reference_model(config)
     vocab = hf_model.config.vocab_size
-    seqs = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 6)]
+    seqs = [
+        torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 6)
+    ]
     ours = PagedRunner(model, config, max_len=9, seqs=2).run(
         [s[:-2].tolist() for s in seqs], [s[-2:].tolist() for s in seqs]
     )

@@ -115,7 +115,9 @@ def test_dummy_weights_export_to_hf(checkpoints: dict[str, tuple[Path, Any]], ca
     model = load_reference_model(config)
     hf_model = to_hf_model(model, config)
     seqs = _random_seqs()
-    for got, want in zip(_paged_logits(model, config, seqs), _hf_logits(hf_model, seqs), strict=True):
+    for got, want in zip(
+        _paged_logits(model, config, seqs), _hf_logits(hf_model, seqs), strict=True
+    ):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 

@@ -46,7 +46,9 @@ class MoEKernelConfig:
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
-                raise ValueError(f"MoEKernelConfig.{name} must be a power of two >= 16, got {value}")
+                raise ValueError(
+                    f"MoEKernelConfig.{name} must be a power of two >= 16, got {value}"
+                )
         if self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError("MoEKernelConfig.group_m, num_warps and num_stages must be >= 1")
 

@@ -112,7 +112,9 @@ class FusedMoE(nn.Module):
         self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         down = torch.empty(num_experts, hidden_size, local)
         self.down_proj = nn.Parameter(down, requires_grad=False)
-        set_weight_attrs(self.gate_up_proj, self.weight_loader, (num_experts, 2 * full, hidden_size))
+        set_weight_attrs(
+            self.gate_up_proj, self.weight_loader, (num_experts, 2 * full, hidden_size)
+        )
         set_weight_attrs(self.down_proj, self.weight_loader, (num_experts, hidden_size, full))
 
     def weight_loader(

@@ -57,7 +57,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         stacked = "down_proj" if shard == DOWN_SHARD else "gate_up_proj"
         target = f"{match['experts']}.{stacked}"
         param = self._param(params, target)
-        param.weight_loader(param, weight, shard, int(match["expert"]))  # type: ignore[operator]
+        param.weight_loader(param, weight, shard, int(match["expert"]))  # type: ignore[attr-defined]
         return target
 
 
@@ -79,8 +79,8 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
 class MixtralForCausalLM(MoeForCausalLM):
     """Top-k (2) of 8 experts, always renormalised; a sliding window when the config has one."""
 
-    expert_projections = {"w1": "gate", "w3": "up", "w2": DOWN_SHARD}
-    checkpoint_moe_block = "block_sparse_moe"
+    expert_projections: ClassVar[dict[str, str]] = {"w1": "gate", "w3": "up", "w2": DOWN_SHARD}
+    checkpoint_moe_block: ClassVar[str] = "block_sparse_moe"
 
     @classmethod
     def moe_spec(cls, hf_config: Any) -> MoESpec:
