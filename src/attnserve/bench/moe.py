@@ -108,9 +108,15 @@ def expert_weights(spec: MoESpec, setup: Setup) -> tuple[torch.Tensor, torch.Ten
 
 
 def routed_inputs(
-    spec: MoESpec, weights: tuple[torch.Tensor, torch.Tensor], batch: int, setup: Setup
+    spec: MoESpec,
+    weights: tuple[torch.Tensor, torch.Tensor],
+    batch: int,
+    setup: Setup,
+    seed: int | None = None,
 ) -> Inputs:
-    gen = torch.Generator(setup.device).manual_seed(batch)
+    """Random hidden states and router logits for `batch` tokens (seeded by `seed`, else the
+    batch size), routed by the spec's top-k."""
+    gen = torch.Generator(setup.device).manual_seed(batch if seed is None else seed)
     hidden = torch.randn(batch, spec.hidden_size, generator=gen, device=setup.device)
     logits = torch.randn(batch, spec.num_experts, generator=gen, device=setup.device)
     topk_weights, ids = select_experts(logits, spec.top_k, spec.renormalize)
