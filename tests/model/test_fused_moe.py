@@ -24,11 +24,22 @@ pytest.importorskip("triton")
 from attnserve.model.layers import moe  # noqa: E402
 from attnserve.model.layers.fused_moe import (  # noqa: E402
     MoEKernelConfig,
-    align_block_size,
     default_config,
     fused_experts,
 )
-from attnserve.model.layers.moe import MoESpec, SparseMoeBlock, moe_reference  # noqa: E402
+from attnserve.model.layers.fused_moe_routing import (  # noqa: E402
+    TRITON_ALIGN_MAX_PAIRS,
+    AlignedRoutes,
+    align_with_torch,
+    align_with_triton,
+    fused_topk,
+)
+from attnserve.model.layers.moe import (  # noqa: E402
+    MoESpec,
+    SparseMoeBlock,
+    moe_reference,
+    select_experts,
+)
 
 HIDDEN, INTER, EXPERTS = 64, 48, 8
 TOL: dict[torch.dtype, dict[str, float]] = {
@@ -67,24 +78,67 @@ def _float64_moe(
     return out
 
 
-def test_align_block_size_sorts_and_pads_each_expert() -> None:
-    block_m, experts = 4, 6
-    _, ids = _routes(9, 2, experts, seed=3)
-    routes = align_block_size(ids, experts, block_m)
+def _check_routes(routes: AlignedRoutes, ids: torch.Tensor, experts: int, block_m: int) -> None:
+    """Every pair once, each block holds pairs of its expert only (in pair order, padding at the
+    end of a run), each run padded to whole blocks."""
     pairs, padded = ids.numel(), int(routes.num_padded)
     sorted_pairs = routes.sorted_pairs.tolist()
     assert sorted(p for p in sorted_pairs if p < pairs) == list(range(pairs))
     assert all(p == pairs for p in sorted_pairs[padded:])
-    counts = torch.bincount(ids.flatten().cpu(), minlength=experts)
+    counts = torch.bincount(ids.flatten().long().cpu(), minlength=experts)
     assert padded == int(((counts + block_m - 1) // block_m * block_m).sum())
     flat = ids.flatten().tolist()
     for block, expert in enumerate(routes.block_experts.tolist()[: padded // block_m]):
         rows = sorted_pairs[block * block_m : (block + 1) * block_m]
         real = [p for p in rows if p < pairs]
         assert real and all(flat[p] == expert for p in real)
-        assert real == sorted(real)  # padding only at the end of an expert's run
-        assert rows[: len(real)] == real
+        assert rows[: len(real)] == real == sorted(real)
     assert len(sorted_pairs) >= padded and len(sorted_pairs) % block_m == 0
+    assert len(routes.block_experts) == len(sorted_pairs) // block_m
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "block_m"),
+    [
+        (1, 2, 6, 16),
+        (9, 2, 6, 4),
+        (37, 8, 128, 16),
+        (5, 1, 3, 64),
+        (TRITON_ALIGN_MAX_PAIRS // 8, 8, 128, 16),
+    ],
+)
+def test_triton_and_torch_sorts_agree(tokens: int, top_k: int, experts: int, block_m: int) -> None:
+    _, ids = _routes(tokens, top_k, experts, seed=tokens)
+    torch_routes = align_with_torch(ids, experts, block_m)
+    _check_routes(torch_routes, ids, experts, block_m)
+    triton_routes = align_with_triton(ids.to(torch.int32), experts, block_m)
+    for name in ("sorted_pairs", "block_experts", "num_padded"):
+        torch.testing.assert_close(getattr(triton_routes, name), getattr(torch_routes, name))
+
+
+def test_the_triton_sort_refuses_too_many_pairs() -> None:
+    ids = torch.zeros(TRITON_ALIGN_MAX_PAIRS + 1, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="at most"):
+        align_with_triton(ids, 4, 16)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.float16], ids=str)
+def test_fused_topk_matches_select_experts(renormalize: bool, weights_dtype: torch.dtype) -> None:
+    logits = _rand(13, 40, scale=2.0, seed=3)[:, :37]  # a strided view, 37 (padded) experts
+    weights, ids = fused_topk(logits, 5, renormalize, weights_dtype)
+    want_weights, want_ids = select_experts(logits, 5, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == weights_dtype
+    torch.testing.assert_close(ids.long(), want_ids, atol=0, rtol=0)
+    torch.testing.assert_close(weights, want_weights.to(weights_dtype), **TOL[weights_dtype])
+
+
+def test_fused_topk_takes_the_lowest_id_among_equals() -> None:
+    weights, ids = fused_topk(torch.zeros(2, 6, device=DEVICE), 3, True, torch.float32)
+    assert ids.tolist() == [[0, 1, 2]] * 2
+    torch.testing.assert_close(weights, torch.full((2, 3), 1 / 3, device=DEVICE))
+    with pytest.raises(ValueError, match="top_k 7"):
+        fused_topk(torch.zeros(2, 6, device=DEVICE), 7, True, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

@@ -1,8 +1,8 @@
 """The fused-MoE Triton kernels: every routed (token, expert) pair through its expert's gated MLP
 in two grouped GEMMs, with the routing weights applied in the second.
 
-The pairs are sorted by expert into blocks of BLOCK_M rows (`align_block_size`, torch ops: each
-expert's pairs padded to a whole number of blocks, so a block belongs to one expert), then:
+The pairs are sorted by expert into blocks of BLOCK_M rows (`fused_moe_routing.align_block_size`:
+each expert's pairs padded to a whole number of blocks, so a block belongs to one expert), then:
 
 1. gate+up: each program takes one block and BLOCK_N columns of the expert's intermediate size,
    multiplies the block's token rows by the gate and the up rows of `w13` [E, 2·I, H] in one pass
@@ -11,8 +11,8 @@ expert's pairs padded to a whole number of blocks, so a block belongs to one exp
 2. down: the same blocks multiply the intermediate rows by the expert's `w2` [E, H, I], scale each
    row by its pair's routing weight, and store it at the pair's row of [pairs, H];
 
-and the top-k rows of each token are summed (in float32, one rounding, by torch). Weights are
-read once per block, so at decode sizes (a few pairs per expert) the kernels stream each routed
+and torch sums the top-k rows of each token (float32 accumulation, one rounding). Weights are read
+once per block, so at decode sizes (a few pairs per expert) the kernels stream each routed
 expert's weights once: the memory-bound ceiling. Programs are ordered in groups of GROUP_M blocks
 along the columns, so neighbouring programs share an expert's weight tiles in L2.
 
@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from attnserve.model.layers.fused_moe_routing import AlignedRoutes, align_block_size
 
 
 @dataclass(frozen=True)
@@ -67,42 +69,6 @@ def default_config(num_pairs: int, num_experts: int) -> MoEKernelConfig:
     """The tiles for `num_pairs` routed pairs over `num_experts` experts."""
     mean_rows = num_pairs / max(num_experts, 1)
     return next((config for rows, config in _CONFIGS if mean_rows <= rows), _LARGE)
-
-
-@dataclass(frozen=True)
-class AlignedRoutes:
-    """The routed pairs sorted by expert, each expert's run padded to whole blocks."""
-
-    sorted_pairs: torch.Tensor  # [capacity] int32: pair ids (token · top_k + slot); padding = pairs
-    block_experts: torch.Tensor  # [capacity / block_m] int32: each block's expert
-    num_padded: torch.Tensor  # [1] int32: rows in use (blocks from here on are skipped)
-
-
-def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRoutes:
-    """Sort the pairs of `topk_ids` [T, top_k] by expert (stable: by pair id within an expert)
-    into runs padded to multiples of `block_m`. Torch ops only, no host sync."""
-    flat = topk_ids.flatten().long()
-    num_pairs, device = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    order = torch.sort(flat, stable=True).indices
-    experts = flat[order]
-    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[experts]
-    slots = (padded_end - padded)[experts] + rank
-    # At most min(pairs, experts) experts are in use, each padded by fewer than block_m rows.
-    bound = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
-    capacity = triton.cdiv(bound, block_m) * block_m
-    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pairs[slots] = order.to(torch.int32)
-    block_starts = torch.arange(0, capacity, block_m, device=device)
-    block_experts = torch.searchsorted(padded_end, block_starts, right=True)
-    return AlignedRoutes(
-        sorted_pairs,
-        block_experts.clamp_(max=num_experts - 1).to(torch.int32),
-        padded_end[-1:].to(torch.int32),
-    )
 
 
 @triton.jit
@@ -241,5 +207,4 @@ def fused_experts(
     per_pair = torch.empty(num_pairs, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.flatten().contiguous()
     _grouped_gemm(intermediate, w2, per_pair, routes, weights, 1, config)
-    summed = per_pair.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32)
-    return summed.to(hidden.dtype)
+    return per_pair.view(num_tokens, top_k, -1).sum(1)

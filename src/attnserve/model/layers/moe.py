@@ -5,8 +5,9 @@ Routing follows HF transformers: router logits in the model dtype, softmax in fl
 optionally renormalised to sum to 1 (`MoESpec.renormalize`); Qwen3-MoE then rounds the weights
 to the model dtype (`weights_in_model_dtype`), Mixtral keeps them in float32. The experts' weights
 are stacked: `gate_up_proj` [E, 2·I, H] (each expert's gate rows, then its up rows) and
-`down_proj` [E, H, I], HF's own layout. On CUDA (with Triton) they run in the fused-MoE kernels
-(`fused_moe`); elsewhere, and as their reference, in plain torch, expert by expert in HF's order.
+`down_proj` [E, H, I], HF's own layout. On CUDA (with Triton) routing and experts run in the
+fused-MoE kernels (`fused_moe_routing`, `fused_moe`); elsewhere, and as their reference, in plain
+torch, expert by expert in HF's order.
 
 Tensor parallelism shards every expert's intermediate dimension: each rank keeps rows
 [r·I/tp, (r+1)·I/tp) of each expert's gate and up (column-parallel) and the same columns of its
@@ -188,7 +189,13 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(spec.num_experts, spec.hidden_size, spec.intermediate_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(hidden), self.spec.top_k, self.spec.renormalize)
-        if self.spec.weights_in_model_dtype:
-            weights = weights.to(hidden.dtype)
+        logits, spec = self.gate(hidden), self.spec
+        weights_dtype = hidden.dtype if spec.weights_in_model_dtype else torch.float32
+        if use_triton(hidden):
+            from attnserve.model.layers.fused_moe_routing import fused_topk
+
+            weights, ids = fused_topk(logits, spec.top_k, spec.renormalize, weights_dtype)
+        else:
+            weights, ids = select_experts(logits, spec.top_k, spec.renormalize)
+            weights = weights.to(weights_dtype)
         return self.experts(hidden, weights, ids)
