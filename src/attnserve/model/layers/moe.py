@@ -175,6 +175,11 @@ class FusedMoE(nn.Module):
 
             out = fused_experts(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         else:
+            if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "the torch MoE path (ATTNSERVE_FUSED_OPS=0) syncs with the host and cannot "
+                    "be captured in a CUDA graph: use enforce_eager=True with it"
+                )
             out = moe_reference(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         return tensor_model_parallel_all_reduce(out)
 
