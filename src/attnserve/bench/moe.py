@@ -150,13 +150,14 @@ def _vllm(inputs: Inputs) -> Callable[[], torch.Tensor]:
 
 @contextlib.contextmanager
 def _vllm_context() -> Iterator[None]:
-    """vLLM's default config as the current one (some of its kernels read it), if it has one."""
+    """vLLM's default config as the current one (some of its kernels read it), where it has one."""
     try:
         from vllm.config import VllmConfig, set_current_vllm_config
-    except ImportError:
-        yield
-        return
-    with set_current_vllm_config(VllmConfig()):
+
+        context: contextlib.AbstractContextManager[object] = set_current_vllm_config(VllmConfig())
+    except Exception:  # no vLLM (its row says so), or one without this API
+        context = contextlib.nullcontext()
+    with context:
         yield
 
 
