@@ -2,8 +2,10 @@
 `EngineCoreOutputs` in, `RequestOutput`s out, with text and stop strings.
 
 Each `RequestState` keeps, per completion, its tokens, log-probabilities and incrementally
-detokenized text. A stop string ends the completion: its text is cut there, later tokens are
-dropped, and the sequence is handed back (`ProcessedOutputs.stopped`) for the core to finish.
+detokenized text. A stop string ends the completion: its text is cut there (before the stop
+string, or after it with `include_stop_str_in_output`), later tokens are dropped, and the
+sequence is handed back (`ProcessedOutputs.stopped`) for the core to finish. The text of the
+EOS or stop token that ended a completion is left out too (kept with that flag), as in vLLM.
 Until a completion ends, the last characters that could begin a stop string are held back, so
 streamed text never has to be taken back. A request that outputs only once it is finished and
 has no stop string to watch for is decoded once, then.
@@ -32,6 +34,7 @@ class _Completion:
         self.logprobs: list[TokenLogprobs] = []
         self.cumulative_logprob: float | None = None
         self.finish_reason: str | None = None
+        self.ended_by_stop_token = False  # the core ended it on EOS or a stop token id
         self.detokenizer: IncrementalDetokenizer | None = None
         self.text = ""
         self.sent_text = 0  # text and tokens already streamed (DELTA)
@@ -89,6 +92,7 @@ class RequestState:
             self.prompt_logprobs = out.prompt_logprobs
         if out.finish_reason is not None:
             self._finish(completion, out.finish_reason)
+            completion.ended_by_stop_token = out.finish_reason == "stop" and bool(out.new_token_ids)
         if self.tokenizer is None or self.text_at_end:
             return False
         stopped = self._detokenize(completion, self.tokenizer)
@@ -102,19 +106,30 @@ class RequestState:
         self.num_finished += 1
 
     def _detokenize(self, completion: _Completion, tokenizer: PreTrainedTokenizerBase) -> bool:
-        """Decode the new tokens; True when the text now reaches a stop string (cut there)."""
+        """Decode the new tokens; True when the text now reaches a stop string (cut there:
+        before it, or after it with `include_stop_str_in_output`). A stop token's own text is
+        left out unless `include_stop_str_in_output`."""
         if completion.detokenizer is None:
             completion.detokenizer = IncrementalDetokenizer(
                 tokenizer, self.prompt_token_ids, self.params.skip_special_tokens
             )
         detokenizer = completion.detokenizer
+        include_stop = self.params.include_stop_str_in_output
+        token_ids = completion.token_ids
+        if completion.ended_by_stop_token and not include_stop:
+            token_ids = token_ids[:-1]
         before = len(detokenizer.text)
-        detokenizer.step(completion.token_ids, final=completion.finished)
+        detokenizer.step(token_ids, final=completion.finished)
         text = detokenizer.text
         search_from = max(0, before - self.holdback)
-        hits = [i for i in (text.find(s, search_from) for s in self.stop_strings) if i >= 0]
-        completion.text = text[: min(hits)] if hits else text
-        return bool(hits)
+        found = ((text.find(s, search_from), len(s)) for s in self.stop_strings)
+        hits = [hit for hit in found if hit[0] >= 0]
+        if not hits:
+            completion.text = text
+            return False
+        start, length = min(hits)
+        completion.text = text[: start + length if include_stop else start]
+        return True
 
     def _output(self, completion: _Completion, delta: bool) -> CompletionOutput:
         if self.text_at_end and self.tokenizer is not None:  # all finished: decode it now

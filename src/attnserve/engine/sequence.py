@@ -121,7 +121,10 @@ class Sequence:
         return child
 
     def reset_for_recompute(self) -> None:
-        """Preempted by recompute: drop the cache; every token will be prefilled again."""
+        """Preempted by recompute: drop the cache; every token will be prefilled again (and
+        the prompt's log-probabilities computed again, if it had not finished)."""
+        if not self.num_output_tokens:
+            self.prompt_logprobs = []
         self.block_table.free()
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING

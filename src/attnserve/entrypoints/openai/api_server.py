@@ -58,11 +58,14 @@ logger = logging.getLogger(__name__)
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
     for status, description in [
-        (400, "bad request: not JSON, invalid UTF-8, or refused by the model's limits"),
+        (
+            400,
+            "bad request: not JSON, invalid UTF-8, not the schema, a refused field, or past "
+            "the model's limits",
+        ),
         (401, "missing or wrong API key"),
         (404, "unknown model"),
         (413, "request body too large"),
-        (422, "the body does not match the schema"),
         (503, "the engine has failed (or, on /health, is still warming up)"),
     ]
 }
@@ -112,7 +115,7 @@ def build_app(
             task.cancel()
         await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(
+    app = _App(
         title="attnserve", version=__version__, summary="OpenAI-compatible API", lifespan=lifespan
     )
     install_error_handlers(app)
@@ -154,6 +157,18 @@ def build_app(
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
+
+
+class _App(FastAPI):
+    """FastAPI, whose OpenAPI document does not promise the 422 it never sends (a body that
+    does not match the schema is a 400 here, as in OpenAI's API)."""
+
+    def openapi(self) -> dict[str, Any]:
+        schema = super().openapi()
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        return schema
 
 
 async def _on_disconnect(request: Request, exc: Exception) -> Response:

@@ -37,14 +37,14 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw: Request
     ) -> ChatCompletionResponse | StreamingResponse:
-        self.check_model(request.model)
+        request_id = new_id("chatcmpl")
+        self.check_request(request, request_id)
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         prompt = self._render(request.messages)
         k = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens or request.max_tokens
         params = self.sampling_params(request, len(prompt), max_tokens, k)
-        request_id = new_id("chatcmpl")
         stream = self.generate([prompt], params, request_id)
         chunks = _ChunkRenderer(self, request, request_id, [prompt]) if request.stream else None
 
@@ -68,6 +68,10 @@ class OpenAIServingChat(OpenAIServing):
 
     def _render(self, messages: list[ChatMessage]) -> list[int]:
         """The conversation through the chat template, as prompt token ids."""
+        for i, m in enumerate(messages):
+            if not m.has_content:
+                problem = f"messages.{i} has no content (a message needs content or tool_calls)"
+                raise ApiError(400, problem, f"messages.{i}.content")
         tokenizer = self.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template: use /v1/completions")
@@ -112,7 +116,7 @@ class _ChunkRenderer(ChunkRenderer[ChatCompletionChunk]):
         request_id: str,
         prompts: list[list[int]],
     ) -> None:
-        super().__init__(serving.model_name, request_id, prompts, request.include_usage)
+        super().__init__(serving.model_name, request_id, prompts, request)
         self.serving = serving
         self.request = request
         self.started: set[int] = set()
@@ -122,8 +126,10 @@ class _ChunkRenderer(ChunkRenderer[ChatCompletionChunk]):
         for delta in deltas:
             if delta.index not in self.started:
                 self.started.add(delta.index)
-                role = DeltaMessage(role="assistant", content="")
-                chunks.append(self.chunk([ChatStreamChoice(index=delta.index, delta=role)]))
+                role = ChatStreamChoice(
+                    index=delta.index, delta=DeltaMessage(role="assistant", content="")
+                )
+                chunks.append(self.choice_chunk(role, delta.index, 0))
             logprobs = None
             if self.request.logprobs and delta.logprobs is not None:
                 k = self.request.top_logprobs or 0
@@ -134,5 +140,5 @@ class _ChunkRenderer(ChunkRenderer[ChatCompletionChunk]):
                 logprobs=logprobs,
                 finish_reason=delta.finish_reason,
             )
-            chunks.append(self.chunk([choice]))
+            chunks.append(self.choice_chunk(choice, delta.index, len(delta.token_ids)))
         return chunks
