@@ -34,7 +34,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine_config",),
     ("model",),
     ("attention",),
-    ("core", "sampling_params", "outputs", "config", "distributed", "host_copy", "profiling"),
+    (
+        "core",
+        "sampling_params",
+        "structured_outputs",
+        "outputs",
+        "config",
+        "distributed",
+        "host_copy",
+        "profiling",
+    ),
 ]
 # (importer, what it may not import although it lies below)
 SKIPS: list[tuple[str, tuple[str, ...]]] = [("engine", ("worker",))]

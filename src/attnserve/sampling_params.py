@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from attnserve.structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 
 
@@ -23,7 +25,8 @@ class SamplingParams:
     `n` completions are returned, chosen from `best_of` (default n) by cumulative log-probability.
     `stop` strings end a completion and are left out of its text; `stop_token_ids`, and EOS unless
     `ignore_eos`, end it too, but not before `min_tokens`. `logprobs` / `prompt_logprobs` ask for
-    that many top log-probabilities per token (plus the chosen token's).
+    that many top log-probabilities per token (plus the chosen token's). `structured_outputs`
+    constrains the output to a JSON schema, regex, choice or grammar (xgrammar).
     """
 
     n: int = 1
@@ -45,6 +48,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +87,7 @@ class SamplingParams:
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 f"prompt_logprobs must be in 0..{MAX_LOGPROBS}",
             ),
+            *_structured_checks(self),
         ]
 
     @property
@@ -105,3 +110,18 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
+
+
+def _structured_checks(params: SamplingParams) -> list[tuple[bool, str]]:
+    spec = params.structured_outputs
+    return [
+        (
+            spec is None or isinstance(spec, StructuredOutputsParams),
+            "structured_outputs must be a StructuredOutputsParams",
+        ),
+        (
+            spec is None or params.min_tokens == 0,
+            "min_tokens cannot be combined with structured_outputs (the grammar decides where "
+            "the output may end)",
+        ),
+    ]
