@@ -12,6 +12,12 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from attnserve.entrypoints.openai.protocol_structured import (
+    DeltaToolCall,
+    StructuredOutputsFields,
+    ToolCall,
+    ToolFields,
+)
 from attnserve.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16  # completions per prompt
@@ -46,8 +52,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
-    """The sampling fields both endpoints share (OpenAI's names, plus vLLM's top_k / min_p)."""
+class SamplingRequest(StructuredOutputsFields):
+    """The sampling fields both endpoints share (OpenAI's names, plus vLLM's top_k / min_p), and
+    structured outputs'."""
 
     model_config = ConfigDict(allow_inf_nan=False)
 
@@ -88,9 +95,11 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -98,7 +107,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, ToolFields):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1, description="overrides max_tokens")
@@ -155,7 +164,8 @@ class ChatLogProbs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -177,6 +187,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

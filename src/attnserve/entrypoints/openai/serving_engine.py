@@ -2,7 +2,8 @@
 request, and the engine requests of one API call run as one stream of `Delta`s.
 
 Prompts are tokenized here, so a prompt longer than the context, or one whose `max_tokens` does
-not fit after it, is refused (400) before the engine sees it. Every engine request is streamed as
+not fit after it, is refused (400) before the engine sees it; so is a structured-output spec
+that does not compile (the engine compiles it at submission). Every engine request is streamed as
 deltas (the non-streaming endpoints add them up) with its metrics recorded; when the caller
 stops reading (the client went away), every engine request of the call is aborted at once.
 """
@@ -26,8 +27,9 @@ from attnserve.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from attnserve.entrypoints.openai.errors import ApiError, error_body
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from attnserve.entrypoints.openai.structured import structured_outputs
 from attnserve.outputs import RequestOutput
-from attnserve.sampling_params import RequestOutputKind, SamplingParams
+from attnserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 ChunkT = TypeVar("ChunkT", bound=BaseModel)
@@ -122,7 +124,9 @@ class OpenAIServing:
         prompt_len: int,
         max_tokens: int | None,
         logprobs: int | None,
+        tool_constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
+        """The request's sampling; `tool_constraint`: the output's, from its tool_choice."""
         room = self.max_model_len - prompt_len
         if max_tokens is not None and max_tokens > room:
             raise ApiError(
@@ -132,6 +136,10 @@ class OpenAIServing:
                 "max_tokens",
                 "context_length_exceeded",
             )
+        constraint = structured_outputs(request)
+        if constraint is not None and tool_constraint is not None:
+            message = "tool_choice constrains the output already: no response_format with it"
+            raise ApiError(400, message, "tool_choice")
         try:
             return SamplingParams(
                 n=request.n,
@@ -148,6 +156,7 @@ class OpenAIServing:
                 ignore_eos=request.ignore_eos,
                 logprobs=logprobs,
                 output_kind=RequestOutputKind.DELTA,
+                structured_outputs=constraint or tool_constraint,
             )
         except ValueError as error:
             raise ApiError(400, str(error)) from error
