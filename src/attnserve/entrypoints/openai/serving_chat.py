@@ -172,6 +172,8 @@ class _ChunkRenderer(ChunkRenderer[ChatCompletionChunk]):
             if self.request.logprobs and delta.logprobs is not None:
                 k = self.request.top_logprobs or 0
                 logprobs = self.serving.logprobs(delta.token_ids, delta.logprobs, k)
+            if not (content or calls or logprobs or delta.finish_reason):
+                continue  # held back (a tool call's text), or nothing shown yet
             message = DeltaMessage(content=content if content or not calls else None)
             message.tool_calls = calls or None
             choice = ChatStreamChoice(

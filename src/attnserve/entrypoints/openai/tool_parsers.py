@@ -136,10 +136,11 @@ class HermesStream(ToolCallStream):
             start = self.text.find(self.OPEN, self.pos)
             if start < 0:
                 end = len(self.text) - (0 if final else _held_prefix(self.text, self.OPEN))
-                content.append(self.text[self.pos : end])
-                self.pos = end
+                if final or not self._between_calls(self.text[self.pos : end]):
+                    content.append(self._content(self.text[self.pos : end]))
+                    self.pos = end
                 break
-            content.append(self.text[self.pos : start])
+            content.append(self._content(self.text[self.pos : start]))
             body_start = start + len(self.OPEN)
             close = self.text.find(self.CLOSE, body_start)
             if close < 0 and not final:
@@ -152,10 +153,15 @@ class HermesStream(ToolCallStream):
             else:
                 deltas += self._call(*parsed)
             self.pos = len(self.text) if close < 0 else close + len(self.CLOSE)
-        shown = "".join(content)
-        if self.num_calls and not shown.strip():  # whitespace between calls is no content
-            shown = ""
-        return shown, deltas
+        return "".join(content), deltas
+
+    def _between_calls(self, text: str) -> bool:
+        """Only whitespace after a call: held until it is known whether content follows."""
+        return bool(self.num_calls) and not text.strip()
+
+    def _content(self, text: str) -> str:
+        """Content, except whitespace between (or after) calls."""
+        return "" if self._between_calls(text) else text
 
     @staticmethod
     def _parse(body: str) -> tuple[str, str] | None:
