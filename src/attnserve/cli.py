@@ -276,6 +276,7 @@ BENCHMARKS = {
     "latency": ("attnserve.bench.latency", "one batch's prefill time, time per output token"),
     "kernels": ("attnserve.bench.kernels", "attention kernels' decode/prefill speed (GPU)"),
     "serve": ("attnserve.bench.serve", "a running server's throughput, TTFT, TPOT, ITL, latency"),
+    "structured": ("attnserve.bench.structured", "grammar compile time, cache, mask"),
 }
 
 

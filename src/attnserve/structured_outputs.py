@@ -72,8 +72,8 @@ class StructuredOutputsParams:
         """What identifies the compiled grammar (the cache's key): the kind, the spec's text
         (a schema's properties keep their order: it is the output's) and the whitespace rule."""
         if self.kind == "json":
-            schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
-            text = json.dumps(json.loads(schema), separators=(",", ":"))
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            text = json.dumps(schema, separators=(",", ":"))
         elif self.kind == "choice":
             text = json.dumps(self.choice)
         else:

@@ -24,6 +24,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from attnserve.model.config import ModelConfig
 from attnserve.model.tokenizer import load_tokenizer
 from attnserve.structured_outputs import StructuredOutputsParams, load_xgrammar
@@ -59,6 +61,8 @@ class GrammarCache:
         threads = min(8, os.cpu_count() or 1)
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self._matcher_class = xgr.GrammarMatcher
+        batch_matcher = getattr(xgr, "BatchGrammarMatcher", None)  # xgrammar >= 0.1.25
+        self._batch_filler = batch_matcher() if batch_matcher is not None else None
         self.vocab_size = vocab_size
         self.max_entries = max_entries
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="attnserve-grammar")
@@ -91,6 +95,15 @@ class GrammarCache:
     def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher (at the grammar's start) of a compiled grammar."""
         return self._matcher_class(compiled)
+
+    def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None:
+        """Row i of `bitmask`: the tokens `matchers[i]` allows next (on xgrammar's threads
+        where it has batch filling)."""
+        if self._batch_filler is not None and len(matchers) > 1:
+            self._batch_filler.batch_fill_next_token_bitmask(matchers, bitmask)
+            return
+        for row, matcher in enumerate(matchers):
+            matcher.fill_next_token_bitmask(bitmask, row)
 
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         compiler = self._compiler

@@ -42,9 +42,6 @@ class SequenceGrammar:
         """The grammar has been completed and its stop token taken: the output is done."""
         return bool(self.matcher.is_terminated())
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-
 
 def token_bitmask(grammars: Sequence[SequenceGrammar | None]) -> TokenBitmask | None:
     """The bitmask of one step's sampling sequences (None for an unconstrained one), or None
@@ -52,8 +49,7 @@ def token_bitmask(grammars: Sequence[SequenceGrammar | None]) -> TokenBitmask | 
     constrained = [(i, grammar) for i, grammar in enumerate(grammars) if grammar is not None]
     if not constrained:
         return None
-    words = -(-constrained[0][1].cache.vocab_size // 32)
-    bitmask = torch.full((len(constrained), words), -1, dtype=torch.int32)
-    for k, (_, grammar) in enumerate(constrained):
-        grammar.fill(bitmask, k)
+    cache = constrained[0][1].cache
+    bitmask = torch.full((len(constrained), -(-cache.vocab_size // 32)), -1, dtype=torch.int32)
+    cache.fill_bitmask([grammar.matcher for _, grammar in constrained], bitmask)
     return TokenBitmask([i for i, _ in constrained], bitmask)
