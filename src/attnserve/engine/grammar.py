@@ -10,7 +10,7 @@ Compiled grammars do not pickle, so the front end (to refuse a bad spec at submi
 engine core (whose matchers use it) each compile: `grammar_cache` keeps one cache per model and
 process, so with the core in the front end's process they share it and a spec is compiled once;
 a core in a process of its own compiles each distinct spec once more, when its first request
-arrives. The cache loads the model's tokenizer itself (the core has none otherwise).
+arrives. In the core, the cache loads the model's tokenizer itself (the core has none otherwise).
 """
 
 from __future__ import annotations
@@ -130,9 +130,10 @@ _caches: dict[tuple[str | None, int, tuple[int, ...]], GrammarCache] = {}
 _caches_lock = threading.Lock()
 
 
-def grammar_cache(model_config: ModelConfig) -> GrammarCache:
-    """This process's cache for the model (built on first use: the tokenizer, xgrammar's view
-    of its vocabulary); ValueError without a tokenizer or without xgrammar."""
+def grammar_cache(model_config: ModelConfig, tokenizer: Any = None) -> GrammarCache:
+    """This process's cache for the model, built on first use from `tokenizer` (loaded here if
+    not given: the engine core has none) and xgrammar's view of its vocabulary; ValueError
+    without a tokenizer or without xgrammar."""
     stop_token_ids = list(model_config.eos_token_ids)
     key = (model_config.tokenizer, model_config.vocab_size, tuple(stop_token_ids))
     with _caches_lock:
@@ -141,6 +142,7 @@ def grammar_cache(model_config: ModelConfig) -> GrammarCache:
             if model_config.tokenizer is None:
                 raise ValueError("structured outputs need the model's tokenizer; it has none")
             load_xgrammar()  # the missing package named before the tokenizer is loaded
-            tokenizer = load_tokenizer(model_config)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(model_config)
             cache = _caches[key] = GrammarCache(tokenizer, model_config.vocab_size, stop_token_ids)
         return cache

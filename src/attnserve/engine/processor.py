@@ -61,7 +61,8 @@ class Processor:
         """Compile the request's structured-output grammar, if it has one (a cache hit for a
         spec seen before); ValueError with the compiler's message for a bad spec."""
         if params.structured_outputs is not None:
-            grammar_cache(self.model_config).compile(params.structured_outputs)
+            cache = grammar_cache(self.model_config, self.tokenizer)
+            cache.compile(params.structured_outputs)
 
     def process(
         self, request_id: str, token_ids: list[int], params: SamplingParams

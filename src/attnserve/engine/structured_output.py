@@ -22,6 +22,9 @@ from attnserve.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
+# An idle core waits this long at most for a compile, then looks at its commands (aborts) again.
+COMPILE_WAIT_S = 0.05
+
 
 class StructuredOutputManager:
     def __init__(self, model_config: ModelConfig) -> None:
@@ -45,9 +48,10 @@ class StructuredOutputManager:
 
     def take_ready(self, block: bool) -> list[Sequence]:
         """The sequences whose grammar is compiled now, each with its matcher (or finished with
-        "abort" where the compile failed); with `block`, wait for at least one."""
+        "abort" where the compile failed); with `block`, wait a little for one."""
         if block and self._compiling:
-            wait([future for _, future in self._compiling], return_when=FIRST_COMPLETED)
+            futures = [future for _, future in self._compiling]
+            wait(futures, timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
         ready = [(seq, future) for seq, future in self._compiling if future.done()]
         self._compiling = [(seq, future) for seq, future in self._compiling if not future.done()]
         for seq, future in ready:
