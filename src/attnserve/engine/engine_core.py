@@ -54,18 +54,19 @@ def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
 def _output(seq: Sequence) -> EngineCoreOutput:
     """What `seq` got this step: its one new token (none when the scheduler ended it)."""
     params = seq.sampling_params
-    drew = seq.num_output_tokens > 0 and not seq.has_pending_token
-    first = seq.index == 0 and seq.num_output_tokens == 1
+    num_output_tokens = seq.num_output_tokens
+    drew = num_output_tokens > 0 and not seq.has_pending_token
+    if not drew:
+        return EngineCoreOutput(seq.request_id, seq.index, [], finish_reason=seq.finish_reason)
+    first = seq.index == 0 and num_output_tokens == 1
     return EngineCoreOutput(
-        request_id=seq.request_id,
-        index=seq.index,
-        new_token_ids=[seq.token_ids[-1]] if drew else [],
-        new_logprobs=[seq.logprobs[-1]] if drew and params.logprobs is not None else None,
-        cumulative_logprob=seq.cumulative_logprob,
-        finish_reason=seq.finish_reason,
-        prompt_logprobs=seq.prompt_logprobs
-        if first and params.prompt_logprobs is not None
-        else None,
+        seq.request_id,
+        seq.index,
+        [seq.token_ids[-1]],
+        [seq.logprobs[-1]] if params.logprobs is not None else None,
+        seq.cumulative_logprob,
+        seq.finish_reason,
+        seq.prompt_logprobs if first and params.prompt_logprobs is not None else None,
     )
 
 

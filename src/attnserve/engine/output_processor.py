@@ -57,6 +57,7 @@ class RequestState:
         self.params = params
         self.tokenizer = tokenizer
         self.completions: dict[int, _Completion] = {}
+        self.num_finished = 0  # completions with a finish reason
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.ended_by_core = False
         self.stop_strings = params.stop_strings
@@ -70,10 +71,7 @@ class RequestState:
     @property
     def finished(self) -> bool:
         """The core has ended it, or every completion it will have has finished."""
-        if self.ended_by_core:
-            return True
-        done = [c.finished for c in self.completions.values()]
-        return len(done) == self.params.num_candidates and all(done)
+        return self.ended_by_core or self.num_finished == self.params.num_candidates
 
     def observe(self, out: EngineCoreOutput) -> bool:
         """Take in one sequence's step; True when a stop string has just ended it."""
@@ -89,14 +87,19 @@ class RequestState:
             completion.cumulative_logprob = out.cumulative_logprob
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
-        completion.finish_reason = out.finish_reason
+        if out.finish_reason is not None:
+            self._finish(completion, out.finish_reason)
         if self.tokenizer is None or self.text_at_end:
             return False
         stopped = self._detokenize(completion, self.tokenizer)
         if stopped and not completion.finished:
-            completion.finish_reason = "stop"
+            self._finish(completion, "stop")
             return True
         return False
+
+    def _finish(self, completion: _Completion, reason: str) -> None:
+        completion.finish_reason = reason
+        self.num_finished += 1
 
     def _detokenize(self, completion: _Completion, tokenizer: PreTrainedTokenizerBase) -> bool:
         """Decode the new tokens; True when the text now reaches a stop string (cut there)."""
