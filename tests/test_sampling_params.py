@@ -9,6 +9,7 @@ import re
 import pytest
 
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
+from attnserve.structured_outputs import StructuredOutputsParams
 
 BAD_FIELDS: list[tuple[dict[str, object], str]] = [
     ({"n": 2.5}, "n must be of type int"),
@@ -34,6 +35,10 @@ BAD_FIELDS: list[tuple[dict[str, object], str]] = [
     ({"logit_bias": {"5": 1.0}}, "logit_bias must be of type dict"),
     ({"logit_bias": {5: "up"}}, "logit_bias must be of type dict"),
     ({"output_kind": "delta"}, "output_kind must be of type RequestOutputKind"),
+    (
+        {"structured_outputs": {"regex": "a"}},
+        "structured_outputs must be of type StructuredOutputsParams | None",
+    ),
     # ranges
     ({"n": 0}, "n must be >= 1"),
     ({"n": 3, "best_of": 2}, "best_of must be >= n"),
@@ -60,6 +65,7 @@ def test_good_values_pass_and_survive_a_pickle() -> None:
         logit_bias={5: -100, 9: 2.5},
         include_stop_str_in_output=True,
         output_kind=RequestOutputKind.DELTA,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
     )
     assert isinstance(params.temperature, float) and params.stop == ["end"]
     assert pickle.loads(pickle.dumps(params)) == params

@@ -277,6 +277,7 @@ BENCHMARKS = {
     "kernels": ("attnserve.bench.kernels", "attention kernels' decode/prefill speed (GPU)"),
     "moe": ("attnserve.bench.moe", "the fused-MoE kernel at decode batch sizes vs ceilings (GPU)"),
     "serve": ("attnserve.bench.serve", "a running server's throughput, TTFT, TPOT, ITL, latency"),
+    "structured": ("attnserve.bench.structured", "grammar compile time, cache, mask"),
 }
 
 

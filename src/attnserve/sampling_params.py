@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from attnserve.structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100..100
 
@@ -38,7 +40,9 @@ class SamplingParams:
     `include_stop_str_in_output` keeps the stop string (or token) in the text. `logprobs` /
     `prompt_logprobs` ask for that many top log-probabilities per token (plus the chosen
     token's). `logit_bias` adds its value (-100..100) to a token's logit before sampling:
-    +100 all but forces the token, -100 all but forbids it.
+    +100 all but forces the token, -100 all but forbids it. `structured_outputs` constrains the
+    output to a JSON schema, regex, choice or grammar (xgrammar); its mask applies after the bias,
+    so a bias cannot let a forbidden token through.
     """
 
     n: int = 1
@@ -62,6 +66,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -118,6 +123,11 @@ class SamplingParams:
             (
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 f"prompt_logprobs must be in 0..{MAX_LOGPROBS}",
+            ),
+            (
+                self.structured_outputs is None or self.min_tokens == 0,
+                "min_tokens cannot be combined with structured_outputs (the grammar decides "
+                "where the output may end)",
             ),
         ]
 

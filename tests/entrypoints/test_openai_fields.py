@@ -221,6 +221,9 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": CHAT, "best_of": 2}, "best_of"),
     ("/v1/chat/completions", {"messages": CHAT, "frobnicate": 1}, "frobnicate"),
+    ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"messages": CHAT, "function_call": "auto"}, "function_call"),
+    ("/v1/completions", {**COMPLETION, "tools": []}, "tools"),
 ]
 
 
@@ -263,6 +266,20 @@ WRONG: list[tuple[str, dict[str, Any], str]] = [
      {**COMPLETION, "stream": True, "stream_options": {"include_usage": "yes"}},
      "stream_options.include_usage"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "parallel_tool_calls": 1}, "parallel_tool_calls"),
+    ("/v1/completions", {**COMPLETION, "guided_regex": 5}, "guided_regex"),
+    ("/v1/completions", {**COMPLETION, "guided_choice": ["a", 1]}, "guided_choice.1"),
+    ("/v1/completions",
+     {**COMPLETION, "structured_outputs": {"regex": "a", "disable_any_whitespace": 1}},
+     "structured_outputs.disable_any_whitespace"),
+    ("/v1/chat/completions",
+     {"messages": CHAT,
+      "response_format": {"type": "json_schema", "json_schema": {"name": "c", "strict": "yes"}}},
+     "response_format.json_schema.strict"),
+    ("/v1/chat/completions",
+     {"messages": [*CHAT, {"role": "assistant", "tool_calls": [
+         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {}}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
     ("/v1/chat/completions", {"messages": [*CHAT, {"role": "assistant", "content": None}]},
      "messages.1.content"),

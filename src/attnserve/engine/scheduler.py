@@ -75,6 +75,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def has_work(self) -> bool:
+        """Sequences running, waiting or swapped out."""
+        return bool(self.running or self.waiting or self.swapped)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` wherever it is, freeing its device and host blocks at once."""
         for queue in (self.running, self.waiting, self.swapped):

@@ -1,13 +1,15 @@
 """`Sampler`: next tokens from logits, batched on the device.
 
 Per row, in order: `logit_bias` added, banned tokens masked, repetition / presence / frequency
-penalties (each only for the rows that have them, one batched scatter each), then greedy
-(temperature 0) or temperature with top-k, top-p and min-p, all as tensor ops over the batch. A
-draw uses the exponential-race trick (argmax of probs / Exp(1) noise), whose noise comes from the
-global generator, or, for a seeded request, from a generator seeded for that one draw, so a seeded
-request's tokens do not depend on what else is in the batch. Log-probabilities are those of the
-model's distribution after bias, bans and penalties (before temperature and filters); every
-draw's own log-probability is computed (one logsumexp per row), the top-k only where asked for.
+penalties (each only for the rows that have them, one batched scatter each), then the tokens
+structured outputs forbid masked (xgrammar's bitmask kernel, only on the constrained rows; last, so
+no bias or penalty can let a forbidden token back in), then greedy (temperature 0) or temperature
+with top-k, top-p and min-p, all as tensor ops over the batch. A draw uses the exponential-race
+trick (argmax of probs / Exp(1) noise), whose noise comes from the global generator, or, for a
+seeded request, from a generator seeded for that one draw, so a seeded request's tokens do not
+depend on what else is in the batch. Log-probabilities are those of the model's distribution after
+bias, bans, penalties and the grammar's mask (before temperature and filters); every draw's own
+log-probability is computed (one logsumexp per row), the top-k only where asked for.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.core import SampleOutput, SequenceInput, TokenLogprobs
-from attnserve.host_copy import device_tensor
+from attnserve.core import SampleOutput, SequenceInput, TokenBitmask, TokenLogprobs
+from attnserve.host_copy import device_tensor, to_device
 from attnserve.sampling_params import SamplingParams
+from attnserve.structured_outputs import load_xgrammar
 
 
 def top_logprobs(
@@ -60,17 +63,28 @@ class Draws:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, inputs: list[SequenceInput]) -> list[SampleOutput]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        inputs: list[SequenceInput],
+        token_bitmask: TokenBitmask | None = None,
+    ) -> list[SampleOutput]:
         """logits [N, V] float32, one row per input that samples -> one result per input."""
-        draw = self.draw(logits, inputs)
+        draw = self.draw(logits, inputs, token_bitmask)
         return self.split(draw.tokens.tolist(), draw.token_logprobs.tolist(), draw.top, draw.counts)
 
-    def draw(self, logits: torch.Tensor, inputs: list[SequenceInput]) -> Draws:
-        """Each input's draws (see `Draws`)."""
+    def draw(
+        self,
+        logits: torch.Tensor,
+        inputs: list[SequenceInput],
+        token_bitmask: TokenBitmask | None = None,
+    ) -> Draws:
+        """Each input's draws (see `Draws`); `token_bitmask` rows index `inputs`."""
         params = [s.sampling for s in inputs if s.sampling is not None]
         if len(params) != len(inputs):
             raise ValueError("every input given to the sampler must carry sampling params")
         logits = self._apply_penalties(self._ban(self._apply_bias(logits, inputs), inputs), inputs)
+        logits = self._constrain(logits, token_bitmask)
         counts = [s.num_samples for s in inputs]
         draws = logits
         if max(counts) > 1:
@@ -120,6 +134,21 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = device_tensor([p.greedy for p in params], device)
         return torch.where(is_greedy, greedy_tokens, sampled)
+
+    @staticmethod
+    def _constrain(logits: torch.Tensor, token_bitmask: TokenBitmask | None) -> torch.Tensor:
+        """-inf on each constrained row's forbidden tokens, in place, on the device."""
+        if token_bitmask is None:
+            return logits
+        apply = load_xgrammar().apply_token_bitmask_inplace
+        bitmask = to_device(token_bitmask.bitmask, logits.device)
+        if len(token_bitmask.rows) == len(logits):  # every row constrained
+            apply(logits, bitmask)
+            return logits
+        index = device_tensor(token_bitmask.rows, logits.device)
+        rows = logits[index]
+        apply(rows, bitmask)
+        return logits.index_copy_(0, index, rows)
 
     @staticmethod
     def _ban(logits: torch.Tensor, inputs: list[SequenceInput]) -> torch.Tensor:

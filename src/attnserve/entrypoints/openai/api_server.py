@@ -30,7 +30,11 @@ from attnserve import __version__
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
 from attnserve.engine.warmup import warm_up
-from attnserve.entrypoints.openai.cli_args import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
+from attnserve.entrypoints.openai.cli_args import (
+    API_KEY_ENV,
+    DEFAULT_MAX_REQUEST_BYTES,
+    auto_tool_call_parser,
+)
 from attnserve.entrypoints.openai.errors import (
     ApiError,
     ApiKeyMiddleware,
@@ -88,13 +92,15 @@ def build_app(
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     warm: bool = True,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The app. Its start-up (lifespan) warms the engine, with `warm`, before /health says 200;
     its shutdown (after uvicorn has drained or cut the connections, e.g. on SIGTERM) shuts the
-    engine down, so the engine core is stopped before the process exits."""
+    engine down, so the engine core is stopped before the process exits. `tool_call_parser`
+    reads the replies of "auto" tool choice (None: "auto" is refused)."""
     metrics = ServerMetrics(engine.stats)
     completion = OpenAIServingCompletion(engine, model_name, metrics)
-    chat = OpenAIServingChat(engine, model_name, metrics)
+    chat = OpenAIServingChat(engine, model_name, metrics, tool_call_parser)
     ready = asyncio.Event()
     if not warm:
         ready.set()
@@ -197,6 +203,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args)
+    tool_call_parser = auto_tool_call_parser(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not _is_loopback(args.host) and not api_key:
         logger.warning(
@@ -204,7 +211,9 @@ def run_server(args: argparse.Namespace) -> int:
         )
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     name = args.served_model_name or served_model_name(engine_args)
-    app = build_app(engine, name, api_key, args.max_request_bytes)
+    app = build_app(
+        engine, name, api_key, args.max_request_bytes, tool_call_parser=tool_call_parser
+    )
     gc.freeze()  # the modules and engine state built so far stay: keep them out of collections
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
     try:

@@ -13,8 +13,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, Field, Strict
 
+from attnserve.entrypoints.openai.protocol_structured import (
+    DeltaToolCall,
+    StructuredOutputsFields,
+    ToolCall,
+    ToolFields,
+)
+from attnserve.entrypoints.openai.request_body import RequestBody, Text
 from attnserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_N = 16  # completions per prompt
@@ -22,26 +29,11 @@ MAX_PROMPTS = 64  # prompts in one completions request
 MAX_TOP_K = 1 << 20
 
 
-def _encodable(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError("text is not valid Unicode (lone surrogate)") from error
-    return text
-
-
-Text = Annotated[str, AfterValidator(_encodable)]
 TokenIds = Annotated[list[int], Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 # JSON object keys are strings: a logit_bias key is a token id written as one
 BiasKey = Annotated[int, Strict(False), Field(ge=0)]
 Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
-
-
-class RequestBody(BaseModel):
-    """A request body or a part of one: strict types, finite floats; undeclared fields kept."""
-
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
 
 class ErrorInfo(BaseModel):
@@ -60,8 +52,9 @@ class StreamOptions(RequestBody):
     continuous_usage_stats: bool = Field(False, description="usage on every chunk (vLLM)")
 
 
-class SamplingRequest(RequestBody):
-    """The sampling fields both endpoints share: OpenAI's, then vLLM's extras."""
+class SamplingRequest(StructuredOutputsFields):
+    """The sampling fields both endpoints share: OpenAI's, then vLLM's extras (structured
+    outputs' fields come from `StructuredOutputsFields`)."""
 
     model: Text | None = Field(None, description="the served model name (default: it)")
     n: int = Field(1, ge=1, le=MAX_N)
@@ -117,16 +110,16 @@ class TextPart(RequestBody):
 
 
 class ChatMessage(RequestBody):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
     @property
     def has_content(self) -> bool:
         """Content, or (an assistant's) tool calls in its place."""
-        extra = self.model_extra or {}
-        calls = extra.get("tool_calls") or extra.get("function_call")
-        return self.content is not None or bool(calls)
+        return self.content is not None or bool(self.tool_calls)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -134,7 +127,7 @@ class ChatMessage(RequestBody):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, ToolFields):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1, description="overrides max_tokens")
@@ -191,7 +184,8 @@ class ChatLogProbs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -213,6 +207,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

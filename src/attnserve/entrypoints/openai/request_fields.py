@@ -51,32 +51,17 @@ FIELD_RULES: dict[str, FieldRule] = {
     "metadata": FieldRule(_null, "stored completions are not implemented"),
     "reasoning_effort": FieldRule(_null, "the served models have no reasoning effort"),
     "verbosity": FieldRule(_null, "the served models have no verbosity setting"),
+    "functions": FieldRule(_null, "the deprecated functions API is not implemented: use tools"),
+    "function_call": FieldRule(
+        _null, "the deprecated functions API is not implemented: use tool_choice"
+    ),
 }
-
-# Structured outputs and tool calling: passed through as before until that work wires them.
-STRUCTURED_OUTPUT_FIELDS = frozenset(
-    {
-        "response_format",
-        "structured_outputs",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "functions",
-        "function_call",
-    }
-)
 
 
 def unsupported_field(request: BaseModel) -> tuple[str, str] | None:
     """The first undeclared field of `request` that is refused, with the error message; None
     when every field is served or accepted."""
     for name, value in (request.model_extra or {}).items():
-        if name in STRUCTURED_OUTPUT_FIELDS:
-            continue
         rule = FIELD_RULES.get(name)
         if rule is None:
             return name, f"unknown field {name!r}: this server does not implement it"

@@ -2,7 +2,8 @@
 from a request, and the engine requests of one API call run as one stream of `Delta`s.
 
 Prompts are tokenized here, so a prompt longer than the context, or one whose `max_tokens` does
-not fit after it, is refused (400) before the engine sees it. Every engine request is streamed as
+not fit after it, is refused (400) before the engine sees it; so is a structured-output spec
+that does not compile (the engine compiles it at submission). Every engine request is streamed as
 deltas (the non-streaming endpoints add them up) with its metrics recorded; when the caller
 stops reading (the client went away), every engine request of the call is aborted at once.
 """
@@ -28,8 +29,9 @@ from attnserve.entrypoints.openai.errors import ApiError, error_body
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from attnserve.entrypoints.openai.request_fields import unsupported_field
+from attnserve.entrypoints.openai.structured import structured_outputs
 from attnserve.outputs import RequestOutput
-from attnserve.sampling_params import RequestOutputKind, SamplingParams
+from attnserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -148,9 +150,10 @@ class OpenAIServing:
         logprobs: int | None,
         best_of: int | None = None,
         prompt_logprobs: int | None = None,
+        tool_constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The request's `SamplingParams` (400 for what they refuse); `max_tokens` None: the
-        rest of the context."""
+        rest of the context; `tool_constraint`: the output's, from its tool_choice."""
         room = self.max_model_len - prompt_len
         if max_tokens is not None and max_tokens > room:
             raise ApiError(
@@ -164,6 +167,10 @@ class OpenAIServing:
         if bias and max(bias) >= self.vocab_size:
             message = f"logit_bias token ids must be in 0..{self.vocab_size - 1}"
             raise ApiError(400, message, "logit_bias")
+        constraint = structured_outputs(request)
+        if constraint is not None and tool_constraint is not None:
+            message = "tool_choice constrains the output already: no response_format with it"
+            raise ApiError(400, message, "tool_choice")
         try:
             return SamplingParams(
                 n=request.n,
@@ -187,6 +194,7 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
                 output_kind=RequestOutputKind.DELTA,
+                structured_outputs=constraint or tool_constraint,
             )
         except ValueError as error:
             raise ApiError(400, str(error)) from error
@@ -307,11 +315,15 @@ class ChunkRenderer(Generic[ChunkT]):
             id=self.request_id, model=self.model_name, choices=choices, usage=usage_info
         )
 
+    def count_tokens(self, index: int, new_tokens: int) -> None:
+        """`new_tokens` more generated for choice `index` (a held-back delta's too)."""
+        self.generated[index] = self.generated.get(index, 0) + new_tokens
+
     def choice_chunk(self, choice: Any, index: int, new_tokens: int) -> ChunkT:
         """A chunk of one choice that brings `new_tokens` more tokens."""
+        self.count_tokens(index, new_tokens)
         if not self.continuous_usage:
             return self.chunk([choice])
-        self.generated[index] = self.generated.get(index, 0) + new_tokens
         return self.chunk([choice], usage([self.prompts[index // self.n]], self.generated[index]))
 
     def usage_chunk(self, tokens: int) -> ChunkT | None:
