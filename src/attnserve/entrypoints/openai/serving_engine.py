@@ -26,11 +26,11 @@ from starlette.responses import StreamingResponse
 from attnserve.core import TokenLogprobs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from attnserve.entrypoints.openai.errors import ApiError, error_body
+from attnserve.entrypoints.openai.merge_streams import merge_streams, one_stream
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from attnserve.entrypoints.openai.request_fields import unsupported_field
 from attnserve.entrypoints.openai.structured import structured_outputs
-from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -213,7 +213,9 @@ class OpenAIServing:
             self.engine.generate(ids, params, f"{request_id}-{i}") for i, ids in enumerate(prompts)
         ]
         merged = (
-            _merge(streams, self.metrics) if len(streams) > 1 else _one(streams[0], self.metrics)
+            merge_streams(streams, self.metrics)
+            if len(streams) > 1
+            else one_stream(streams[0], self.metrics)
         )
         try:
             async with aclosing(merged):
@@ -344,60 +346,6 @@ def usage(prompts: list[list[int]], completion_tokens: int) -> UsageInfo:
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
     )
-
-
-Batch = list[tuple[int, RequestOutput]]  # (prompt index, output)
-
-
-async def _one(
-    stream: AsyncIterator[RequestOutput], metrics: ServerMetrics
-) -> AsyncGenerator[Batch, None]:
-    """One prompt's outputs, read straight from the engine (which merges those queued behind a
-    slow consumer)."""
-    tracker = metrics.tracker()
-    async with aclosing(stream):  # type: ignore[type-var]
-        async for output in stream:
-            tracker.observe(output)
-            yield [(0, output)]
-
-
-async def _merge(
-    streams: list[AsyncIterator[RequestOutput]], metrics: ServerMetrics
-) -> AsyncGenerator[Batch, None]:
-    """Interleave the streams as their outputs arrive, every output waiting at once in one
-    batch; leaving early cancels (aborts) them all."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        tracker = metrics.tracker()
-        try:
-            async for output in stream:
-                tracker.observe(output)
-                queue.put_nowait((i, output))
-            queue.put_nowait((i, None))
-        except Exception as error:  # handed to the consumer
-            queue.put_nowait((i, error))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            waiting = [await queue.get()]
-            while not queue.empty():
-                waiting.append(queue.get_nowait())
-            batch: Batch = []
-            for i, item in waiting:
-                if isinstance(item, Exception):
-                    raise item
-                if item is None:
-                    remaining -= 1
-                else:
-                    batch.append((i, item))
-            if batch:
-                yield batch
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
