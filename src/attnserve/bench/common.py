@@ -97,6 +97,14 @@ def write_json(path: str, result: dict[str, Any], args: argparse.Namespace) -> N
         json.dump(result | {"args": arguments}, handle, indent=2, default=str)
 
 
+def report(result: dict[str, Any], args: argparse.Namespace) -> int:
+    """Print the result's scalars and, with `--json`, write it there; the exit status (0)."""
+    print_scalars(result)
+    if args.json:
+        write_json(args.json, result, args)
+    return 0
+
+
 def positive_ints(text: str) -> list[int]:
     """An argparse type: comma-separated integers >= 1, like 16,64,256."""
     try:

@@ -16,7 +16,7 @@ import statistics
 import time
 from typing import Any
 
-from attnserve.bench.common import print_scalars, progress, write_json
+from attnserve.bench.common import progress, report
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.grammar import GrammarCache
 from attnserve.engine.sequence_grammar import SequenceGrammar, token_bitmask
@@ -93,8 +93,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    result = benchmark(args)
-    print_scalars(result)
-    if args.json:
-        write_json(args.json, result, args)
-    return 0
+    return report(benchmark(args), args)
