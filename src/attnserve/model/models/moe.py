@@ -35,10 +35,26 @@ class MoeForCausalLM(LlamaForCausalLM):
     }
     checkpoint_moe_block: ClassVar[str] = "mlp"  # the MoE block's name in checkpoints
 
+    # how each model's HF config describes its experts
+    intermediate_size_field: ClassVar[str] = "moe_intermediate_size"
+    weights_in_model_dtype: ClassVar[bool] = True  # routing weights rounded to the model dtype
+
+    @classmethod
+    def renormalize(cls, hf_config: Any) -> bool:
+        """Whether the top-k routing weights are renormalised to sum to one."""
+        return True
+
     @classmethod
     def moe_spec(cls, hf_config: Any) -> MoESpec:
-        """The sparse layers' router and experts, from the HF config (each model says how)."""
-        raise NotImplementedError(f"{cls.__name__} does not say how its experts are configured")
+        """The sparse layers' router and experts, from the HF config."""
+        return MoESpec(
+            num_experts=num_experts(hf_config),
+            top_k=int(hf_config.num_experts_per_tok),
+            hidden_size=int(hf_config.hidden_size),
+            intermediate_size=int(getattr(hf_config, cls.intermediate_size_field)),
+            renormalize=cls.renormalize(hf_config),
+            weights_in_model_dtype=cls.weights_in_model_dtype,
+        )
 
     @classmethod
     def make_mlp(cls, config: ModelConfig, layer_index: int) -> nn.Module:
@@ -65,15 +81,8 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
     qk_norm = True
 
     @classmethod
-    def moe_spec(cls, hf_config: Any) -> MoESpec:
-        return MoESpec(
-            num_experts=num_experts(hf_config),
-            top_k=int(hf_config.num_experts_per_tok),
-            hidden_size=int(hf_config.hidden_size),
-            intermediate_size=int(hf_config.moe_intermediate_size),
-            renormalize=bool(hf_config.norm_topk_prob),
-            weights_in_model_dtype=True,
-        )
+    def renormalize(cls, hf_config: Any) -> bool:
+        return bool(hf_config.norm_topk_prob)
 
 
 class MixtralForCausalLM(MoeForCausalLM):
@@ -81,14 +90,5 @@ class MixtralForCausalLM(MoeForCausalLM):
 
     expert_projections: ClassVar[dict[str, str]] = {"w1": "gate", "w3": "up", "w2": DOWN_SHARD}
     checkpoint_moe_block: ClassVar[str] = "block_sparse_moe"
-
-    @classmethod
-    def moe_spec(cls, hf_config: Any) -> MoESpec:
-        return MoESpec(
-            num_experts=num_experts(hf_config),
-            top_k=int(hf_config.num_experts_per_tok),
-            hidden_size=int(hf_config.hidden_size),
-            intermediate_size=int(hf_config.intermediate_size),
-            renormalize=True,
-            weights_in_model_dtype=False,
-        )
+    intermediate_size_field: ClassVar[str] = "intermediate_size"
+    weights_in_model_dtype: ClassVar[bool] = False
