@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from attnserve.bench.bound import (
     workload_bound,
 )
 from attnserve.model.config import ModelConfig
+from tests.model.tiny_moe import save_tiny_moe
 
 SHAPE = ModelShape(
     num_layers=2,
@@ -36,6 +39,40 @@ def test_shape_figures_by_hand() -> None:
     assert SHAPE.weight_bytes == (1152 + 40 + 256) * 2 == 2896
     assert SHAPE.kv_bytes_per_token == 2 * 2 * 1 * 4 * 2 == 32
     assert SHAPE.attention_flops_per_pair == 4 * 2 * 2 * 4 == 64
+
+
+MOE = ModelShape(
+    **{
+        **SHAPE.__dict__,
+        "sparse_layers": 1,
+        "num_experts": 4,
+        "top_k": 2,
+        "expert_intermediate_size": 6,
+    }
+)
+
+
+def test_moe_shape_figures_by_hand() -> None:
+    # q,k,v,o 192 per layer; one dense MLP 384; the sparse layer: router 8·4, experts 3·8·6 each
+    assert MOE.expert_params == 144
+    assert MOE.decoder_matmul_params == 2 * 192 + 384 + 32 + 2 * 144 == 1088
+    shared = 2 * 192 + 384 + 32 + 40 + 256
+    assert MOE.weight_bytes == (shared + 4 * 144) * 2
+    # uniform routing of 2 of 4 experts: 2 experts for one token, 4·(1 - 1/4) = 3 for two
+    assert MOE.experts_read(1) == pytest.approx(2) and MOE.experts_read(2) == pytest.approx(3)
+    assert MOE.step_weight_bytes(1) == pytest.approx((shared + 2 * 144) * 2)
+    assert MOE.step_weight_bytes(1000) == pytest.approx(MOE.weight_bytes)
+    assert SHAPE.step_weight_bytes(7) == SHAPE.weight_bytes
+
+
+def test_moe_shape_matches_the_parameters_of_a_checkpoint(tmp_path: Path) -> None:
+    hf_model = save_tiny_moe(tmp_path, "mixtral")
+    config = ModelConfig.resolve(str(tmp_path), load_format="dummy")
+    shape = ModelShape.from_config(config)
+    embedding = config.vocab_size * config.hidden_size
+    params = sum(p.numel() for p in hf_model.parameters())
+    assert shape.weight_bytes == (params - embedding) * config.dtype.itemsize
+    assert (shape.sparse_layers, shape.num_experts, shape.top_k) == (config.num_layers, 4, 2)
 
 
 def test_causal_pairs() -> None:

@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "core",
         "sampling_params",
+        "structured_outputs",
         "outputs",
         "config",
         "distributed",
@@ -222,8 +223,8 @@ def test_the_checks_see_cycles_and_upward_imports(tmp_path: Path) -> None:
         [f"{ROOT}.model.config", f"{ROOT}.model.loader", f"{ROOT}.model.config"]
     ]
     assert list(forbidden_imports(graph)) == [
-        f"{ROOT}.core (layer core/sampling_params/outputs/config/distributed/host_copy/"
-        f"profiling/native) imports {ROOT}.model.config (layer model), above it",
+        f"{ROOT}.core (layer core/sampling_params/structured_outputs/outputs/config/distributed/"
+        f"host_copy/profiling/native) imports {ROOT}.model.config (layer model), above it",
         f"{ROOT}.engine.step (layer engine) imports {ROOT}.cli (layer top), above it",
         f"{ROOT}.engine.step imports {ROOT}.worker.batch: it must go through the layer between",
         f"{ROOT}.model.loader (layer model) imports {ROOT}.worker.batch (layer worker), above it",

@@ -12,6 +12,10 @@
 #   kernels      `attnserve bench kernels` (every backend that fits)
 #   throughput   `attnserve bench throughput`, the standard offline workload on Qwen3-0.6B's
 #                shape (dummy weights, 256 requests, 100..1024 tokens in and out)
+#   serve        `attnserve bench serve --launch` on Qwen3-0.6B's shape: a burst of 400 streamed
+#                requests (512 in, 128 out) against the server (engine core in its own process),
+#                then LLM.generate of the same requests, and their ratio (needs the fastapi,
+#                uvicorn and pydantic wheels in .whl/)
 #
 # Wheels the machine lacks (flashinfer-python 0.6.1 and its needs) are carried in .whl/ and
 # installed into /tmp/site. Each phase writes $OUT/PHASE.log (kernels and throughput also
@@ -90,8 +94,8 @@ phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(conformance gpu kernels throughput)
 for name in "${phases[@]}"; do
     case $name in
-        env | conformance | gpu | kernels | throughput) ;;
-        *) echo "unknown phase $name (env, conformance, gpu, kernels, throughput)" >&2 && exit 2 ;;
+        env | conformance | gpu | kernels | throughput | serve) ;;
+        *) echo "unknown phase $name (env, conformance, gpu, kernels, throughput, serve)" >&2 && exit 2 ;;
     esac
 done
 : >"$OUT/summary.txt"
@@ -113,6 +117,13 @@ for name in "${phases[@]}"; do
             phase throughput "${THROUGHPUT_TIMEOUT:-80}" python3 -m attnserve.cli bench \
                 throughput --model qwen3-0.6b --load-format dummy --num-prompts 256 \
                 --min-len 100 --max-len 1024 --json "$OUT/throughput.json" ${THROUGHPUT_ARGS:-}
+            ;;
+        serve)
+            # shellcheck disable=SC2086  # SERVE_ARGS is a list of words
+            phase serve "${SERVE_TIMEOUT:-150}" python3 -m attnserve.cli bench serve \
+                --launch "qwen3-0.6b --load-format dummy --device cuda" --compare-generate \
+                --num-prompts 400 --input-len 512 --output-len 128 --token-ids 3 30000 \
+                --result-json "$OUT/serve.json" ${SERVE_ARGS:-}
             ;;
     esac
 done

@@ -2,10 +2,11 @@
 
 from attnserve.outputs import CompletionOutput, RequestOutput
 from attnserve.sampling_params import SamplingParams
+from attnserve.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> object:

@@ -275,7 +275,9 @@ BENCHMARKS = {
     "throughput": ("attnserve.bench.throughput", "offline generation throughput vs baselines"),
     "latency": ("attnserve.bench.latency", "one batch's prefill time, time per output token"),
     "kernels": ("attnserve.bench.kernels", "attention kernels' decode/prefill speed (GPU)"),
+    "moe": ("attnserve.bench.moe", "the fused-MoE kernel at decode batch sizes vs ceilings (GPU)"),
     "serve": ("attnserve.bench.serve", "a running server's throughput, TTFT, TPOT, ITL, latency"),
+    "structured": ("attnserve.bench.structured", "grammar compile time, cache, mask"),
     "quality": (
         "attnserve.bench.quality",
         "a quantization's greedy tokens against a reference run",

@@ -5,7 +5,8 @@ the engine hands the ranks each step (`ScheduledBatch` of `SequenceInput`s), wha
 A leaf below every package: it imports only `sampling_params`, so any layer may use it.
 
 Per sequence: its new token ids, how many of its tokens are already cached, its block table, and
-how to sample (None when the step ends inside a prompt chunk, so nothing is drawn). Prefills come
+how to sample (None when the step ends inside a prompt chunk, so nothing is drawn); for the
+draws of structured outputs, a token bitmask. Prefills come
 first, decodes after, as the attention metadata builders require. Block moves (copy-on-write
 copies, swaps to and from host memory) are done before the forward pass.
 
@@ -24,6 +25,7 @@ from attnserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
+    import torch
 
 BlockPairs = list[tuple[int, int]]
 TokenLogprobs = dict[int, float]  # token id -> log-probability
@@ -61,6 +63,16 @@ class SequenceInput:
 
 
 @dataclass(frozen=True)
+class TokenBitmask:
+    """The tokens each constrained draw of a step may take (structured outputs), in xgrammar's
+    layout: bit j of int32 word w of a row set = token 32 * w + j allowed. One row per
+    constrained sequence, the same for all of its draws."""
+
+    rows: list[int]  # the constrained sequences' positions among the step's sampling sequences
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab_size / 32)] int32, on the host
+
+
+@dataclass(frozen=True)
 class ScheduledBatch:
     seqs: list[SequenceInput]
     blocks_to_swap_in: BlockPairs = field(default_factory=list)
@@ -69,6 +81,7 @@ class ScheduledBatch:
     # (row, draw): the last new token of sequence `row` is still on the device, as the
     # `draw`-th token drawn by the previous step (async scheduling); its id here is a placeholder
     carried_tokens: BlockPairs = field(default_factory=list)
+    token_bitmask: TokenBitmask | None = None  # where structured outputs constrain the draws
 
     @property
     def num_tokens(self) -> int:

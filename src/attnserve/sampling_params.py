@@ -1,11 +1,25 @@
-"""`SamplingParams`: how to sample one request's tokens, validated up front (vLLM's names)."""
+"""`SamplingParams`: how to sample one request's tokens, validated up front (vLLM's names).
+
+Every field is checked against its type hint first (an int is an int, not a bool or 2.5; a float
+is a finite number; a bool is a bool), then against its range, each failure a ValueError naming
+the field. The params travel to the engine core by pickle: plain data only.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
+import numbers
+import types
+import typing
 from dataclasses import dataclass, field
+from typing import Any
+
+from attnserve.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100..100
 
 
 class RequestOutputKind(enum.Enum):
@@ -22,8 +36,13 @@ class SamplingParams:
 
     `n` completions are returned, chosen from `best_of` (default n) by cumulative log-probability.
     `stop` strings end a completion and are left out of its text; `stop_token_ids`, and EOS unless
-    `ignore_eos`, end it too, but not before `min_tokens`. `logprobs` / `prompt_logprobs` ask for
-    that many top log-probabilities per token (plus the chosen token's).
+    `ignore_eos`, end it too, but not before `min_tokens` (their tokens' text is left out too);
+    `include_stop_str_in_output` keeps the stop string (or token) in the text. `logprobs` /
+    `prompt_logprobs` ask for that many top log-probabilities per token (plus the chosen
+    token's). `logit_bias` adds its value (-100..100) to a token's logit before sampling:
+    +100 all but forces the token, -100 all but forbids it. `structured_outputs` constrains the
+    output to a JSON schema, regex, choice or grammar (xgrammar); its mask applies after the bias,
+    so a bias cannot let a forbidden token through.
     """
 
     n: int = 1
@@ -40,18 +59,32 @@ class SamplingParams:
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            self._check_type(f.name)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for ok, message in self._checks():
             if not ok:
                 raise ValueError(message)
+
+    def _check_type(self, name: str) -> None:
+        """ValueError unless the field's value matches its type hint; a float field given an
+        int holds it as a float."""
+        hint, value = _HINTS[name], getattr(self, name)
+        if not _matches(value, hint):
+            raise ValueError(f"{name} must be of type {_describe(hint)}, got {value!r}")
+        if hint is float:
+            setattr(self, name, float(value))
 
     def _checks(self) -> list[tuple[bool, str]]:
         return [
@@ -76,12 +109,25 @@ class SamplingParams:
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
             (all(s for s in self.stop or []), "stop strings must be non-empty"),
             (
+                all(t >= 0 for t in self.logit_bias or {}),
+                "logit_bias token ids must be >= 0",
+            ),
+            (
+                all(abs(b) <= MAX_LOGIT_BIAS for b in (self.logit_bias or {}).values()),
+                f"logit_bias values must be in -{MAX_LOGIT_BIAS:g}..{MAX_LOGIT_BIAS:g}",
+            ),
+            (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be in 0..{MAX_LOGPROBS}",
             ),
             (
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 f"prompt_logprobs must be in 0..{MAX_LOGPROBS}",
+            ),
+            (
+                self.structured_outputs is None or self.min_tokens == 0,
+                "min_tokens cannot be combined with structured_outputs (the grammar decides "
+                "where the output may end)",
             ),
         ]
 
@@ -103,5 +149,49 @@ class SamplingParams:
         )
 
     @property
+    def outputs_only_when_finished(self) -> bool:
+        """Whether the request's completions are needed only once finished: FINAL_ONLY output
+        (or best_of pruning) and no stop string to watch for token by token."""
+        pruning = self.num_candidates > self.n
+        return (self.output_kind is RequestOutputKind.FINAL_ONLY or pruning) and not self.stop
+
+    @property
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether `value` is of the type `hint` (unions, None, list[X], dict[K, V], classes): bools
+    are not ints, ints are floats, floats are finite."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is types.UnionType:
+        return any(_matches(value, arg) for arg in args)
+    if origin is list:
+        return isinstance(value, list) and all(_matches(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items()
+        )
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        return real and math.isfinite(value)
+    if hint is type(None):
+        return value is None
+    return isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    """A type hint as the message of a ValueError says it."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is types.UnionType:
+        return " | ".join(_describe(arg) for arg in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_describe(a) for a in args)}]"
+    if hint is float:
+        return "float (finite)"
+    return "None" if hint is type(None) else hint.__name__
+
+
+_HINTS = typing.get_type_hints(SamplingParams)

@@ -95,3 +95,56 @@ def test_parallel_draws_and_logprobs() -> None:
         top2 = reference[0].topk(2).indices.tolist()
         assert set(top2) <= set(entry)
     assert list(second.logprobs[0]) == [int(logits[1].argmax())]
+
+
+def test_penalties_of_a_batch_match_hf_and_spare_other_rows() -> None:
+    """Rows with and without penalties in one batch: each penalised row as HF transformers'
+    RepetitionPenaltyLogitsProcessor (over prompt + output) computes it, the others untouched."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 40)
+    histories = [([3, 7, 7], [1, 30]), ([5], [6]), ([9, 2], [])]
+    rows = [
+        _input(SamplingParams(repetition_penalty=1.7), prompt_token_ids=p, output_token_ids=o)
+        for p, o in histories
+    ]
+    rows[1] = _input(SamplingParams())
+    rows[2] = _input(
+        SamplingParams(repetition_penalty=0.6), prompt_token_ids=[9, 2], output_token_ids=[]
+    )
+    penalised = Sampler._apply_penalties(logits, rows)
+    for row, penalty in [(0, 1.7), (2, 0.6)]:
+        prompt, output = histories[row]
+        hf = RepetitionPenaltyLogitsProcessor(penalty)(
+            torch.tensor([prompt + output]), logits[row : row + 1].clone()
+        )
+        torch.testing.assert_close(penalised[row : row + 1], hf)
+    assert torch.equal(penalised[1], logits[1])
+
+
+def test_logit_bias_forces_and_forbids_tokens() -> None:
+    logits = torch.randn(3, 50)
+    forced, forbidden = int(logits[0].argmin()), int(logits[1].argmax())
+    rows = [
+        _input(SamplingParams(temperature=0, logit_bias={forced: 100})),
+        _input(SamplingParams(temperature=0, logit_bias={forbidden: -100, 4: 0.5})),
+        _input(SamplingParams(temperature=0)),
+    ]
+    biased = Sampler._apply_bias(logits, rows)
+    expected = logits.clone()
+    expected[0, forced] += 100
+    expected[1, forbidden] -= 100
+    expected[1, 4] += 0.5
+    torch.testing.assert_close(biased, expected)
+    outputs = Sampler()(logits, rows)
+    assert outputs[0].token_ids == [forced]
+    assert outputs[1].token_ids != [forbidden]
+    assert outputs[2].token_ids == [int(logits[2].argmax())]
+
+
+def test_sampled_rows_never_draw_a_forbidden_token() -> None:
+    torch.manual_seed(0)
+    params = SamplingParams(temperature=1.0, logit_bias={0: -100})
+    draws = Sampler()(PROBS.log().repeat(500, 1), [_input(params)] * 500)
+    assert all(d.token_ids != [0] for d in draws)  # token 0 has half the mass unbiased

@@ -68,9 +68,7 @@ def replies(out: io.StringIO) -> list[str]:
 
 
 def _all_free(engine: LLMEngine) -> bool:
-    return not engine.has_unfinished_requests() and (
-        engine.allocator.num_free_blocks == engine.allocator.num_blocks
-    )
+    return not engine.has_unfinished_requests() and engine.stats()["kv_cache_usage"] == 0
 
 
 def _record_prompts(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -73,12 +73,19 @@ def _hf_greedy(hf: Any, prompt: list[int]) -> list[int]:
     return [int(t) for t in out[0, len(prompt) :]]
 
 
-def build_reference(dtype: str) -> Reference:
+def build_reference(
+    dtype: str, name: str = MODEL, experts_implementation: str | None = None
+) -> Reference:
+    """HF's model on the dummy weights of `name` (a preset or an HF directory), in `dtype`; an
+    MoE model's experts run as `experts_implementation` asks (transformers 5 defaults to its
+    grouped matmul; "eager" is its expert-by-expert loop, which the torch path follows)."""
     config = ModelConfig.resolve(
-        MODEL, dtype=dtype, load_format="dummy", max_model_len=MAX_MODEL_LEN, device="cuda"
+        name, dtype=dtype, load_format="dummy", max_model_len=MAX_MODEL_LEN, device="cuda"
     )
     model = load_model(config, torch.device("cuda"))
     hf = to_hf_model(model, config)
+    if experts_implementation is not None and hasattr(hf, "set_experts_implementation"):
+        hf.set_experts_implementation(experts_implementation)
     del model
     torch.cuda.empty_cache()
     hf.generation_config.eos_token_id = None  # run on through EOS, like ignore_eos

@@ -17,10 +17,15 @@ every unfinished request) and perfect overlap of memory traffic and arithmetic:
 
 Weight bytes are the decoder's matmul and norm weights and lm_head, in the model dtype; an untied
 input embedding is not counted (a step gathers only its tokens' rows). Quantized matmul weights
-count as stored: FP8, one byte (the LM head stays in the model dtype); packed GGUF, the smallest
-packed type's 18 bytes per 32 weights (Q4_0, so the bound stays a bound), the LM head too. Keys
-beyond a sliding window are not counted (the model's widest window caps every layer: fewer
-bytes, still a bound).
+count as stored: FP8, one byte (the LM head and the experts stay in the model dtype); packed
+GGUF, the smallest packed type's 18 bytes per 32 weights (Q4_0, so the bound stays a bound), the
+LM head too. Keys beyond a sliding window are not counted (the model's widest window caps every
+layer: fewer bytes, still a bound).
+
+A mixture-of-experts model multiplies each token by its `top_k` experts only (the FLOPs count
+those and the router), and a step reads the experts its tokens were routed to: for B tokens
+under uniform routing, E·(1 − (1 − k/E)^B) of the E experts of each sparse layer (dummy weights
+route near-uniformly; a model whose routing is skewed reads fewer).
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ import numpy as np
 import torch
 
 from attnserve.bench.kernel_common import copy_bandwidth_tbs, median_us
-from attnserve.model.config import ModelConfig
+from attnserve.model.config import ModelConfig, sparse_layers
+from attnserve.model.layers.moe import MoESpec
+from attnserve.model.loader import get_model_cls
+from attnserve.model.models.moe import MoeForCausalLM
 
 _GGUF_BYTES = 18 / 32  # Q4_0: a float16 scale and 32 four-bit codes
 _QUANTIZED_BYTES = {"fp8": 1.0, "gguf": _GGUF_BYTES}
@@ -52,12 +60,25 @@ class ModelShape:
     dtype_bytes: int
     kv_dtype_bytes: int
     sliding_window: int | None = None
-    matmul_weight_bytes: float | None = None  # per decoder matmul weight (None: dtype_bytes)
+    sparse_layers: int = 0  # MoE layers (the others are dense)
+    num_experts: int = 0
+    top_k: int = 0
+    expert_intermediate_size: int = 0
+    matmul_weight_bytes: float | None = None  # per shared matmul weight (None: dtype_bytes)
     lm_head_weight_bytes: float | None = None  # per LM head weight (None: dtype_bytes)
 
     @classmethod
     def from_config(cls, config: ModelConfig, kv_cache_dtype: str = "auto") -> ModelShape:
         dtype_bytes = config.dtype.itemsize
+        spec = moe_spec(config)
+        experts: dict[str, int] = {}
+        if spec is not None:
+            experts = {
+                "sparse_layers": sum(sparse_layers(config.hf_config)),
+                "num_experts": spec.num_experts,
+                "top_k": spec.top_k,
+                "expert_intermediate_size": spec.intermediate_size,
+            }
         return cls(
             num_layers=config.num_layers,
             hidden_size=config.hidden_size,
@@ -71,28 +92,58 @@ class ModelShape:
             sliding_window=config.sliding_window,
             matmul_weight_bytes=_QUANTIZED_BYTES.get(config.quantization or ""),
             lm_head_weight_bytes=_GGUF_BYTES if config.quantization == "gguf" else None,
+            **experts,
         )
 
     @property
-    def decoder_matmul_params(self) -> int:
-        """q, k, v, o and the gated MLP's three projections, over all layers."""
+    def expert_params(self) -> int:
+        """One expert's gated MLP."""
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+    @property
+    def _shared_params(self) -> int:
+        """The matmul weights every token is multiplied by: q, k, v, o of every layer, the gated
+        MLPs of the dense layers, the routers of the sparse ones."""
         qkv_o = self.hidden_size * self.head_size * (2 * self.num_heads + 2 * self.num_kv_heads)
-        return self.num_layers * (qkv_o + 3 * self.hidden_size * self.intermediate_size)
+        dense_layers = self.num_layers - self.sparse_layers
+        mlps = dense_layers * 3 * self.hidden_size * self.intermediate_size
+        routers = self.sparse_layers * self.hidden_size * self.num_experts
+        return self.num_layers * qkv_o + mlps + routers
+
+    @property
+    def decoder_matmul_params(self) -> int:
+        """The decoder weights one token is multiplied by: q, k, v, o and the gated MLP's three
+        projections (or the router and `top_k` experts), over all layers."""
+        return self._shared_params + self.sparse_layers * self.top_k * self.expert_params
 
     @property
     def lm_head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
+    def experts_read(self, tokens: int) -> float:
+        """Experts of one sparse layer that `tokens` tokens are routed to (uniform routing)."""
+        if not self.num_experts:
+            return 0.0
+        return float(self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** tokens))
+
+    def step_weight_bytes(self, tokens: int) -> float:
+        """Bytes of the weights a forward pass of `tokens` tokens reads (see the docstring)."""
+        experts = self.sparse_layers * self.experts_read(tokens) * self.expert_params
+        return self._shared_weight_bytes + experts * self.dtype_bytes
+
     @property
     def weight_bytes(self) -> int:
-        """Bytes one forward pass reads of the weights (see the module docstring)."""
+        """Bytes of all the weights a forward pass may read (every expert)."""
+        experts = self.sparse_layers * self.num_experts * self.expert_params
+        return self._shared_weight_bytes + experts * self.dtype_bytes
+
+    @property
+    def _shared_weight_bytes(self) -> int:
         norms = (2 * self.num_layers + 1) * self.hidden_size
         matmul = self.matmul_weight_bytes or self.dtype_bytes
         lm_head = self.lm_head_weight_bytes or self.dtype_bytes
         return int(
-            self.decoder_matmul_params * matmul
-            + self.lm_head_params * lm_head
-            + norms * self.dtype_bytes
+            self._shared_params * matmul + self.lm_head_params * lm_head + norms * self.dtype_bytes
         )
 
     @property
@@ -126,6 +177,14 @@ class Bound:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
+
+
+def moe_spec(config: ModelConfig) -> MoESpec | None:
+    """The experts of the model's sparse layers (None for a dense model)."""
+    model_cls = get_model_cls(config.architecture)
+    if not issubclass(model_cls, MoeForCausalLM):
+        return None
+    return model_cls.moe_spec(config.hf_config)
 
 
 def _check_lengths(input_lens: list[int], output_lens: list[int]) -> None:
@@ -164,7 +223,7 @@ def workload_bound(
         keys = inputs[outputs > k] + k
         if shape.sliding_window:
             keys = np.minimum(keys, shape.sliding_window)
-        step_bytes = shape.weight_bytes + shape.kv_bytes_per_token * keys.sum()
+        step_bytes = shape.step_weight_bytes(len(keys)) + shape.kv_bytes_per_token * keys.sum()
         flops = 2 * params * len(keys) + shape.attention_flops_per_pair * keys.sum()
         memory_s, compute_s = step_bytes / rates.copy_bytes_per_s, flops / rates.matmul_flops_per_s
         decode_s += max(memory_s, compute_s)

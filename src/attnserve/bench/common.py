@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from attnserve.entrypoints.llm import LLM
-from attnserve.sampling_params import SamplingParams
+from attnserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -32,21 +32,34 @@ class Workload:
         return [len(p) for p in self.prompts]
 
 
-def sampling_params(workload: Workload) -> list[SamplingParams]:
-    """Greedy, `ignore_eos`, exactly each request's output length."""
+def sampling_params(
+    workload: Workload, structured: StructuredOutputsParams | None = None
+) -> list[SamplingParams]:
+    """Greedy, `ignore_eos`, exactly each request's output length (with `structured`, at most:
+    a request also ends where its grammar does)."""
     return [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=structured)
+        for n in workload.output_lens
     ]
+
+
+def timed_generate(
+    llm: LLM, workload: Workload, structured: StructuredOutputsParams | None = None
+) -> tuple[float, int]:
+    """Seconds for one `generate` of the whole workload (greedy, ignore_eos), and the output
+    tokens it made."""
+    params = sampling_params(workload, structured)
+    sync()
+    started = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    sync()
+    seconds = time.perf_counter() - started
+    return seconds, sum(len(c.token_ids) for out in outputs for c in out.outputs)
 
 
 def run_engine(llm: LLM, workload: Workload) -> float:
     """Seconds for one `generate` of the whole workload (greedy, ignore_eos)."""
-    params = sampling_params(workload)
-    sync()
-    started = time.perf_counter()
-    llm.generate(workload.prompts, params, use_tqdm=False)
-    sync()
-    return time.perf_counter() - started
+    return timed_generate(llm, workload)[0]
 
 
 def sync() -> None:
@@ -82,6 +95,14 @@ def write_json(path: str, result: dict[str, Any], args: argparse.Namespace) -> N
     arguments = {k: v for k, v in vars(args).items() if k != "handler"}
     with open(path, "w") as handle:
         json.dump(result | {"args": arguments}, handle, indent=2, default=str)
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> int:
+    """Print the result's scalars and, with `--json`, write it there; the exit status (0)."""
+    print_scalars(result)
+    if args.json:
+        write_json(args.json, result, args)
+    return 0
 
 
 def positive_ints(text: str) -> list[int]:

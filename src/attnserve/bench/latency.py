@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from attnserve.bench.common import check_output_files, print_scalars, progress, sync, write_json
+from attnserve.bench.common import check_output_files, progress, report, sync
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.llm_engine import LLMEngine
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
@@ -145,8 +145,4 @@ def _figures(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    result = benchmark(args)
-    print_scalars(result)
-    if args.json:
-        write_json(args.json, result, args)
-    return 0
+    return report(benchmark(args), args)

@@ -29,7 +29,7 @@ def serve_parser() -> argparse.ArgumentParser:
     from attnserve.entrypoints.openai.cli_args import add_server_args
 
     parser = argparse.ArgumentParser(prog="attnserve serve", add_help=False)
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, positional_model=True)
     add_server_args(parser)
     return parser
 

@@ -10,13 +10,17 @@ fraction of it reached; the step-time breakdown of `--profile-steps` profiled de
 hide kernels). Optional: HF transformers `generate` on the same weights (static batches); with
 `--shared-prefix`, the same engine with prefix caching off; `--batch-sizes 16,64,256`, the
 workload again with that many requests (fresh prompts, same length distribution, each point
-against its own bound); `--plot FILE.png`, the breakdown and the sweep.
+against its own bound); `--plot FILE.png`, the breakdown and the sweep; `--json-schema FILE`, the
+workload again with that JSON schema on every request (structured outputs: each request also
+ends where its grammar does, so its rate counts the tokens it made) and its cost against the
+unconstrained rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import time
 from dataclasses import replace
@@ -34,11 +38,13 @@ from attnserve.bench.common import (
     progress,
     run_engine,
     sync,
+    timed_generate,
     write_json,
 )
 from attnserve.bench.plot import plot_throughput, require_matplotlib
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.entrypoints.llm import LLM
+from attnserve.structured_outputs import StructuredOutputsParams
 
 BOUND_RULE = "all requests at once; a step takes max(bytes / copy rate, FLOPs / matmul rate)"
 
@@ -156,6 +162,34 @@ def _hf_figures(llm: LLM, args: argparse.Namespace, workload: Workload) -> dict[
     return {"hf_output_tokens_per_s": hf_workload.output_tokens / hf_seconds}
 
 
+def _json_schema(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The --json-schema file's schema as a constraint; ValueError if it is not one."""
+    if args.json_schema is None:
+        return None
+    try:
+        with open(args.json_schema) as handle:
+            schema = json.load(handle)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"--json-schema {args.json_schema!r}: {error}") from error
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {args.json_schema!r}: not a JSON schema object")
+    return StructuredOutputsParams(json=schema)
+
+
+def _structured_figures(
+    llm: LLM, workload: Workload, spec: StructuredOutputsParams, tokens_per_s: float
+) -> dict[str, float]:
+    """The workload with the schema on every request (compiled already, in a warm-up)."""
+    progress("timing attnserve with the JSON schema on every request")
+    seconds, tokens = timed_generate(llm, workload, spec)
+    constrained = tokens / seconds
+    return {
+        "json_schema_output_tokens": tokens,
+        "json_schema_tokens_per_s": constrained,
+        "json_schema_cost": 1 - constrained / tokens_per_s,
+    }
+
+
 def _check(args: argparse.Namespace) -> None:
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
@@ -176,6 +210,7 @@ def _check(args: argparse.Namespace) -> None:
 def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | None]:
     """The figures (see the module docstring) and the breakdown, if profiled."""
     _check(args)
+    structured = _json_schema(args)
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config()
     model_config, device = config.model_config, config.device
@@ -185,6 +220,8 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
     progress("loading the engine")
     llm = LLM.from_engine_args(engine_args)
     workload = make_workload(args, model_config.vocab_size)
+    if structured is not None:  # a bad schema fails now, not after the first timing
+        timed_generate(llm, Workload(workload.prompts[:2], [4, 4]), structured)
     progress(f"warm-up; then {len(workload.prompts)} requests, {workload.output_tokens} tokens")
     _warm_up(llm, workload)
     progress("timing attnserve")
@@ -205,6 +242,8 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
         "matmul_tflop_per_s": rates.matmul_flops_per_s / 1e12,
         "prefix_cache_hit_rate": llm.llm_engine.stats()["prefix_cache_hit_rate"],
     }
+    if structured is not None:
+        result |= _structured_figures(llm, workload, structured, result["output_tokens_per_s"])
     if args.batch_sizes:
         result["sweep"] = _sweep(llm, args, shape, rates)
     if args.shared_prefix:
@@ -243,6 +282,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run the workload with each many requests, against its bound",
     )  # fmt: skip
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the figures")
+    parser.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="also time the workload with this JSON schema on every request",
+    )
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.set_defaults(handler=main)
 

@@ -2,13 +2,13 @@
 by default (`engine_core_process`), its outputs read by a background thread.
 
 `generate(...)` is an async iterator of `RequestOutput`s for one request (cumulative by default;
-`SamplingParams(output_kind=RequestOutputKind.DELTA)` gives only what is new). A request is
-checked and sent to the core at once (a bad one raises ValueError in its caller); the event loop
-never waits for a step. The output thread takes each core step's outputs through the output
-processor (detokenizing, stop strings) and hands each event loop its requests' outputs in one
-callback per step. A consumer that falls behind gets everything produced since its last output
-merged into one (DELTA outputs joined by `RequestOutput.merged`, otherwise the newest), so a slow
-client costs one output, not one per token.
+`SamplingParams(output_kind=RequestOutputKind.DELTA)` gives only what is new). A request is checked
+and sent to the core at once (a bad one raises ValueError in its caller; a grammar is compiled in a
+worker thread first); the event loop never waits for a step. The output thread takes each core
+step's outputs through the output processor (detokenizing, stop strings) and hands each event loop
+its requests' outputs in one callback per step. A consumer that falls behind gets everything
+produced since its last output merged into one (DELTA outputs joined by `RequestOutput.merged`,
+otherwise the newest), so a slow client costs one output, not one per token.
 `abort(request_id)` ends a request (a consumer that stops iterating early aborts its request the
 same way); when the core dies, every waiting and later request raises `EngineDeadError`.
 """
@@ -153,6 +153,8 @@ class AsyncLLMEngine:
         """Outputs of one request as they are produced; ValueError for a bad request."""
         if self.errored:
             raise EngineDeadError(f"the engine has failed: {self._error}")
+        if sampling_params.structured_outputs is not None:  # compiled off the event loop
+            await asyncio.to_thread(self.engine.processor.compile_grammar, sampling_params)
         sink: _Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._sinks:

@@ -17,13 +17,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import multiprocessing
 import os
 import pickle
 import signal
-import threading
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -38,6 +36,7 @@ from attnserve.engine.core_messages import (
 )
 from attnserve.engine.engine_core import EngineCore
 from attnserve.engine_config import EngineConfig
+from attnserve.executor.parent_watch import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -123,13 +122,6 @@ def pipe_emit(conn: Connection) -> Emit:
     return emit
 
 
-def _exit_with_parent() -> None:
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        wait([parent.sentinel])
-        os._exit(1)
-
-
 def run_engine_core_process(
     config: EngineConfig,
     commands: Connection,
@@ -140,7 +132,7 @@ def run_engine_core_process(
     """The body of an engine core process: build the core, report `CoreReady` (or
     `CoreFailed`), then `run_core` over the two pipes; exit code 1 after a failure."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, name="attnserve-parent-watch", daemon=True).start()
+    exit_with_parent()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     if num_threads is not None:
         torch.set_num_threads(num_threads)

@@ -28,6 +28,7 @@ from attnserve.engine.core_messages import (
 from attnserve.engine.scheduler import Scheduler, SchedulerOutput
 from attnserve.engine.sequence import Sequence
 from attnserve.engine.step_inputs import build_batch
+from attnserve.engine.structured_output import StructuredOutputManager
 from attnserve.engine_config import EngineConfig
 from attnserve.executor import get_executor_class
 
@@ -42,25 +43,46 @@ class _LaunchedStep:
 
 
 def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
-    """Whether a step needs every drawn token on the host first (penalties read the outputs)."""
-    return any(i.samples and i.seq.sampling_params.has_penalties for i in scheduled.scheduled)
+    """Whether a step needs every drawn token on the host first (penalties read the outputs; a
+    grammar's bitmask follows them)."""
+    return any(
+        i.samples and (i.seq.sampling_params.has_penalties or i.seq.grammar is not None)
+        for i in scheduled.scheduled
+    )
 
 
-def _output(seq: Sequence) -> EngineCoreOutput:
-    """What `seq` got this step: its one new token (none when the scheduler ended it)."""
+def _output(seq: Sequence) -> EngineCoreOutput | None:
+    """What `seq` got this step: its one new token (none when the scheduler ended it); for a
+    request that needs its outputs only when finished, nothing until then, and then all of it."""
     params = seq.sampling_params
-    drew = seq.num_output_tokens > 0 and not seq.has_pending_token
-    first = seq.index == 0 and seq.num_output_tokens == 1
+    if params.outputs_only_when_finished:
+        return _whole_output(seq) if seq.is_finished else None
+    num_output_tokens = seq.num_output_tokens
+    drew = num_output_tokens > 0 and not seq.has_pending_token
+    if not drew:
+        return EngineCoreOutput(seq.request_id, seq.index, [], finish_reason=seq.finish_reason)
+    first = seq.index == 0 and num_output_tokens == 1
     return EngineCoreOutput(
-        request_id=seq.request_id,
-        index=seq.index,
-        new_token_ids=[seq.token_ids[-1]] if drew else [],
-        new_logprobs=[seq.logprobs[-1]] if drew and params.logprobs is not None else None,
-        cumulative_logprob=seq.cumulative_logprob,
-        finish_reason=seq.finish_reason,
-        prompt_logprobs=seq.prompt_logprobs
-        if first and params.prompt_logprobs is not None
-        else None,
+        seq.request_id,
+        seq.index,
+        [seq.token_ids[-1]],
+        [seq.logprobs[-1]] if params.logprobs is not None else None,
+        seq.cumulative_logprob,
+        seq.finish_reason,
+        seq.prompt_logprobs if first and params.prompt_logprobs is not None else None,
+    )
+
+
+def _whole_output(seq: Sequence) -> EngineCoreOutput:
+    params = seq.sampling_params
+    return EngineCoreOutput(
+        seq.request_id,
+        seq.index,
+        seq.output_token_ids,
+        list(seq.logprobs) if params.logprobs is not None else None,
+        seq.cumulative_logprob,
+        seq.finish_reason,
+        seq.prompt_logprobs if seq.index == 0 and params.prompt_logprobs is not None else None,
     )
 
 
@@ -84,6 +106,7 @@ class EngineCore:
             BlockAllocator(swap_blocks) if swap_blocks else None,
         )
         self.eos_token_ids = list(config.model_config.eos_token_ids)
+        self.structured_outputs = StructuredOutputManager(config.model_config)
         self.requests: dict[str, dict[int, Sequence]] = {}  # request id -> index -> sequence
         self._ended: list[str] = []  # requests ended since the last report
         self._in_flight: _LaunchedStep | None = None
@@ -109,8 +132,12 @@ class EngineCore:
             request.request_id, request.prompt_token_ids, request.sampling_params, block_table
         )
         self.requests[request.request_id] = {0: seq}
-        self.scheduler.add(seq)
         self.num_requests_added += 1
+        spec = request.sampling_params.structured_outputs
+        if spec is None:
+            self.scheduler.add(seq)
+        else:  # scheduled once its grammar is compiled
+            self.structured_outputs.submit(seq, spec)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """End requests now; every block they held is free when this returns."""
@@ -149,8 +176,9 @@ class EngineCore:
         the call before.
         """
         self.num_steps += 1
-        scheduled = self.scheduler.schedule()
         out = EngineCoreOutputs()
+        self._admit_compiled(out)
+        scheduled = self.scheduler.schedule()
         self._report(scheduled.finished, out)
         if self._in_flight is not None and _needs_host_tokens(scheduled):
             self._drain(out)
@@ -165,19 +193,35 @@ class EngineCore:
         out.finished_requests, self._ended = self._ended, []
         return out
 
+    def _admit_compiled(self, out: EngineCoreOutputs) -> None:
+        """Schedule the constrained requests whose grammar is compiled (waiting for one when
+        nothing else is to be done)."""
+        idle = self._in_flight is None and not self.scheduler.has_work()
+        for seq in self.structured_outputs.take_ready(block=idle):
+            if seq.request_id not in self.requests:  # aborted while it compiled
+                continue
+            if seq.is_finished:
+                self._report([seq], out)
+            else:
+                self.scheduler.add(seq)
+
     def _drain(self, out: EngineCoreOutputs) -> None:
         """Read back the step in flight, if there is one."""
         launched, self._in_flight = self._in_flight, None
         if launched is not None:
             results = launched.future.result()
             touched = self.scheduler.resolve(launched.scheduled, results, self.eos_token_ids)
+            for seq, reason in self.structured_outputs.advance(touched):
+                self.scheduler.finish(seq, reason)
             self._report(touched, out)
 
     def _report(self, seqs: list[Sequence], out: EngineCoreOutputs) -> None:
         """Each sequence's output (forks join their request here); then end every request
         whose sequences have all finished."""
         for seq in seqs:
-            out.outputs.append(_output(seq))
+            output = _output(seq)
+            if output is not None:
+                out.outputs.append(output)
             self.requests[seq.request_id].setdefault(seq.index, seq)
         for seq in seqs:
             request = self.requests.get(seq.request_id) if seq.is_finished else None
@@ -201,7 +245,7 @@ class EngineCore:
         used = self.allocator.num_blocks - self.allocator.num_free_blocks
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": len(self.scheduler.waiting) + self.structured_outputs.num_compiling,
             "num_swapped": len(self.scheduler.swapped),
             "kv_cache_usage": used / self.allocator.num_blocks,
             "prefix_cache_hit_rate": self.allocator.prefix_hit_rate,

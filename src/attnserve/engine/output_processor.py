@@ -2,8 +2,10 @@
 `EngineCoreOutputs` in, `RequestOutput`s out, with text and stop strings.
 
 Each `RequestState` keeps, per completion, its tokens, log-probabilities and incrementally
-detokenized text. A stop string ends the completion: its text is cut there, later tokens are
-dropped, and the sequence is handed back (`ProcessedOutputs.stopped`) for the core to finish.
+detokenized text. A stop string ends the completion: its text is cut there (before the stop
+string, or after it with `include_stop_str_in_output`), later tokens are dropped, and the
+sequence is handed back (`ProcessedOutputs.stopped`) for the core to finish. The text of the
+EOS or stop token that ended a completion is left out too (kept with that flag), as in vLLM.
 Until a completion ends, the last characters that could begin a stop string are held back, so
 streamed text never has to be taken back. A request that outputs only once it is finished and
 has no stop string to watch for is decoded once, then.
@@ -32,6 +34,7 @@ class _Completion:
         self.logprobs: list[TokenLogprobs] = []
         self.cumulative_logprob: float | None = None
         self.finish_reason: str | None = None
+        self.ended_by_stop_token = False  # the core ended it on EOS or a stop token id
         self.detokenizer: IncrementalDetokenizer | None = None
         self.text = ""
         self.sent_text = 0  # text and tokens already streamed (DELTA)
@@ -57,23 +60,21 @@ class RequestState:
         self.params = params
         self.tokenizer = tokenizer
         self.completions: dict[int, _Completion] = {}
+        self.num_finished = 0  # completions with a finish reason
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.ended_by_core = False
         self.stop_strings = params.stop_strings
         self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
         # Outputs only once finished (FINAL_ONLY, or best_of pruning); with no stop string to
-        # watch for, the text is then decoded once, at the end, rather than token by token.
+        # watch for, the core sends each completion once, finished, and its text is decoded then.
         kind, pruning = params.output_kind, params.num_candidates > params.n
         self.final_only = kind is RequestOutputKind.FINAL_ONLY or pruning
-        self.text_at_end = self.final_only and not self.stop_strings
+        self.text_at_end = params.outputs_only_when_finished
 
     @property
     def finished(self) -> bool:
         """The core has ended it, or every completion it will have has finished."""
-        if self.ended_by_core:
-            return True
-        done = [c.finished for c in self.completions.values()]
-        return len(done) == self.params.num_candidates and all(done)
+        return self.ended_by_core or self.num_finished == self.params.num_candidates
 
     def observe(self, out: EngineCoreOutput) -> bool:
         """Take in one sequence's step; True when a stop string has just ended it."""
@@ -89,29 +90,46 @@ class RequestState:
             completion.cumulative_logprob = out.cumulative_logprob
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
-        completion.finish_reason = out.finish_reason
+        if out.finish_reason is not None:
+            self._finish(completion, out.finish_reason)
+            completion.ended_by_stop_token = out.finish_reason == "stop" and bool(out.new_token_ids)
         if self.tokenizer is None or self.text_at_end:
             return False
         stopped = self._detokenize(completion, self.tokenizer)
         if stopped and not completion.finished:
-            completion.finish_reason = "stop"
+            self._finish(completion, "stop")
             return True
         return False
 
+    def _finish(self, completion: _Completion, reason: str) -> None:
+        completion.finish_reason = reason
+        self.num_finished += 1
+
     def _detokenize(self, completion: _Completion, tokenizer: PreTrainedTokenizerBase) -> bool:
-        """Decode the new tokens; True when the text now reaches a stop string (cut there)."""
+        """Decode the new tokens; True when the text now reaches a stop string (cut there:
+        before it, or after it with `include_stop_str_in_output`). A stop token's own text is
+        left out unless `include_stop_str_in_output`."""
         if completion.detokenizer is None:
             completion.detokenizer = IncrementalDetokenizer(
                 tokenizer, self.prompt_token_ids, self.params.skip_special_tokens
             )
         detokenizer = completion.detokenizer
+        include_stop = self.params.include_stop_str_in_output
+        token_ids = completion.token_ids
+        if completion.ended_by_stop_token and not include_stop:
+            token_ids = token_ids[:-1]
         before = len(detokenizer.text)
-        detokenizer.step(completion.token_ids, final=completion.finished)
+        detokenizer.step(token_ids, final=completion.finished)
         text = detokenizer.text
         search_from = max(0, before - self.holdback)
-        hits = [i for i in (text.find(s, search_from) for s in self.stop_strings) if i >= 0]
-        completion.text = text[: min(hits)] if hits else text
-        return bool(hits)
+        found = ((text.find(s, search_from), len(s)) for s in self.stop_strings)
+        hits = [hit for hit in found if hit[0] >= 0]
+        if not hits:
+            completion.text = text
+            return False
+        start, length = min(hits)
+        completion.text = text[: start + length if include_stop else start]
+        return True
 
     def _output(self, completion: _Completion, delta: bool) -> CompletionOutput:
         if self.text_at_end and self.tokenizer is not None:  # all finished: decode it now

@@ -2,7 +2,9 @@
 
 Everything the core would refuse is refused here, up front, with a ValueError naming the
 problem: an empty prompt, one that leaves no room under `max_model_len`, token ids outside the
-vocabulary, a prompt larger than the whole KV cache. Each request gets a core id of its own
+vocabulary (in the prompt or `logit_bias`), a prompt larger than the whole KV cache, a
+structured-output spec the grammar compiler refuses (the compiler's message; compiled grammars are
+cached, so each distinct spec is compiled once). Each request gets a core id of its own
 (`request id#n`), so that a request id may be used again at once after its request has ended,
 while the core may still be reporting on the old one.
 """
@@ -14,6 +16,7 @@ import itertools
 from transformers import PreTrainedTokenizerBase
 
 from attnserve.engine.core_messages import EngineCoreRequest
+from attnserve.engine.grammar import grammar_cache
 from attnserve.model.config import ModelConfig
 from attnserve.sampling_params import SamplingParams
 
@@ -54,9 +57,24 @@ class Processor:
                 f"({self.kv_cache_tokens} tokens)"
             )
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What `SamplingParams` cannot check alone: token ids against the vocabulary."""
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in 0..{vocab - 1}")
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's structured-output grammar, if it has one (a cache hit for a
+        spec seen before); ValueError with the compiler's message for a bad spec."""
+        if params.structured_outputs is not None:
+            cache = grammar_cache(self.model_config, self.tokenizer)
+            cache.compile(params.structured_outputs)
+
     def process(
         self, request_id: str, token_ids: list[int], params: SamplingParams
     ) -> EngineCoreRequest:
         """The checked request, under a fresh core id."""
         self.check_prompt(token_ids)
+        self.check_params(params)
+        self.compile_grammar(params)
         return EngineCoreRequest(f"{request_id}#{next(self._counter)}", token_ids, params)

@@ -10,7 +10,8 @@ The policy, once per step, within `max_num_seqs` sequences and `max_num_batched_
 2. Then swapped-out sequences are swapped back in, oldest first, while blocks allow.
 3. Then waiting sequences, first come first served, while the budget and free blocks last. A
    new sequence first takes the cached blocks of its longest cached prefix (prefix caching) and
-   computes only the rest; a long prompt is split into chunks across steps (chunked prefill).
+   computes only the rest (unless it asks for prompt log-probabilities, which need every prompt
+   token computed); a long prompt is split into chunks across steps (chunked prefill).
 A step that had to preempt admits nothing new (no thrashing). Writes into a block shared with a
 parallel-sampling sibling copy it first (copy-on-write).
 """
@@ -73,6 +74,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        """Sequences running, waiting or swapped out."""
+        return bool(self.running or self.waiting or self.swapped)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` wherever it is, freeing its device and host blocks at once."""
@@ -137,7 +142,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and self._room_left(out, budget):
             seq = self.waiting[0]
-            if not seq.block_table.blocks:
+            if not seq.block_table.blocks and seq.sampling_params.prompt_logprobs is None:
+                # (prompt log-probabilities need every prompt token computed: no cache hits)
                 seq.num_computed_tokens = seq.block_table.match_prefix(seq.token_ids)
             chunk = min(seq.num_uncomputed_tokens, budget)
             end = seq.num_computed_tokens + chunk

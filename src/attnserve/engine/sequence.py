@@ -2,7 +2,7 @@
 
 A request with n > 1 (or best_of) starts as one sequence; when its prompt is computed, that
 step draws one token per completion and the engine forks the sequence, the forks sharing the
-prompt's blocks.
+prompt's blocks. A constrained sequence (structured outputs) carries its grammar matcher.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import enum
 
 from attnserve.core import TokenLogprobs
 from attnserve.engine.block_table import BlockTable
+from attnserve.engine.sequence_grammar import SequenceGrammar
 from attnserve.sampling_params import SamplingParams
 
 # Stands for a drawn token that is still on the device: with async scheduling, a step is
@@ -49,6 +50,7 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.cumulative_logprob = 0.0
         self.swapped_blocks: list[int] = []
+        self.grammar: SequenceGrammar | None = None  # structured outputs: set once compiled
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -115,13 +117,17 @@ class Sequence:
             index,
         )
         child.num_forks_pending = 0
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         child.num_computed_tokens = self.num_computed_tokens
         child.status = SequenceStatus.RUNNING
         child.append(token, logprob, top)
         return child
 
     def reset_for_recompute(self) -> None:
-        """Preempted by recompute: drop the cache; every token will be prefilled again."""
+        """Preempted by recompute: drop the cache; every token will be prefilled again (and
+        the prompt's log-probabilities computed again, if it had not finished)."""
+        if not self.num_output_tokens:
+            self.prompt_logprobs = []
         self.block_table.free()
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING

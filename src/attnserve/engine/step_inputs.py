@@ -2,13 +2,14 @@
 
 Engine policy becomes data here: which tokens may not be drawn yet (EOS and stop tokens before
 `min_tokens`), what penalties need to see, whose prompt log-probabilities to compute, how many
-draws a prompt makes for parallel sampling.
+draws a prompt makes for parallel sampling, which tokens structured outputs allow.
 """
 
 from __future__ import annotations
 
 from attnserve.core import ScheduledBatch, SequenceInput
 from attnserve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from attnserve.engine.sequence_grammar import token_bitmask
 
 
 def _banned(item: ScheduledSequence, eos_token_ids: list[int]) -> tuple[int, ...]:
@@ -59,4 +60,5 @@ def build_batch(
         blocks_to_swap_out=out.swap_out,
         blocks_to_copy=out.copies,
         carried_tokens=carried_tokens or [],
+        token_bitmask=token_bitmask([i.seq.grammar for i in out.scheduled if i.samples]),
     )

@@ -15,7 +15,6 @@ import atexit
 import contextlib
 import logging
 import multiprocessing
-import os
 import threading
 import time
 import weakref
@@ -30,6 +29,7 @@ from attnserve.distributed import get_distributed_init_method, get_open_port
 from attnserve.distributed.parallel_state import abort_distributed_environment
 from attnserve.engine_config import EngineConfig
 from attnserve.executor.executor_base import ExecutorBase
+from attnserve.executor.parent_watch import exit_with_parent
 from attnserve.worker.model_runner import ModelRunner
 from attnserve.worker.worker import Worker
 
@@ -201,13 +201,6 @@ def _terminate(processes: list[BaseProcess], closing: threading.Event | None = N
             process.join()
 
 
-def _exit_with_parent() -> None:
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        wait([parent.sentinel])
-        os._exit(1)
-
-
 def run_worker(
     config: EngineConfig,
     rank: int,
@@ -216,7 +209,7 @@ def run_worker(
     pipe: Connection,
 ) -> None:
     """A worker process: report in, join the group, load, report ready, serve steps."""
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    exit_with_parent()
     worker = Worker(config, rank, device, init_method)
     try:
         pipe.send("started")

@@ -66,6 +66,28 @@ def layer_sliding_windows(hf_config: Any) -> list[int | None]:
     return [int(window) if kind == "sliding_attention" else None for kind in layer_types]
 
 
+def num_experts(hf_config: Any) -> int:
+    """Routed experts of each MoE layer (Mixtral's `num_local_experts`, Qwen-MoE's
+    `num_experts`); 0 for a dense model."""
+    for key in ("num_local_experts", "num_experts"):
+        value = getattr(hf_config, key, None)
+        if value:
+            return int(value)
+    return 0
+
+
+def sparse_layers(hf_config: Any) -> list[bool]:
+    """Which decoder layers are MoE, by HF's rule: not in `mlp_only_layers`, and every
+    `decoder_sparse_step`-th layer (every layer by default) when the model has experts."""
+    step = int(getattr(hf_config, "decoder_sparse_step", 1))
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    sparse = num_experts(hf_config) > 0
+    layers = range(int(hf_config.num_hidden_layers))
+    return [sparse and i not in dense and (i + 1) % step == 0 for i in layers]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -119,8 +141,10 @@ class ModelConfig:
             problems.append(f"its {self.num_heads} attention heads")
         if kv % tp and tp % kv:
             problems.append(f"its {kv} KV heads (nor is {tp} a multiple of them)")
-        if int(self.hf_config.intermediate_size) % tp:
-            problems.append(f"its MLP intermediate size {self.hf_config.intermediate_size}")
+        for key in ("intermediate_size", "moe_intermediate_size"):
+            size = getattr(self.hf_config, key, None)
+            if size is not None and int(size) % tp:
+                problems.append(f"its {key} {size}")
         if problems:
             raise ValueError(
                 f"tensor_parallel_size {tp} does not divide {' and '.join(problems)} of model "
@@ -231,10 +255,19 @@ def _validate_hf_config(hf_config: Any) -> None:
     if not architectures:
         raise ValueError("the model config names no architecture (config.json 'architectures')")
     check_architecture(architectures[0])
+    _validate_experts(hf_config)
     _, scaling = rope_settings(hf_config)
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+
+def _validate_experts(hf_config: Any) -> None:
+    sparse_layers(hf_config)
+    experts = num_experts(hf_config)
+    top_k = int(getattr(hf_config, "num_experts_per_tok", 0) or 0)
+    if experts and not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in 1..{experts} (the experts)")
 
 
 def _resolve_tokenizer(tokenizer: str | None, default: str | None) -> str | None:

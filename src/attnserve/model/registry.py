@@ -9,8 +9,10 @@ from __future__ import annotations
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("attnserve.model.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("attnserve.model.models.llama", "MistralForCausalLM"),
+    "MixtralForCausalLM": ("attnserve.model.models.moe", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("attnserve.model.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("attnserve.model.models.llama", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("attnserve.model.models.moe", "Qwen3MoeForCausalLM"),
 }
 
 

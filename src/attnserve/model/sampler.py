@@ -1,12 +1,15 @@
 """`Sampler`: next tokens from logits, batched on the device.
 
-Per row, in order: banned tokens masked, repetition / presence / frequency penalties, then greedy
-(temperature 0) or temperature with top-k, top-p and min-p, all as tensor ops over the batch. A
-draw uses the exponential-race trick (argmax of probs / Exp(1) noise), whose noise comes from the
-global generator, or, for a seeded request, from a generator seeded for that one draw, so a seeded
-request's tokens do not depend on what else is in the batch. Log-probabilities are those of the
-model's raw distribution (after bans and penalties, before temperature and filters); every draw's
-own log-probability is computed (one logsumexp per row), the top-k only where asked for.
+Per row, in order: `logit_bias` added, banned tokens masked, repetition / presence / frequency
+penalties (each only for the rows that have them, one batched scatter each), then the tokens
+structured outputs forbid masked (xgrammar's bitmask kernel, only on the constrained rows; last, so
+no bias or penalty can let a forbidden token back in), then greedy (temperature 0) or temperature
+with top-k, top-p and min-p, all as tensor ops over the batch. A draw uses the exponential-race
+trick (argmax of probs / Exp(1) noise), whose noise comes from the global generator, or, for a
+seeded request, from a generator seeded for that one draw, so a seeded request's tokens do not
+depend on what else is in the batch. Log-probabilities are those of the model's distribution after
+bias, bans, penalties and the grammar's mask (before temperature and filters); every draw's own
+log-probability is computed (one logsumexp per row), the top-k only where asked for.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.core import SampleOutput, SequenceInput, TokenLogprobs
-from attnserve.host_copy import device_tensor
+from attnserve.core import SampleOutput, SequenceInput, TokenBitmask, TokenLogprobs
+from attnserve.host_copy import device_tensor, to_device
 from attnserve.sampling_params import SamplingParams
+from attnserve.structured_outputs import load_xgrammar
 
 
 def top_logprobs(
@@ -59,17 +63,28 @@ class Draws:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, inputs: list[SequenceInput]) -> list[SampleOutput]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        inputs: list[SequenceInput],
+        token_bitmask: TokenBitmask | None = None,
+    ) -> list[SampleOutput]:
         """logits [N, V] float32, one row per input that samples -> one result per input."""
-        draw = self.draw(logits, inputs)
+        draw = self.draw(logits, inputs, token_bitmask)
         return self.split(draw.tokens.tolist(), draw.token_logprobs.tolist(), draw.top, draw.counts)
 
-    def draw(self, logits: torch.Tensor, inputs: list[SequenceInput]) -> Draws:
-        """Each input's draws (see `Draws`)."""
+    def draw(
+        self,
+        logits: torch.Tensor,
+        inputs: list[SequenceInput],
+        token_bitmask: TokenBitmask | None = None,
+    ) -> Draws:
+        """Each input's draws (see `Draws`); `token_bitmask` rows index `inputs`."""
         params = [s.sampling for s in inputs if s.sampling is not None]
         if len(params) != len(inputs):
             raise ValueError("every input given to the sampler must carry sampling params")
-        logits = self._apply_penalties(self._ban(logits, inputs), inputs)
+        logits = self._apply_penalties(self._ban(self._apply_bias(logits, inputs), inputs), inputs)
+        logits = self._constrain(logits, token_bitmask)
         counts = [s.num_samples for s in inputs]
         draws = logits
         if max(counts) > 1:
@@ -121,6 +136,21 @@ class Sampler:
         return torch.where(is_greedy, greedy_tokens, sampled)
 
     @staticmethod
+    def _constrain(logits: torch.Tensor, token_bitmask: TokenBitmask | None) -> torch.Tensor:
+        """-inf on each constrained row's forbidden tokens, in place, on the device."""
+        if token_bitmask is None:
+            return logits
+        apply = load_xgrammar().apply_token_bitmask_inplace
+        bitmask = to_device(token_bitmask.bitmask, logits.device)
+        if len(token_bitmask.rows) == len(logits):  # every row constrained
+            apply(logits, bitmask)
+            return logits
+        index = device_tensor(token_bitmask.rows, logits.device)
+        rows = logits[index]
+        apply(rows, bitmask)
+        return logits.index_copy_(0, index, rows)
+
+    @staticmethod
     def _ban(logits: torch.Tensor, inputs: list[SequenceInput]) -> torch.Tensor:
         rows = [(r, t) for r, s in enumerate(inputs) for t in s.banned_token_ids]
         if not rows:
@@ -129,29 +159,50 @@ class Sampler:
         return logits.index_put((index[0], index[1]), logits.new_full((), -float("inf")))
 
     @staticmethod
+    def _apply_bias(logits: torch.Tensor, inputs: list[SequenceInput]) -> torch.Tensor:
+        """Each row's `logit_bias` added to its logits (one scatter over every biased row)."""
+        entries = [
+            (r, token, bias)
+            for r, s in enumerate(inputs)
+            if s.sampling is not None and s.sampling.logit_bias
+            for token, bias in s.sampling.logit_bias.items()
+        ]
+        if not entries:
+            return logits
+        rows, tokens, biases = zip(*entries, strict=True)
+        index = device_tensor([rows, tokens], logits.device)
+        values = device_tensor(biases, logits.device, logits.dtype)
+        return logits.index_put((index[0], index[1]), values, accumulate=True)
+
+    @staticmethod
     def _apply_penalties(logits: torch.Tensor, inputs: list[SequenceInput]) -> torch.Tensor:
+        """Repetition (vLLM's: a seen token's logit divided by the penalty if positive, else
+        multiplied; seen = in the prompt or the output), frequency and presence penalties
+        (output counts), for the rows that have any, all at once."""
         rows = [
             r for r, s in enumerate(inputs) if s.sampling is not None and s.sampling.has_penalties
         ]
         if not rows:
             return logits
-        logits = logits.clone()
-        for r in rows:
-            s, p = inputs[r], inputs[r].sampling
-            if p is None or s.prompt_token_ids is None or s.output_token_ids is None:
-                raise ValueError("penalties need the prompt and output token ids")
-            row = logits[r]
-            output = device_tensor(s.output_token_ids, row.device, torch.int64)
-            counts = torch.zeros_like(row).index_add_(
-                0, output, torch.ones_like(output, dtype=row.dtype)
-            )
-            seen = counts > 0
-            seen[device_tensor(s.prompt_token_ids, row.device)] = True
-            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            row = torch.where(seen, scaled, row)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-            logits[r] = row
-        return logits
+        seqs = [inputs[r] for r in rows]
+        if any(s.prompt_token_ids is None or s.output_token_ids is None for s in seqs):
+            raise ValueError("penalties need the prompt and output token ids")
+        device = logits.device
+        outputs = _flat_index([s.output_token_ids or [] for s in seqs], device)
+        prompts = _flat_index([s.prompt_token_ids or [] for s in seqs], device)
+        penalised = logits[device_tensor(rows, device)]
+        counts = torch.zeros_like(penalised).index_put_(
+            outputs, penalised.new_ones(()), accumulate=True
+        )
+        seen = (counts > 0).index_put_(prompts, torch.ones((), dtype=torch.bool, device=device))
+        params = [s.sampling for s in seqs if s.sampling is not None]
+        repetition = device_tensor([p.repetition_penalty for p in params], device)[:, None]
+        frequency = device_tensor([p.frequency_penalty for p in params], device)[:, None]
+        presence = device_tensor([p.presence_penalty for p in params], device)[:, None]
+        scaled = torch.where(penalised > 0, penalised / repetition, penalised * repetition)
+        penalised = torch.where(seen, scaled, penalised)
+        penalised = penalised - frequency * counts - presence * (counts > 0).to(logits.dtype)
+        return logits.index_copy(0, device_tensor(rows, device), penalised)
 
     @staticmethod
     def _top(
@@ -160,8 +211,7 @@ class Sampler:
         chosen: torch.Tensor,
         params: list[SamplingParams],
     ) -> list[TokenLogprobs] | None:
-        wanted = [p.logprobs is not None or p.num_candidates > p.n for p in params]
-        if not any(wanted):
+        if all(p.logprobs is None for p in params):
             return None
         ks = [p.logprobs or 0 for p in params]
         return top_logprobs(torch.log_softmax(logits, dim=-1), tokens, ks, chosen)
@@ -192,3 +242,11 @@ class Sampler:
                 generator = torch.Generator(device=probs.device).manual_seed(seed)
                 noise[row].exponential_(generator=generator)
         return noise
+
+
+def _flat_index(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index tensors of every token of every row, for one scatter over them all."""
+    row_ids = [r for r, tokens in enumerate(rows) for _ in tokens]
+    token_ids = [t for tokens in rows for t in tokens]
+    index = device_tensor([row_ids, token_ids], device, torch.int64)
+    return index[0], index[1]

@@ -231,7 +231,7 @@ class ModelRunner:
             return StepFuture(num_seqs, ready=results)
         logits = self.model.compute_logits(self._last_hidden(hidden, starts, rows))
         with torch.profiler.record_function(SAMPLING_RANGE):
-            draw = self.sampler.draw(logits, [batch.seqs[i] for i in rows])
+            draw = self.sampler.draw(logits, [batch.seqs[i] for i in rows], batch.token_bitmask)
         tokens = draw.tokens
         one_draw_each = len(tokens) == len(rows)
         self._last_tokens = tokens if one_draw_each else tokens[self._first_draws(draw.counts)]

@@ -30,7 +30,11 @@ from attnserve import __version__
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
 from attnserve.engine.warmup import warm_up
-from attnserve.entrypoints.openai.cli_args import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
+from attnserve.entrypoints.openai.cli_args import (
+    API_KEY_ENV,
+    DEFAULT_MAX_REQUEST_BYTES,
+    auto_tool_call_parser,
+)
 from attnserve.entrypoints.openai.errors import (
     ApiError,
     ApiKeyMiddleware,
@@ -58,11 +62,14 @@ logger = logging.getLogger(__name__)
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
     for status, description in [
-        (400, "bad request: not JSON, invalid UTF-8, or refused by the model's limits"),
+        (
+            400,
+            "bad request: not JSON, invalid UTF-8, not the schema, a refused field, or past "
+            "the model's limits",
+        ),
         (401, "missing or wrong API key"),
         (404, "unknown model"),
         (413, "request body too large"),
-        (422, "the body does not match the schema"),
         (503, "the engine has failed (or, on /health, is still warming up)"),
     ]
 }
@@ -85,13 +92,15 @@ def build_app(
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     warm: bool = True,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The app. Its start-up (lifespan) warms the engine, with `warm`, before /health says 200;
     its shutdown (after uvicorn has drained or cut the connections, e.g. on SIGTERM) shuts the
-    engine down, so the engine core is stopped before the process exits."""
+    engine down, so the engine core is stopped before the process exits. `tool_call_parser`
+    reads the replies of "auto" tool choice (None: "auto" is refused)."""
     metrics = ServerMetrics(engine.stats)
     completion = OpenAIServingCompletion(engine, model_name, metrics)
-    chat = OpenAIServingChat(engine, model_name, metrics)
+    chat = OpenAIServingChat(engine, model_name, metrics, tool_call_parser)
     ready = asyncio.Event()
     if not warm:
         ready.set()
@@ -112,7 +121,7 @@ def build_app(
             task.cancel()
         await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(
+    app = _App(
         title="attnserve", version=__version__, summary="OpenAI-compatible API", lifespan=lifespan
     )
     install_error_handlers(app)
@@ -156,6 +165,18 @@ def build_app(
     return app
 
 
+class _App(FastAPI):
+    """FastAPI, whose OpenAPI document does not promise the 422 it never sends (a body that
+    does not match the schema is a 400 here, as in OpenAI's API)."""
+
+    def openapi(self) -> dict[str, Any]:
+        schema = super().openapi()
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        return schema
+
+
 async def _on_disconnect(request: Request, exc: Exception) -> Response:
     logger.info("client went away: %s aborted", request.url.path)
     return error_response(ApiError(499, "client closed the request"))
@@ -182,6 +203,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args)
+    tool_call_parser = auto_tool_call_parser(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not _is_loopback(args.host) and not api_key:
         logger.warning(
@@ -189,7 +211,9 @@ def run_server(args: argparse.Namespace) -> int:
         )
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     name = args.served_model_name or served_model_name(engine_args)
-    app = build_app(engine, name, api_key, args.max_request_bytes)
+    app = build_app(
+        engine, name, api_key, args.max_request_bytes, tool_call_parser=tool_call_parser
+    )
     gc.freeze()  # the modules and engine state built so far stay: keep them out of collections
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
     try:

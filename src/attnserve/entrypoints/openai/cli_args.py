@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")  # tool_parsers.TOOL_CALL_PARSERS' keys
+
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 API_KEY_ENV = "ATTNSERVE_API_KEY"
 
@@ -36,3 +38,22 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's log level",
     )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (needs --tool-call-parser)',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_CALL_PARSER_NAMES,
+        help="how tool calls are read from a free reply: hermes (<tool_call> blocks, Hermes / "
+        "Qwen) or llama3_json (Llama 3's JSON)",
+    )
+
+
+def auto_tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The parser for "auto" tool choice, None when it is off; ValueError for a flag alone."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None

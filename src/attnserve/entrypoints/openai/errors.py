@@ -1,8 +1,9 @@
 """Every failure as an OpenAI-style error object `{"error": {message, type, param, code}}`.
 
 `ApiError` is what the serving layer raises; the handlers installed by `install_error_handlers`
-turn it, FastAPI's validation errors (400 for a body that is not JSON, 422 for one of the wrong
-shape), HTTP errors and anything unexpected (500) into that object, and log each one. Two pure
+turn it, FastAPI's validation errors (400, as OpenAI answers: a body that is not JSON, or one of
+the wrong shape, its first offending field as `param`), HTTP errors and anything unexpected
+(500) into that object, and log each one. Two pure
 ASGI middlewares run before any route: a request-body size limit (413) and the API key (401).
 """
 
@@ -29,7 +30,6 @@ _ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
-    422: "invalid_request_error",
     499: "client_closed_request",
     503: "service_unavailable",
 }
@@ -75,9 +75,10 @@ def _describe(errors: list[Any]) -> tuple[str, str | None]:
 
 
 def _is_field(part: object) -> bool:
-    """A field name or list index in an error's location (not "body", not a union member)."""
+    """A field name, list index or dict key (a token id) in an error's location (not "body",
+    not a union member)."""
     return isinstance(part, int) or (
-        isinstance(part, str) and part.isidentifier() and part != "body"
+        isinstance(part, str) and (part.isidentifier() or part.isdigit()) and part != "body"
     )
 
 
@@ -86,7 +87,7 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
     message, param = _describe(list(errors))
     if any(e.get("type") == "json_invalid" for e in errors):
         return error_response(ApiError(400, f"the body is not valid JSON ({message})"))
-    return error_response(ApiError(422, message, param))
+    return error_response(ApiError(400, message, param))
 
 
 async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:

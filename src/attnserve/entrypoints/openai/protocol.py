@@ -1,8 +1,11 @@
 """The OpenAI API's request and response bodies as pydantic models (the subset attnserve serves).
 
-Requests are validated here, by type and range (a violation is a 422); what depends on the model
-(the name, the prompt's length against `max_model_len`) is checked by the serving layer (404 /
-400). Floats must be finite and strings valid Unicode, so nothing malformed reaches the engine.
+Requests are validated here, strictly by type (an integer field takes no 2.5, "3" or true; a
+boolean takes no 1; a number takes no string) and by range, each violation a 400 naming the
+field; what depends on the model (the name, the prompt's length against `max_model_len`) is
+checked by the serving layer (404 / 400). Floats must be finite and strings valid Unicode, so
+nothing malformed reaches the engine. Fields a request model does not declare are kept
+(`model_extra`) for `request_fields` to judge: accepted without effect, or refused by name.
 """
 
 from __future__ import annotations
@@ -10,25 +13,27 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field, Strict
 
-from attnserve.sampling_params import MAX_LOGPROBS
+from attnserve.entrypoints.openai.protocol_structured import (
+    DeltaToolCall,
+    StructuredOutputsFields,
+    ToolCall,
+    ToolFields,
+)
+from attnserve.entrypoints.openai.request_body import RequestBody, Text
+from attnserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_N = 16  # completions per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_TOP_K = 1 << 20
 
 
-def _encodable(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError("text is not valid Unicode (lone surrogate)") from error
-    return text
-
-
-Text = Annotated[str, AfterValidator(_encodable)]
 TokenIds = Annotated[list[int], Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+# JSON object keys are strings: a logit_bias key is a token id written as one
+BiasKey = Annotated[int, Strict(False), Field(ge=0)]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 
 
 class ErrorInfo(BaseModel):
@@ -42,14 +47,14 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="usage on every chunk (vLLM)")
 
 
-class SamplingRequest(BaseModel):
-    """The sampling fields both endpoints share (OpenAI's names, plus vLLM's top_k / min_p)."""
-
-    model_config = ConfigDict(allow_inf_nan=False)
+class SamplingRequest(StructuredOutputsFields):
+    """The sampling fields both endpoints share: OpenAI's, then vLLM's extras (structured
+    outputs' fields come from `StructuredOutputsFields`)."""
 
     model: Text | None = Field(None, description="the served model name (default: it)")
     n: int = Field(1, ge=1, le=MAX_N)
@@ -59,16 +64,29 @@ class SamplingRequest(BaseModel):
     min_p: float = Field(0.0, ge=0, le=1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[BiasKey, Bias] | None = Field(None, description="token id -> -100..100")
     seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 64) - 1)
     stop: Text | list[Text] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: Text | None = Field(None, description="an end-user id: logged, nothing else")
+    # vLLM's extras
+    repetition_penalty: float = Field(1.0, gt=0, description="> 1 discourages repeats")
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk (vLLM's `continuous_usage_stats`)."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):
@@ -80,17 +98,28 @@ class CompletionRequest(SamplingRequest):
     )
     max_tokens: int | None = Field(16, ge=1, description="default 16")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = Field(False, description="the prompt (and its logprobs) before each completion")
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_N, description="candidates drawn; the n best by cumulative logprob"
+    )
 
 
-class TextPart(BaseModel):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
+class ChatMessage(RequestBody):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
+
+    @property
+    def has_content(self) -> bool:
+        """Content, or (an assistant's) tool calls in its place."""
+        return self.content is not None or bool(self.tool_calls)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -98,7 +127,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, ToolFields):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1, description="overrides max_tokens")
@@ -155,7 +184,8 @@ class ChatLogProbs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -177,6 +207,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -1,7 +1,12 @@
-"""`POST /v1/completions`: one or more prompts (text or token ids), n completions each, whole or
-streamed as server-sent events, with OpenAI's legacy log-probability format."""
+"""`POST /v1/completions`: one or more prompts (text or token ids), n completions each (the n
+best of `best_of`), whole or streamed as server-sent events, with OpenAI's legacy
+log-probability format; with `echo`, each completion is preceded by its prompt (and, with
+`logprobs`, the prompt tokens' log-probabilities, the first one null)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -18,29 +23,54 @@ from attnserve.entrypoints.openai.serving_engine import (
     ChunkRenderer,
     Delta,
     OpenAIServing,
+    PromptLogprobs,
     finite,
     new_id,
     usage,
 )
 
 
+@dataclass(frozen=True)
+class _Echo:
+    """What `echo` puts before the completions of each prompt: its text and token ids."""
+
+    texts: list[str]
+    prompts: list[list[int]]
+    n: int  # completions per prompt
+
+
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(
         self, request: CompletionRequest, raw: Request
     ) -> CompletionResponse | StreamingResponse:
-        self.check_model(request.model)
-        prompts = [self._prompt_ids(p) for p in _prompt_list(request.prompt)]
-        longest = max(len(p) for p in prompts)
-        params = self.sampling_params(request, longest, request.max_tokens, request.logprobs)
         request_id = new_id("cmpl")
+        self.check_request(request, request_id)
+        given = _prompt_list(request.prompt)
+        prompts = [self._prompt_ids(p) for p in given]
+        longest = max(len(p) for p in prompts)
+        k = request.logprobs
+        params = self.sampling_params(
+            request,
+            longest,
+            request.max_tokens,
+            k,
+            best_of=request.best_of,
+            prompt_logprobs=k if request.echo else None,
+        )
+        echo = None
+        if request.echo:
+            texts = [p if isinstance(p, str) else self._decode(p) for p in given]
+            echo = _Echo(texts, prompts, request.n)
         stream = self.generate(prompts, params, request_id)
-        chunks = _ChunkRenderer(self, request, request_id, prompts) if request.stream else None
+        chunks = None
+        if request.stream:
+            chunks = _ChunkRenderer(self, request, request_id, prompts, echo)
 
         def build(choices: list[Choice], tokens: int) -> CompletionResponse:
             return CompletionResponse(
                 id=request_id,
                 model=self.model_name,
-                choices=[self._choice(i, c, request.logprobs) for i, c in enumerate(choices)],
+                choices=[self._choice(i, c, k, echo) for i, c in enumerate(choices)],
                 usage=usage(prompts, tokens),
             )
 
@@ -51,32 +81,75 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_prompt(ids, "prompt")
         return ids
 
-    def _choice(self, index: int, choice: Choice, k: int | None) -> CompletionChoice:
-        logprobs = None
+    def _decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else str(self.tokenizer.decode(token_ids))
+
+    def _choice(
+        self, index: int, choice: Choice, k: int | None, echo: _Echo | None
+    ) -> CompletionChoice:
+        text, logprobs = "", None
+        if echo is not None:
+            text, logprobs = self.echoed(echo, index, choice.prompt_logprobs, k)
         if k is not None:
-            logprobs = self.logprobs(choice.token_ids, choice.logprobs, k, 0)
+            tail = self.logprobs(choice.token_ids, choice.logprobs, k, len(text))
+            logprobs = _joined(logprobs, tail)
         return CompletionChoice(
-            index=index, text=choice.text, logprobs=logprobs, finish_reason=choice.finish_reason
+            index=index,
+            text=text + choice.text,
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason,
         )
 
+    def echoed(
+        self, echo: _Echo, index: int, prompt_logprobs: PromptLogprobs | None, k: int | None
+    ) -> tuple[str, CompletionLogProbs | None]:
+        """The prompt before choice `index`: its text, and with `k` its tokens' logprobs."""
+        prompt = index // echo.n
+        if k is None:
+            return echo.texts[prompt], None
+        ids = echo.prompts[prompt]
+        entries = prompt_logprobs or [None] * len(ids)
+        return echo.texts[prompt], self.logprobs(ids, entries, k, 0)
+
     def logprobs(
-        self, token_ids: list[int], logprobs: list[TokenLogprobs], k: int, offset: int
+        self,
+        token_ids: list[int],
+        logprobs: Sequence[TokenLogprobs | None],
+        k: int,
+        offset: int,
     ) -> CompletionLogProbs:
-        """The legacy format; `offset` is where these tokens' text starts in the choice."""
+        """The legacy format; `offset` is where these tokens' text starts in the choice; a
+        token without log-probabilities (a prompt's first) gets nulls."""
         result = CompletionLogProbs()
         for token_id, candidates in zip(token_ids, logprobs, strict=True):
             text = self.token_text(token_id)
-            best = sorted(candidates.items(), key=lambda item: -item[1])[:k]
             result.tokens.append(text)
-            result.token_logprobs.append(finite(candidates.get(token_id)))
-            result.top_logprobs.append({self.token_text(t): finite(lp) for t, lp in best})
             result.text_offset.append(offset)
             offset += len(text)
+            if candidates is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            best = sorted(candidates.items(), key=lambda item: -item[1])[:k]
+            result.token_logprobs.append(finite(candidates.get(token_id)))
+            result.top_logprobs.append({self.token_text(t): finite(lp) for t, lp in best})
         return result
 
 
+def _joined(head: CompletionLogProbs | None, tail: CompletionLogProbs) -> CompletionLogProbs:
+    if head is None:
+        return tail
+    return CompletionLogProbs(
+        text_offset=head.text_offset + tail.text_offset,
+        token_logprobs=head.token_logprobs + tail.token_logprobs,
+        tokens=head.tokens + tail.tokens,
+        top_logprobs=head.top_logprobs + tail.top_logprobs,
+    )
+
+
 class _ChunkRenderer(ChunkRenderer[CompletionResponse]):
-    """Streamed chunks of one request, keeping each choice's text offset for its log-probs."""
+    """Streamed chunks of one request, keeping each choice's text offset for its log-probs;
+    with echo, each choice's first chunk starts with its prompt."""
 
     chunk_type = CompletionResponse
 
@@ -86,29 +159,36 @@ class _ChunkRenderer(ChunkRenderer[CompletionResponse]):
         request: CompletionRequest,
         request_id: str,
         prompts: list[list[int]],
+        echo: _Echo | None,
     ) -> None:
-        super().__init__(serving.model_name, request_id, prompts, request.include_usage)
+        super().__init__(serving.model_name, request_id, prompts, request)
         self.serving = serving
-        self.request = request
-        self.offsets = [0] * (len(prompts) * request.n)
+        self.k = request.logprobs
+        self.echo = echo
+        self.offsets: dict[int, int] = {}  # choice index -> its text so far
 
     def render(self, deltas: list[Delta]) -> list[CompletionResponse]:
         chunks = []
         for delta in deltas:
-            logprobs = None
-            if self.request.logprobs is not None and delta.logprobs is not None:
+            text, logprobs = "", None
+            if delta.index not in self.offsets:
+                if self.echo is not None:
+                    text, logprobs = self.serving.echoed(
+                        self.echo, delta.index, delta.prompt_logprobs, self.k
+                    )
+                self.offsets[delta.index] = len(text)
+            if self.k is not None and delta.logprobs is not None:
                 offset = self.offsets[delta.index]
-                logprobs = self.serving.logprobs(
-                    delta.token_ids, delta.logprobs, self.request.logprobs, offset
-                )
+                tail = self.serving.logprobs(delta.token_ids, delta.logprobs, self.k, offset)
+                logprobs = _joined(logprobs, tail)
             self.offsets[delta.index] += len(delta.text)
             choice = CompletionChoice(
                 index=delta.index,
-                text=delta.text,
+                text=text + delta.text,
                 logprobs=logprobs,
                 finish_reason=delta.finish_reason,
             )
-            chunks.append(self.chunk([choice]))
+            chunks.append(self.choice_chunk(choice, delta.index, len(delta.token_ids)))
         return chunks
 
 

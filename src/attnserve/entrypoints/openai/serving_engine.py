@@ -1,8 +1,9 @@
-"""What both endpoints share: the model-name check, prompt checks, `SamplingParams` from a
-request, and the engine requests of one API call run as one stream of `Delta`s.
+"""What both endpoints share: the model-name and field checks, prompt checks, `SamplingParams`
+from a request, and the engine requests of one API call run as one stream of `Delta`s.
 
 Prompts are tokenized here, so a prompt longer than the context, or one whose `max_tokens` does
-not fit after it, is refused (400) before the engine sees it. Every engine request is streamed as
+not fit after it, is refused (400) before the engine sees it; so is a structured-output spec
+that does not compile (the engine compiles it at submission). Every engine request is streamed as
 deltas (the non-streaming endpoints add them up) with its metrics recorded; when the caller
 stops reading (the client went away), every engine request of the call is aborted at once.
 """
@@ -10,6 +11,7 @@ stops reading (the client went away), every engine request of the call is aborte
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
@@ -24,10 +26,14 @@ from starlette.responses import StreamingResponse
 from attnserve.core import TokenLogprobs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from attnserve.entrypoints.openai.errors import ApiError, error_body
+from attnserve.entrypoints.openai.merge_streams import merge_streams, one_stream
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
-from attnserve.outputs import RequestOutput
-from attnserve.sampling_params import RequestOutputKind, SamplingParams
+from attnserve.entrypoints.openai.request_fields import unsupported_field
+from attnserve.entrypoints.openai.structured import structured_outputs
+from attnserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 ChunkT = TypeVar("ChunkT", bound=BaseModel)
@@ -47,6 +53,10 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = None  # its prompt's, when asked for
+
+
+PromptLogprobs = list[TokenLogprobs | None]  # per prompt token; None for the first
 
 
 @dataclass
@@ -57,12 +67,14 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
 
 
 LOGPROB_FLOOR = -9999.0
@@ -92,9 +104,23 @@ class OpenAIServing:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist", "model", "model_not_found")
+    def check_request(self, request: SamplingRequest, request_id: str) -> None:
+        """404 for another model's name; 400 for a refused field or stream options without a
+        stream. Logs the `user` it names."""
+        if request.model is not None and request.model != self.model_name:
+            message = f"the model {request.model!r} does not exist"
+            raise ApiError(404, message, "model", "model_not_found")
+        refused = unsupported_field(request)
+        if refused is not None:
+            raise ApiError(400, refused[1], refused[0], "unsupported_parameter")
+        options = request.stream_options
+        if options is not None and not request.stream:
+            raise ApiError(400, "stream_options needs stream: true", "stream_options")
+        if options is not None and options.continuous_usage_stats and not options.include_usage:
+            message = "continuous_usage_stats needs include_usage: true"
+            raise ApiError(400, message, "stream_options.continuous_usage_stats")
+        if request.user is not None:
+            logger.info("%s for user %r", request_id, request.user)
 
     def encode(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:
@@ -122,7 +148,12 @@ class OpenAIServing:
         prompt_len: int,
         max_tokens: int | None,
         logprobs: int | None,
+        best_of: int | None = None,
+        prompt_logprobs: int | None = None,
+        tool_constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
+        """The request's `SamplingParams` (400 for what they refuse); `max_tokens` None: the
+        rest of the context; `tool_constraint`: the output's, from its tool_choice."""
         room = self.max_model_len - prompt_len
         if max_tokens is not None and max_tokens > room:
             raise ApiError(
@@ -132,22 +163,38 @@ class OpenAIServing:
                 "max_tokens",
                 "context_length_exceeded",
             )
+        bias = request.logit_bias
+        if bias and max(bias) >= self.vocab_size:
+            message = f"logit_bias token ids must be in 0..{self.vocab_size - 1}"
+            raise ApiError(400, message, "logit_bias")
+        constraint = structured_outputs(request)
+        if constraint is not None and tool_constraint is not None:
+            message = "tool_choice constrains the output already: no response_format with it"
+            raise ApiError(400, message, "tool_choice")
         try:
             return SamplingParams(
                 n=request.n,
+                best_of=best_of,
                 temperature=request.temperature,
                 top_p=request.top_p,
                 top_k=request.top_k,
                 min_p=request.min_p,
                 presence_penalty=request.presence_penalty,
                 frequency_penalty=request.frequency_penalty,
+                repetition_penalty=request.repetition_penalty,
+                logit_bias=bias,
                 seed=request.seed,
                 max_tokens=room if max_tokens is None else max_tokens,
                 min_tokens=request.min_tokens,
                 stop=request.stop,
+                stop_token_ids=request.stop_token_ids or [],
+                include_stop_str_in_output=request.include_stop_str_in_output,
                 ignore_eos=request.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=request.skip_special_tokens,
                 output_kind=RequestOutputKind.DELTA,
+                structured_outputs=constraint or tool_constraint,
             )
         except ValueError as error:
             raise ApiError(400, str(error)) from error
@@ -166,14 +213,21 @@ class OpenAIServing:
             self.engine.generate(ids, params, f"{request_id}-{i}") for i, ids in enumerate(prompts)
         ]
         merged = (
-            _merge(streams, self.metrics) if len(streams) > 1 else _one(streams[0], self.metrics)
+            merge_streams(streams, self.metrics)
+            if len(streams) > 1
+            else one_stream(streams[0], self.metrics)
         )
         try:
             async with aclosing(merged):
                 async for batch in merged:
                     yield [
                         Delta(
-                            i * params.n + c.index, c.text, c.token_ids, c.logprobs, c.finish_reason
+                            i * params.n + c.index,
+                            c.text,
+                            c.token_ids,
+                            c.logprobs,
+                            c.finish_reason,
+                            output.prompt_logprobs,
                         )
                         for i, output in batch
                         for c in output.outputs
@@ -242,22 +296,37 @@ class OpenAIServing:
 class ChunkRenderer(Generic[ChunkT]):
     """The streamed chunks of one API call: each endpoint's `render` turns a batch of deltas
     into chunks of its `chunk_type`; the closing usage chunk (if the request asks for it) is
-    the same for both."""
+    the same for both, and so is, with `continuous_usage_stats`, each chunk's usage so far (of
+    its choice: its prompt's tokens and the tokens it has generated)."""
 
     chunk_type: type[ChunkT]
 
     def __init__(
-        self, model_name: str, request_id: str, prompts: list[list[int]], include_usage: bool
+        self, model_name: str, request_id: str, prompts: list[list[int]], request: SamplingRequest
     ) -> None:
         self.model_name = model_name
         self.request_id = request_id
         self.prompts = prompts
-        self.include_usage = include_usage
+        self.n = request.n
+        self.include_usage = request.include_usage
+        self.continuous_usage = request.continuous_usage
+        self.generated: dict[int, int] = {}  # choice index -> tokens so far
 
     def chunk(self, choices: list[Any], usage_info: UsageInfo | None = None) -> ChunkT:
         return self.chunk_type(
             id=self.request_id, model=self.model_name, choices=choices, usage=usage_info
         )
+
+    def count_tokens(self, index: int, new_tokens: int) -> None:
+        """`new_tokens` more generated for choice `index` (a held-back delta's too)."""
+        self.generated[index] = self.generated.get(index, 0) + new_tokens
+
+    def choice_chunk(self, choice: Any, index: int, new_tokens: int) -> ChunkT:
+        """A chunk of one choice that brings `new_tokens` more tokens."""
+        self.count_tokens(index, new_tokens)
+        if not self.continuous_usage:
+            return self.chunk([choice])
+        return self.chunk([choice], usage([self.prompts[index // self.n]], self.generated[index]))
 
     def usage_chunk(self, tokens: int) -> ChunkT | None:
         return self.chunk([], usage(self.prompts, tokens)) if self.include_usage else None
@@ -277,60 +346,6 @@ def usage(prompts: list[list[int]], completion_tokens: int) -> UsageInfo:
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
     )
-
-
-Batch = list[tuple[int, RequestOutput]]  # (prompt index, output)
-
-
-async def _one(
-    stream: AsyncIterator[RequestOutput], metrics: ServerMetrics
-) -> AsyncGenerator[Batch, None]:
-    """One prompt's outputs, read straight from the engine (which merges those queued behind a
-    slow consumer)."""
-    tracker = metrics.tracker()
-    async with aclosing(stream):  # type: ignore[type-var]
-        async for output in stream:
-            tracker.observe(output)
-            yield [(0, output)]
-
-
-async def _merge(
-    streams: list[AsyncIterator[RequestOutput]], metrics: ServerMetrics
-) -> AsyncGenerator[Batch, None]:
-    """Interleave the streams as their outputs arrive, every output waiting at once in one
-    batch; leaving early cancels (aborts) them all."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        tracker = metrics.tracker()
-        try:
-            async for output in stream:
-                tracker.observe(output)
-                queue.put_nowait((i, output))
-            queue.put_nowait((i, None))
-        except Exception as error:  # handed to the consumer
-            queue.put_nowait((i, error))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            waiting = [await queue.get()]
-            while not queue.empty():
-                waiting.append(queue.get_nowait())
-            batch: Batch = []
-            for i, item in waiting:
-                if isinstance(item, Exception):
-                    raise item
-                if item is None:
-                    remaining -= 1
-                else:
-                    batch.append((i, item))
-            if batch:
-                yield batch
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -1,7 +1,12 @@
-"""Reading llama.cpp GGUF files: metadata -> HF LlamaConfig, tensors -> HF weights, dequantized
+"""Reading llama.cpp GGUF files: metadata -> an HF config, tensors -> HF weights, dequantized
 or (with `keep_packed`) Q4_0/Q4_1/Q8_0 matrices kept as their blocks (`GGUFWeight`).
 
-Tensor names map to HF names (token_embd -> model.embed_tokens, blk.N.attn_q -> ...q_proj, ...).
+Architectures: `llama` (Llama, and Mixtral when it has experts) and `qwen3moe`. Tensor names map
+to HF names (token_embd -> model.embed_tokens, blk.N.attn_q -> ...q_proj, ...); a stacked expert
+tensor (blk.N.ffn_gate_exps [E, I, H], ...) becomes one HF weight per expert (views, no copy), so
+the models load GGUF files through their checkpoint names. llama.cpp's qwen3moe has no dense
+layers and renormalises the top-k weights (unless the file's `expert_weights_norm` says
+otherwise). For `llama` files
 llama.cpp's converter interleaves the rows of q_proj/k_proj within each head (for its rotary
 kernel); `unpermute_rows` undoes that so the weights match HF's "rotate half" layout.
 """
@@ -11,6 +16,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,8 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -39,6 +47,25 @@ _GLOBAL_NAMES = {
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
+_ROUTER = "ffn_gate_inp"
+
+
+@dataclass(frozen=True)
+class _MoeNames:
+    block: str  # the HF model's MoE block: `model.layers.N.<block>.gate`, `...experts.E...`
+    experts: dict[str, str]  # stacked GGUF tensor -> HF projection of each expert
+
+
+_MOE_NAMES = {
+    "llama": _MoeNames(
+        "block_sparse_moe", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+    ),
+    "qwen3moe": _MoeNames(
+        "mlp",
+        {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"},
+    ),
+}
+ARCHITECTURES = tuple(_MOE_NAMES)
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,15 +98,33 @@ def _tensor(reader: Any, name: str) -> Any | None:
     return next((t for t in reader.tensors if t.name == name), None)
 
 
-def hf_name(gguf_name: str) -> str:
-    """The HF checkpoint name of a GGUF tensor; ValueError for one with no counterpart."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """The HF checkpoint name of a (non-expert) GGUF tensor; ValueError for one with no
+    counterpart."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no HF Llama counterpart")
+    names = {**_LAYER_NAMES, _ROUTER: f"{_MOE_NAMES[arch].block}.gate"}
+    if match is None or match.group(2) not in names:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no HF counterpart in {arch!r} models")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
+
+
+def hf_weights(
+    gguf_name: str, weight: torch.Tensor | GGUFWeight, arch: str
+) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """(HF name, weight) pairs of one GGUF tensor: one per expert for a stacked expert tensor
+    (always dequantized: only matrices stay packed)."""
+    match = _BLOCK.fullmatch(gguf_name)
+    moe = _MOE_NAMES[arch]
+    if match is None or match.group(2) not in moe.experts or isinstance(weight, GGUFWeight):
+        yield hf_name(gguf_name, arch), weight
+        return
+    prefix = f"model.layers.{match.group(1)}.{moe.block}.experts"
+    projection = moe.experts[match.group(2)]
+    for expert, expert_weight in enumerate(weight):
+        yield f"{prefix}.{expert}.{projection}.{match.group(3)}", expert_weight
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -95,50 +140,85 @@ def gguf_has_tokenizer(path: str | Path) -> bool:
     return "tokenizer.ggml.tokens" in _reader(str(path)).fields
 
 
+def gguf_architecture(path: str | Path) -> str:
+    """The file's `general.architecture`; ValueError for one we cannot load."""
+    arch = _field(_reader(str(path)), "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {path}; supported: {list(ARCHITECTURES)}"
+        )
+    return str(arch)
+
+
 def gguf_hf_config(path: str | Path) -> Any:
-    """An HF LlamaConfig from a GGUF file's metadata."""
+    """The HF config (Llama, Mixtral or Qwen3-MoE) of a GGUF file's metadata."""
     from transformers import AutoConfig
 
-    reader = _reader(str(path))
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; supported: ['llama']")
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
-    head_dim = int(_field(reader, "llama.attention.key_length", hidden // heads))
+    reader, arch = _reader(str(path)), gguf_architecture(path)
+
+    def key(name: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{name}", default)
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    head_dim = int(key("attention.key_length", hidden // heads))
     embedding = _tensor(reader, "token_embd.weight")
-    vocab = _field(reader, "llama.vocab_size", None if embedding is None else embedding.shape[1])
-    theta = float(_field(reader, "llama.rope.freq_base", 10000.0))
+    vocab = key("vocab_size", None if embedding is None else embedding.shape[1])
+    theta = float(key("rope.freq_base", 10000.0))
+    common = {
+        "hidden_size": hidden,
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "vocab_size": int(vocab),
+        "max_position_embeddings": int(key("context_length")),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": theta,
+        "rope_scaling": _rope_scaling(reader, arch, head_dim, theta),
+        "tie_word_embeddings": _tensor(reader, "output.weight") is None,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    experts = int(key("expert_count", 0))
+    top_k = key("expert_used_count")
+    if arch == "qwen3moe":
+        expert_size = int(key("expert_feed_forward_length"))
+        return AutoConfig.for_model(
+            "qwen3_moe",
+            architectures=["Qwen3MoeForCausalLM"],
+            intermediate_size=int(key("feed_forward_length", expert_size)),
+            moe_intermediate_size=expert_size,
+            num_experts=experts,
+            num_experts_per_tok=int(top_k),
+            norm_topk_prob=bool(key("expert_weights_norm", True)),
+            **common,
+        )
+    intermediate = int(key("feed_forward_length"))
+    if experts:
+        return AutoConfig.for_model(
+            "mixtral",
+            architectures=["MixtralForCausalLM"],
+            intermediate_size=intermediate,
+            num_local_experts=experts,
+            num_experts_per_tok=int(top_k),
+            **common,
+        )
     return AutoConfig.for_model(
-        "llama",
-        architectures=["LlamaForCausalLM"],
-        hidden_size=hidden,
-        num_hidden_layers=int(_field(reader, "llama.block_count")),
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        vocab_size=int(vocab),
-        max_position_embeddings=int(_field(reader, "llama.context_length")),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=theta,
-        rope_scaling=_rope_scaling(reader, head_dim, theta),
-        tie_word_embeddings=_tensor(reader, "output.weight") is None,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        "llama", architectures=["LlamaForCausalLM"], intermediate_size=intermediate, **common
     )
 
 
-def _rope_scaling(reader: Any, head_dim: int, theta: float) -> dict[str, Any] | None:
+def _rope_scaling(reader: Any, arch: str, head_dim: int, theta: float) -> dict[str, Any] | None:
     """Llama-3 scaling recovered from a `rope_freqs` tensor; other kinds passed on to be
     rejected by the config check."""
     freqs = _tensor(reader, _ROPE_FREQS)
     if freqs is None:
-        kind = _field(reader, "llama.rope.scaling.type", "none")
+        kind = _field(reader, f"{arch}.rope.scaling.type", "none")
         if kind == "none":
             return None
-        return {"rope_type": kind, "factor": _field(reader, "llama.rope.scaling.factor")}
+        return {"rope_type": kind, "factor": _field(reader, f"{arch}.rope.scaling.factor")}
     factors = torch.from_numpy(np.asarray(freqs.data, dtype=np.float32).reshape(-1))
     scaling = {
         "rope_type": "llama3",
@@ -146,7 +226,7 @@ def _rope_scaling(reader: Any, head_dim: int, theta: float) -> dict[str, Any] | 
         "low_freq_factor": 1.0,
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": int(
-            _field(reader, "llama.rope.scaling.original_context_length", 8192)
+            _field(reader, f"{arch}.rope.scaling.original_context_length", 8192)
         ),
     }
     plain = rope_inv_freq(head_dim, theta)
@@ -172,13 +252,14 @@ def iter_gguf_weights(
     path: str | Path, hf_config: Any, keep_packed: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
     """Every weight of the file as (HF name, weight), un-permuted: float32 tensors, or with
-    `keep_packed` the blocks of Q4_0/Q4_1/Q8_0 matrices."""
-    reader = _reader(str(path))
+    `keep_packed` the blocks of Q4_0/Q4_1/Q8_0 matrices (stacked expert tensors are always
+    dequantized)."""
+    reader, arch = _reader(str(path)), gguf_architecture(path)
     heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
+    permuted = heads if arch == "llama" else {}  # qwen3moe's rotary matches HF's: no permute
     for tensor in tqdm(reader.tensors, desc=f"Loading {Path(path).name}", unit="tensor"):
         if tensor.name == _ROPE_FREQS:
             continue
-        name = hf_name(tensor.name)
         shape = tuple(reversed([int(d) for d in tensor.shape]))
         try:
             weight = _read(tensor, shape, keep_packed)
@@ -186,10 +267,11 @@ def iter_gguf_weights(
             raise ValueError(
                 f"GGUF file {path}: tensor {tensor.name} is truncated or corrupt ({error})"
             ) from error
-        projection = name.split(".")[-2]
-        if projection in heads:
-            weight = _unpermuted(weight, int(heads[projection]))
-        yield name, weight
+        for name, hf_weight in hf_weights(tensor.name, weight, arch):
+            projection = name.split(".")[-2]
+            if projection in permuted:
+                hf_weight = _unpermuted(hf_weight, int(permuted[projection]))
+            yield name, hf_weight
 
 
 def _unpermuted(weight: torch.Tensor | GGUFWeight, num_heads: int) -> torch.Tensor | GGUFWeight:

@@ -119,8 +119,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         config, hf = parts.config, parts.config.hf_config
         self.self_attn = LlamaAttention(parts, layer_index)
-        mlp_bias = bool(getattr(hf, "mlp_bias", False))
-        self.mlp = LlamaMLP(config.hidden_size, hf.intermediate_size, mlp_bias)
+        self.mlp = parts.variant.make_mlp(config, layer_index)
         self.input_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
 
@@ -178,6 +177,13 @@ class LlamaForCausalLM(nn.Module):
             if self.tie_word_embeddings
             else ParallelLMHead(config.vocab_size, config.hidden_size)
         )
+
+    @classmethod
+    def make_mlp(cls, config: ModelConfig, layer_index: int) -> nn.Module:
+        """The feed-forward block of decoder layer `layer_index` (a gated MLP here)."""
+        hf = config.hf_config
+        mlp_bias = bool(getattr(hf, "mlp_bias", False))
+        return LlamaMLP(config.hidden_size, int(hf.intermediate_size), mlp_bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden_size]."""

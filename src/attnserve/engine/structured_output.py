@@ -1,0 +1,80 @@
+"""`StructuredOutputManager`: the engine core's side of structured outputs.
+
+A constrained request waits here, outside the scheduler, until its grammar is compiled (on the
+`GrammarCache`'s thread, so steps go on meanwhile; a spec compiled before is ready at once), then
+enters the scheduler with its matcher. After each step's tokens are in place, `advance` feeds
+them to the matchers and names the sequences the grammar ends: a terminated matcher ends its
+sequence with "stop" (also under `ignore_eos`); a token the matcher refuses (never drawn under
+its mask, so a bug) ends it with "abort". A grammar that cannot be finished within `max_tokens`
+ends with "length", as any sequence does.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+from attnserve.engine.grammar import CompiledGrammar, GrammarCache, grammar_cache
+from attnserve.engine.sequence import Sequence
+from attnserve.engine.sequence_grammar import SequenceGrammar
+from attnserve.model.config import ModelConfig
+from attnserve.structured_outputs import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# An idle core waits this long at most for a compile, then looks at its commands (aborts) again.
+COMPILE_WAIT_S = 0.05
+
+
+class StructuredOutputManager:
+    def __init__(self, model_config: ModelConfig) -> None:
+        self.model_config = model_config
+        self._cache: GrammarCache | None = None
+        self._compiling: list[tuple[Sequence, Future[CompiledGrammar]]] = []
+
+    @property
+    def cache(self) -> GrammarCache:
+        if self._cache is None:
+            self._cache = grammar_cache(self.model_config)
+        return self._cache
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    def submit(self, seq: Sequence, spec: StructuredOutputsParams) -> None:
+        """Start compiling `seq`'s grammar (or find it compiled); `take_ready` hands it back."""
+        self._compiling.append((seq, self.cache.compile_async(spec)))
+
+    def take_ready(self, block: bool) -> list[Sequence]:
+        """The sequences whose grammar is compiled now, each with its matcher (or finished with
+        "abort" where the compile failed); with `block`, wait a little for one."""
+        if block and self._compiling:
+            futures = [future for _, future in self._compiling]
+            wait(futures, timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
+        ready = [(seq, future) for seq, future in self._compiling if future.done()]
+        self._compiling = [(seq, future) for seq, future in self._compiling if not future.done()]
+        for seq, future in ready:
+            error = future.exception()
+            if error is None:
+                seq.grammar = SequenceGrammar(self.cache, future.result())
+            else:  # the front end compiled it before sending: not expected here
+                logger.error("request %s: its grammar failed to compile: %s", seq.request_id, error)
+                seq.finish("abort")
+        return [seq for seq, _ in ready]
+
+    @staticmethod
+    def advance(seqs: list[Sequence]) -> list[tuple[Sequence, str]]:
+        """Feed each unfinished constrained sequence's new tokens to its matcher; the
+        sequences the grammar ends, with their finish reason."""
+        ended = []
+        for seq in seqs:
+            grammar = seq.grammar
+            if grammar is None or seq.is_finished:
+                continue
+            if not grammar.advance(seq.token_ids, seq.num_prompt_tokens):
+                logger.error("request %s: a token outside its grammar", seq.request_id)
+                ended.append((seq, "abort"))
+            elif grammar.terminated:
+                ended.append((seq, "stop"))
+        return ended

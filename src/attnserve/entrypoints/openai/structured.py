@@ -1,0 +1,108 @@
+"""A request's structured-output constraint, from whichever field gave it (at most one may):
+`response_format` (json_object, json_schema), vLLM's `structured_outputs`, the older `guided_*`
+fields, or, for tool calls, `tool_choice` (a named function: its arguments' schema; "required":
+an array of calls, each `{"name", "parameters"}` of one of the tools; one at most without
+`parallel_tool_calls`). A spec the checks refuse is a 400 naming the field; one the grammar
+compiler refuses is a 400 with its message (at submission, from the engine).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attnserve.entrypoints.openai.errors import ApiError
+from attnserve.entrypoints.openai.protocol_structured import (
+    ChatCompletionTool,
+    StructuredOutputsFields,
+    StructuredOutputsRequest,
+)
+from attnserve.structured_outputs import StructuredOutputsParams
+
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def _spec(param: str, **fields: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as error:
+        raise ApiError(400, str(error), param) from error
+
+
+def _from_response_format(request: StructuredOutputsFields) -> StructuredOutputsParams | None:
+    response_format = request.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return _spec("response_format", json_object=True)
+    if response_format.json_schema is None:
+        raise ApiError(400, "response_format json_schema needs its json_schema", "response_format")
+    return _spec("response_format", json=response_format.json_schema.schema_)
+
+
+def _from_structured_outputs(
+    fields: StructuredOutputsRequest | None,
+) -> StructuredOutputsParams | None:
+    if fields is None:
+        return None
+    values = fields.model_dump(exclude_unset=True)
+    if "json_" in values:
+        values["json"] = values.pop("json_")
+    return _spec("structured_outputs", **values)
+
+
+def _from_guided(request: StructuredOutputsFields) -> tuple[str, StructuredOutputsParams] | None:
+    given = [(name, getattr(request, name)) for name in _GUIDED if getattr(request, name)]
+    if not given:
+        return None
+    if len(given) > 1:
+        names = ", ".join(name for name, _ in given)
+        raise ApiError(400, f"at most one of the guided_* fields: got {names}", given[1][0])
+    name, value = given[0]
+    return name, _spec(name, **{_GUIDED[name]: value})
+
+
+def structured_outputs(request: StructuredOutputsFields) -> StructuredOutputsParams | None:
+    """The request's constraint, or None; 400 when several fields give one."""
+    found = {
+        "response_format": _from_response_format(request),
+        "structured_outputs": _from_structured_outputs(request.structured_outputs),
+    }
+    guided = _from_guided(request)
+    if guided is not None:
+        found[guided[0]] = guided[1]
+    given = {name: spec for name, spec in found.items() if spec is not None}
+    if len(given) > 1:
+        names = " and ".join(given)
+        raise ApiError(400, f"{names} each constrain the output: give one", list(given)[1])
+    return next(iter(given.values()), None)
+
+
+def named_tool_spec(tool: ChatCompletionTool) -> StructuredOutputsParams:
+    """The output is the named function's arguments."""
+    return _spec("tools", json=tool.function.parameters_schema)
+
+
+def required_tools_spec(
+    tools: list[ChatCompletionTool], parallel_tool_calls: bool
+) -> StructuredOutputsParams:
+    """The output is a JSON array of calls to the tools (one at most when not parallel)."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [tool.function.name]},
+                "parameters": tool.function.parameters_schema,
+            },
+            "required": ["name", "parameters"],
+        }
+        for tool in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    return _spec("tools", json=schema)

@@ -1,0 +1,113 @@
+"""`StructuredOutputsParams`: what a request's output must follow (vLLM 0.26's names), checked up
+front, and `load_xgrammar`, the one place the optional xgrammar package is imported.
+
+Exactly one constraint: `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice`
+(the output is one of these strings), `grammar` (xgrammar's EBNF) or `json_object=True` (any JSON
+object). `disable_any_whitespace` makes JSON outputs compact (no free whitespace). A leaf module:
+it imports nothing of attnserve, so `SamplingParams` and every layer may use it. What travels to
+the engine core is this spec (picklable); grammars are compiled from it where they are used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+XGRAMMAR_HINT = "pip install 'xgrammar>=0.2' (or attnserve[structured])"
+
+
+def load_xgrammar() -> ModuleType:
+    """The xgrammar module; ValueError (naming the fix) where it is not installed."""
+    try:
+        import xgrammar
+    except ImportError as error:
+        message = f"structured outputs need the xgrammar package: {XGRAMMAR_HINT}"
+        raise ValueError(message) from error
+    return xgrammar
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        given = [name for name, value in self._constraints().items() if value is not None]
+        if len(given) != 1:
+            shown = ", ".join(given) or "none"
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {shown}"
+            )
+        if self.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported (xgrammar has no custom "
+                "whitespace); disable_any_whitespace=True gives compact JSON"
+            )
+
+    def _constraints(self) -> dict[str, object]:
+        return {
+            "json": self.json,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": self.json_object or None,
+        }
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, regex, choice, grammar or json_object."""
+        return next(name for name, value in self._constraints().items() if value is not None)
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What identifies the compiled grammar (the cache's key): the kind, the spec's text
+        (a schema's properties keep their order: it is the output's) and the whitespace rule."""
+        if self.kind == "json":
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            text = json.dumps(schema, separators=(",", ":"))
+        elif self.kind == "choice":
+            text = json.dumps(self.choice)
+        else:
+            text = str(self.regex or self.grammar or "")
+        return self.kind, text, self.disable_any_whitespace
+
+    @property
+    def ebnf_for_choice(self) -> str:
+        """The grammar of `choice`: one of the strings, exactly."""
+        literals = (json.dumps(c, ensure_ascii=False) for c in self.choice or [])
+        return "root ::= " + " | ".join(literals)
+
+
+def _check_types(params: StructuredOutputsParams) -> None:
+    if params.json is not None:
+        if not isinstance(params.json, str | dict):
+            raise ValueError("structured_outputs.json must be a JSON schema (object or JSON text)")
+        if isinstance(params.json, str):
+            try:
+                schema = json.loads(params.json)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from error
+            if not isinstance(schema, dict):
+                raise ValueError("structured_outputs.json must be a JSON schema object")
+    for name in ("regex", "grammar", "whitespace_pattern"):
+        value = getattr(params, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+    choice = params.choice
+    if choice is not None and (
+        not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice)
+    ):
+        raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+    if params.json_object is not None and not isinstance(params.json_object, bool):
+        raise ValueError("structured_outputs.json_object must be a boolean")
+    if not isinstance(params.disable_any_whitespace, bool):
+        raise ValueError("structured_outputs.disable_any_whitespace must be a boolean")

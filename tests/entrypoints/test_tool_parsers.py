@@ -1,0 +1,118 @@
+"""The tool-call readers on fixed model outputs: whole, and streamed in every split (each piece
+one character, and the text cut at every position), which must give the same content and calls.
+The parser names are those `attnserve serve --tool-call-parser` offers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+
+from attnserve.entrypoints.openai.cli_args import TOOL_CALL_PARSER_NAMES
+from attnserve.entrypoints.openai.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    HermesStream,
+    Llama3JsonStream,
+    NamedCallStream,
+    RequiredCallsStream,
+    ToolCallStream,
+    merged_calls,
+)
+
+Reader = Callable[[], ToolCallStream]
+Calls = list[tuple[str, dict]]
+
+
+def read(new_reader: Reader, pieces: list[str]) -> tuple[str, Calls, int]:
+    """Content, calls (name, parsed arguments) and how many call deltas had an id."""
+    reader = new_reader()
+    content, deltas = "", []
+    for i, piece in enumerate(pieces):
+        text, new = reader.feed(piece, final=i == len(pieces) - 1)
+        content += text
+        deltas += new
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in merged_calls(deltas)]
+    return content, calls, sum(d.id is not None for d in deltas)
+
+
+def every_split(new_reader: Reader, text: str) -> tuple[str, Calls]:
+    """The reading of `text`, the same whole, character by character and cut anywhere."""
+    content, calls, starts = read(new_reader, [text])
+    assert starts == len(calls)
+    assert read(new_reader, list(text))[:2] == (content, calls)
+    for cut in range(1, len(text)):
+        assert read(new_reader, [text[:cut], text[cut:]])[:2] == (content, calls), cut
+    return content, calls
+
+
+HERMES_TWO = (
+    "Let me check.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>\n'
+    '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>'
+)
+
+
+def test_parser_names_match_the_cli() -> None:
+    assert tuple(TOOL_CALL_PARSERS) == TOOL_CALL_PARSER_NAMES
+
+
+def test_hermes_content_and_two_calls() -> None:
+    content, calls = every_split(HermesStream, HERMES_TWO)
+    assert content == "Let me check.\n"
+    assert calls == [
+        ("get_weather", {"city": "Paris", "unit": "C"}),
+        ("get_time", {"tz": "CET"}),
+    ]
+
+
+def test_hermes_without_parallel_calls_keeps_the_first() -> None:
+    _, calls = every_split(lambda: HermesStream(parallel_tool_calls=False), HERMES_TWO)
+    assert calls == [("get_weather", {"city": "Paris", "unit": "C"})]
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ("Plain answer, a < b and <tool", "Plain answer, a < b and <tool", []),
+        ("<tool_call>not json</tool_call> after", "<tool_call>not json</tool_call> after", []),
+        ('<tool_call>{"name": "f", "arguments": {}}', "", [("f", {})]),  # cut before the close
+        ('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', "", [("f", {"x": 1})]),
+    ],
+)
+def test_hermes_edge_cases(text: str, content: str, calls: Calls) -> None:
+    assert every_split(HermesStream, text) == (content, calls)
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', "", [
+            ("get_weather", {"city": "Oslo"})
+        ]),
+        ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"n": 2}}',
+         "", [("a", {}), ("b", {"n": 2})]),
+        ("  The weather is fine.", "  The weather is fine.", []),
+        ('{"answer": 42}', '{"answer": 42}', []),  # JSON, but no call: content
+        ('{"name": "f", "parameters": {}} more', '{"name": "f", "parameters": {}} more', []),
+    ],
+)  # fmt: skip
+def test_llama3_json(text: str, content: str, calls: Calls) -> None:
+    assert every_split(Llama3JsonStream, text) == (content, calls)
+
+
+def test_named_call_streams_its_arguments() -> None:
+    arguments = '{"city": "Lima"}'
+    assert every_split(lambda: NamedCallStream("get_weather"), arguments) == (
+        "",
+        [("get_weather", {"city": "Lima"})],
+    )
+
+
+def test_required_calls_each_once_complete() -> None:
+    text = '[{"name": "a", "parameters": {"s": "x]}"}}, {"name": "b", "parameters": {}}]'
+    content, calls = every_split(RequiredCallsStream, text)
+    assert content == "" and calls == [("a", {"s": "x]}"}), ("b", {})]
+    reader = RequiredCallsStream()
+    _, deltas = reader.feed(text[: text.index(", {")], final=False)  # the first object whole
+    assert [d.function.name for d in deltas] == ["a"]
