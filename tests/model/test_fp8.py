@@ -16,10 +16,11 @@ from safetensors.torch import load_file, save_file
 
 from attnserve import LLM, SamplingParams
 from attnserve.model import ModelConfig
-from attnserve.model.layers.linear import QKVParallelLinear, RowParallelLinear
+from attnserve.model.layers.linear import Linear, QKVParallelLinear, RowParallelLinear
 from attnserve.model.layers.weight_utils import load_weight
 from attnserve.model.loader import load_model
 from attnserve.model.quantization import active_quantization, process_weights_after_loading
+from attnserve.model.quantization.base import UnquantizedLinearMethod
 from attnserve.model.quantization.fp8 import FP8, FP8_MAX, Fp8Config, fp8_linear, quantize_rows
 from attnserve.model.quantization.fp8_checkpoint import Fp8Scheme
 from tests.distributed.test_parallel_layers import as_rank
@@ -204,3 +205,12 @@ def test_float_weights_are_quantized_on_load(tiny_llama_dir: Path) -> None:
     gap = (_prompt_scores(llm, prompt) - expected).abs()
     llm.shutdown()
     assert gap.mean() < GAP_MEAN and gap.max() < GAP_MAX, gap
+
+
+def test_replicated_layers_stay_unquantized() -> None:
+    """MoE routers (replicated `Linear`s) keep the model's dtype; the projections go FP8."""
+    with active_quantization(Fp8Config(None)):
+        router, projection = Linear(64, 8), RowParallelLinear(64, 32)
+    assert isinstance(router.quant_method, UnquantizedLinearMethod)
+    assert router.weight.dtype == torch.float32
+    assert projection.weight.dtype == FP8

@@ -139,7 +139,8 @@ def test_moe_gguf_config(moe_gguf: Any) -> None:
 
 def test_moe_gguf_logits_match_hf(moe_gguf: Any) -> None:
     _, path, hf_model = moe_gguf
-    config = ModelConfig.resolve(str(path), dtype="float32")
+    # dequantized, as HF runs it (packed, the decode steps round activations: test_gguf.py)
+    config = ModelConfig.resolve(str(path), dtype="float32", quantization="none")
     model = load_reference_model(config)
     vocab = hf_model.config.vocab_size
     seqs = [

@@ -44,9 +44,11 @@ from attnserve.model.quantization import linear_method_for
 
 
 class Linear(nn.Module):
-    """A linear layer whose weights every rank holds whole (vLLM's ReplicatedLinear).
+    """A linear layer whose weights every rank holds whole (vLLM's ReplicatedLinear; the MoE
+    routers). `tensor_parallel`: a sharded projection of the model (column- or row-parallel);
     `shards_input`: its input features are split across ranks (row-parallel)."""
 
+    tensor_parallel: ClassVar[bool] = False
     shards_input: ClassVar[bool] = False
     weight: nn.Parameter  # registered by the quant method
 
@@ -86,6 +88,8 @@ def load_rank_slice(
 class ColumnParallelLinear(Linear):
     """Y = X A^T with A's output rows split across ranks; each rank returns its slice of Y
     (or, with `gather_output`, all of it)."""
+
+    tensor_parallel = True
 
     def __init__(
         self,
@@ -209,6 +213,7 @@ class RowParallelLinear(Linear):
     """Y = X A^T with A's input columns split across ranks: each rank multiplies its slice of X
     (the output of a column-parallel layer) and an all-reduce sums the partial results."""
 
+    tensor_parallel = True
     shards_input = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:

@@ -4,8 +4,8 @@ Ada/Hopper; torch's CPU kernel elsewhere).
 Weights are E4M3 [N, K] with one float32 scale per output row (w = q * scale); activations are
 quantized per token as they come (scale = the row's max |x| / 448), and `_scaled_mm` applies
 both scales to its float32 accumulators, row-wise (scale_a [M, 1], scale_b [1, N]; the weight
-goes in transposed, a column-major view). The embedding and the LM head stay in the model's
-dtype, as in vLLM.
+goes in transposed, a column-major view). The embedding, the LM head and replicated layers (MoE
+routers) stay in the model's dtype, as in vLLM; MoE experts (not linear layers) too.
 
 Float checkpoints (and dummy weights) are quantized on load, each rank's rows as its loader
 stores them, so no full-precision copy of the model is ever held. FP8 checkpoints
@@ -30,7 +30,11 @@ from attnserve.model.layers.weight_utils import (
     set_row_store,
     set_weight_attrs,
 )
-from attnserve.model.quantization.base import LinearMethod, QuantizationConfig
+from attnserve.model.quantization.base import (
+    LinearMethod,
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+)
 from attnserve.model.quantization.fp8_checkpoint import Fp8Scheme
 
 FP8 = torch.float8_e4m3fn
@@ -166,4 +170,8 @@ class Fp8Config(QuantizationConfig):
         self.scheme = scheme
 
     def linear_method(self, layer: nn.Module) -> LinearMethod:
-        return Fp8LinearMethod(self.scheme)
+        """The model's projections in FP8; replicated layers (MoE routers, whose logits pick
+        the experts) stay in the model's dtype, as in vLLM."""
+        if getattr(type(layer), "tensor_parallel", False):
+            return Fp8LinearMethod(self.scheme)
+        return UnquantizedLinearMethod()
