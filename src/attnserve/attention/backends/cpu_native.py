@@ -18,6 +18,7 @@ from attnserve.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
+    AttentionSpec,
     BackendCapabilities,
 )
 from attnserve.attention.backends.layout import StepLayout
@@ -95,6 +96,14 @@ class CpuNativeBackend(AttentionBackend):
         if cpu_attention_library() is None:
             return "its native kernel cannot be built here (needs an AVX2 CPU and a C compiler)"
         return None
+
+    @classmethod
+    def unsupported_reasons(cls, spec: AttentionSpec) -> list[str]:
+        """The capabilities' reasons first: the kernel is built only for a spec it could serve
+        (a CUDA run never compiles it)."""
+        reasons = cls.capabilities.unsupported_reasons(spec)
+        missing = None if reasons else cls.unavailable_reason()
+        return reasons + ([missing] if missing else [])
 
     @staticmethod
     def get_kv_cache_shape(
