@@ -201,9 +201,6 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(
             "--plot draws the breakdown or the sweep: use --profile-steps or --batch-sizes"
         )
-    too_many = [b for b in args.batch_sizes if b > args.max_num_seqs]
-    if too_many:
-        raise ValueError(f"--batch-sizes {too_many} exceed --max-num-seqs {args.max_num_seqs}")
     check_output_files(args, "json", "plot")
 
 
@@ -211,9 +208,13 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
     """The figures (see the module docstring) and the breakdown, if profiled."""
     _check(args)
     structured = _json_schema(args)
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = EngineArgs.from_cli_args(args).with_offline_defaults()
     config = engine_args.create_engine_config()
     model_config, device = config.model_config, config.device
+    max_num_seqs = config.scheduler_config.max_num_seqs
+    too_many = [b for b in args.batch_sizes if b > max_num_seqs]
+    if too_many:
+        raise ValueError(f"--batch-sizes {too_many} exceed --max-num-seqs {max_num_seqs}")
     progress(f"measuring copy bandwidth and {model_config.dtype} matmul rate on {device}")
     rates = measure_rates(device, model_config.dtype)
     shape = ModelShape.from_config(model_config, engine_args.kv_cache_dtype)
