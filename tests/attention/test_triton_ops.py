@@ -74,7 +74,7 @@ def test_split_kv_decode_matches_reference(num_splits: int, window: int | None) 
     torch.testing.assert_close(out.cpu(), want, atol=2e-5, rtol=2e-5)
 
 
-def test_fp8_cache_write_scales_saturates_and_skips_padding() -> None:
+def test_fp8_cache_write_scales_each_head_saturates_and_skips_padding() -> None:
     kv_heads, head_size, block_size = 2, 64, 16
     cache = torch.zeros(4, 2, kv_heads, block_size, head_size, dtype=torch.float8_e4m3fn)
     cache = cache.to(DEVICE)
@@ -82,12 +82,12 @@ def test_fp8_cache_write_scales_saturates_and_skips_padding() -> None:
     key[0, 0, 0] = 5000.0  # beyond e4m3's range once scaled: saturates at 448
     value = torch.randn(3, kv_heads, head_size)
     slots = torch.tensor([5, -1, 3 * block_size + 7])
-    reshape_and_cache(
-        key.to(DEVICE), value.to(DEVICE), cache, slots.to(DEVICE), k_scale=2.0, v_scale=0.5
-    )
+    scales = torch.tensor([[2.0, 4.0], [0.5, 0.25]], device=DEVICE)  # [K/V, head]
+    reshape_and_cache(key.to(DEVICE), value.to(DEVICE), cache, slots.to(DEVICE), scales)
     got = cache.cpu().float()
-    want_k = (key / 2.0).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-    want_v = (value / 0.5).to(torch.float8_e4m3fn).float()
+    head_scales = scales.cpu()[:, None, :, None]  # [K/V, token, head, dim]
+    want_k = (key / head_scales[0]).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    want_v = (value / head_scales[1]).to(torch.float8_e4m3fn).float()
     for token, slot in ((0, 5), (2, 3 * block_size + 7)):
         block, offset = divmod(slot, block_size)
         assert torch.equal(got[block, 0, :, offset], want_k[token])

@@ -6,6 +6,11 @@ of a tensor-core dot (padded to 16). When the batch alone cannot fill the GPU th
 into `num_splits` parts (chosen from batch size, context length and SM count); each split writes
 a partial output and its log-sum-exp, and a small kernel merges them. The tile step and the
 K/V loads are `triton_common`'s.
+
+An fp8 cache's bytes are converted to fp16 on the GPU (one hardware conversion per pair of
+bytes; bf16 would take several), the query with them; its scales are folded in, the keys' into
+the softmax scale and the values' into the output, so no element is multiplied. Its tiles hold
+twice the keys of a bf16 cache's, for the same bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +22,14 @@ import triton
 import triton.language as tl
 
 from attnserve.attention.ops.triton_cache import cache_storage
-from attnserve.attention.ops.triton_common import AttentionParams, KernelConfig, attend_tile
+from attnserve.attention.ops.triton_common import (
+    AttentionParams,
+    KernelConfig,
+    attend_tile,
+    is_fp8,
+    load_scales,
+    scales_operand,
+)
 
 
 # Step-dependent arguments are not specialised on, so each kernel compiles once per model
@@ -39,12 +51,13 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     stride_block,
     stride_kv,
     stride_head,
+    scales_ptr,
     sm_scale,
     soft_cap,
-    v_scale,
     window,
     num_splits,
     NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
@@ -74,6 +87,9 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
     row_mask = (rows < GROUP)[:, None] & dim_mask[None, :]
     q_offsets = seq.to(tl.int64) * stride_q_tok + heads[:, None] * HEAD_SIZE + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_mask, other=0.0)
+    if FP8 and not DOT_FP32:
+        q = q.to(tl.float16)  # the cache's bytes convert to fp16 (attend_tile: to q's dtype)
+    k_scale, v_scale = load_scales(scales_ptr, kv_head, NUM_KV_HEADS, FP8)
     slopes = tl.load(slopes_ptr + heads, mask=rows < GROUP, other=0.0) if USE_ALIBI else None
     q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (seq_len - 1)
 
@@ -85,8 +101,8 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
         k_pos = tile + tl.arange(0, BLOCK_N)
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, slopes, k_pos, k_pos < end, cache_ptr, table,
-            kv_head * stride_head, dims, dim_mask, window, sm_scale, soft_cap, stride_block,
-            stride_kv, HEAD_SIZE, HEAD_PAD == HEAD_SIZE, BLOCK_SIZE, 1, USE_WINDOW, USE_ALIBI,
+            kv_head * stride_head, dims, dim_mask, window, sm_scale * k_scale, soft_cap,
+            stride_block, stride_kv, HEAD_SIZE, HEAD_PAD == HEAD_SIZE, BLOCK_SIZE, 1, USE_WINDOW, USE_ALIBI,
             USE_SOFTCAP, FP8, DOT_FP32,
         )  # fmt: skip
 
@@ -149,10 +165,12 @@ def choose_num_splits(
     return max(1, min(wanted, max_seq_len // min_split_len, 64))
 
 
-def default_decode_config(device: torch.device, head_size: int) -> KernelConfig:
+def default_decode_config(device: torch.device, head_size: int, fp8: bool = False) -> KernelConfig:
+    """Key tiles of 64 tokens (32 for heads over 128) of a 16-bit cache, twice that of an fp8
+    cache: about 16 KB of K and V per tile either way."""
     if device.type != "cuda":
         return KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=1)
-    block_n = 32 if head_size > 128 else 64
+    block_n = (32 if head_size > 128 else 64) * (2 if fp8 else 1)
     return KernelConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=3)
 
 
@@ -174,7 +192,7 @@ def paged_decode(
         return
     if query.stride()[1:] != (head_size, 1) or out.stride()[1:] != (head_size, 1):
         raise ValueError("query and out must be contiguous within each token's heads")
-    cfg = config or default_decode_config(query.device, head_size)
+    cfg = config or default_decode_config(query.device, head_size, is_fp8(kv_cache))
     group = num_heads // num_kv_heads
     storage = cache_storage(kv_cache)
     part_out = part_lse = out
@@ -191,15 +209,15 @@ def paged_decode(
         out, part_out, part_lse,
         query.stride(0), out.stride(0), block_table.stride(0),
         storage.stride(0), storage.stride(1), storage.stride(2),
-        params.scale * params.k_scale, params.soft_cap or 1.0, params.v_scale,
-        params.sliding_window or 0, num_splits,
-        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        scales_operand(params.kv_scales, kv_cache, query),
+        params.scale, params.soft_cap or 1.0, params.sliding_window or 0, num_splits,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_SIZE=head_size, HEAD_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=kv_cache.shape[3], BLOCK_N=cfg.block_n, SPLIT_KEYS=num_splits > 1,
         USE_WINDOW=params.sliding_window is not None,
         USE_ALIBI=params.alibi_slopes is not None,
         USE_SOFTCAP=params.soft_cap is not None,
-        FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        FP8=is_fp8(kv_cache),
         DOT_FP32=query.dtype == torch.float32 or query.device.type == "cpu",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
