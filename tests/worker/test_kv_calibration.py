@@ -20,20 +20,6 @@ from attnserve.attention import KVCacheScales, attention_layers
 from attnserve.attention.kv_scales import FP8_MAX, HEADROOM
 from attnserve.worker.kv_calibration import calibration_batch
 
-HEAD64_LLAMA = {  # TRITON serves head sizes from 64 up
-    "vocab_size": 384,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "eos_token_id": 383,
-    "bos_token_id": 1,
-}
 ENGINE = {
     "device": "cpu",
     "attention_backend": "TRITON",
@@ -77,21 +63,6 @@ def test_calibration_batch_stays_inside_step_and_cache(
     assert all(0 <= t < 300 for s in batch.seqs for t in s.token_ids)
     again = calibration_batch(300, budget, max_model_len, 16, num_blocks)
     assert [s.token_ids for s in again.seqs] == [s.token_ids for s in batch.seqs]
-
-
-@pytest.fixture(scope="module")
-def head64_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**HEAD64_LLAMA)).float().eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0, 0.2)  # varied argmaxes
-    path = tmp_path_factory.mktemp("head64_llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[dict[int, float]]:

@@ -266,6 +266,14 @@ class ModelRunner:
         self._add_prompt_logprobs(batch, hidden, starts, results)
         return StepFuture(num_seqs, ready=results)
 
+    @torch.inference_mode()
+    def logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Every new token's logits [T, vocab] (float32), nothing sampled: for measuring how
+        close two configurations of one model run (`attnserve bench kv-quality`)."""
+        self._move_blocks(batch)
+        layout = self._layout(batch)
+        return self.model.compute_logits(self._forward(batch, layout))
+
     def _first_draws(self, counts: list[int]) -> torch.Tensor:
         return device_tensor([0, *accumulate(counts)][:-1], self.device)
 
