@@ -21,7 +21,7 @@ from attnserve.attention.kv_scales import FP8_MAX, HEADROOM
 from attnserve.worker.kv_calibration import calibration_batch
 
 ENGINE = {
-    "device": "cpu",
+    "device": "cuda" if torch.cuda.is_available() else "cpu",
     "attention_backend": "TRITON",
     "max_model_len": 128,
     "max_num_batched_tokens": 32,  # prompts prefill in chunks: later ones read the fp8 cache
