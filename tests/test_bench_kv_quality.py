@@ -23,7 +23,8 @@ def test_fp8_against_the_float32_cache(head64_llama_dir: Path, tmp_path: Path) -
     out = tmp_path / "kv.json"
     args = ["bench", "kv-quality", "--model", str(head64_llama_dir), "--device", DEVICE,
             "--attention-backend", "TRITON", "--kv-cache-dtype", "fp8", "--max-model-len", "64",
-            "--num-prompts", "4", "--prompt-len", "20", "--decode-steps", "8", "--json", str(out)]  # fmt: skip
+            "--num-prompts", "4", "--prompt-len", "20", "--decode-steps", "8",
+            "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert result["kv_cache_dtype"] == "fp8" and result["reference_kv_cache_dtype"] == "auto"

@@ -155,4 +155,6 @@ def _as_stored(
         rounded = (x / per_head).to(torch.float8_e4m3fn).float() * per_head
         return torch.cat([rounded[:fresh_from], x[fresh_from:]])
 
-    return dataclasses.replace(seq, k=stored(seq.k, scales.k_scale), v=stored(seq.v, scales.v_scale))
+    return dataclasses.replace(
+        seq, k=stored(seq.k, scales.k_scale), v=stored(seq.v, scales.v_scale)
+    )

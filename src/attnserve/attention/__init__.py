@@ -17,6 +17,7 @@ from attnserve.attention.forward_context import (
     metadata_builders,
     set_forward_context,
 )
+from attnserve.attention.kv_scales import KVCacheScales
 from attnserve.attention.layer import (
     Attention,
     attention_layers,
@@ -25,7 +26,6 @@ from attnserve.attention.layer import (
     bind_kv_caches,
     calibrating_kv_scales,
 )
-from attnserve.attention.kv_scales import KVCacheScales
 from attnserve.attention.registry import backend_names, get_backend_cls, register_backend
 from attnserve.attention.selector import get_attn_backend, get_model_attn_backend
 

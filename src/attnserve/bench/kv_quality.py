@@ -9,8 +9,8 @@ for the prefill and for the decodes apart (a prefill of prompts attends to its o
 reads nothing back from the cache; decodes read every key and value from it): the relative
 error of the logits, ||ours - reference|| / ||reference|| over every position, and the share of
 positions whose top-1 tokens agree; and the fp8 cache's calibrated scales (`KVCacheScales`),
-smallest and largest over its layers and heads. On the CPU the TRITON backend runs under Triton's
-interpreter (TRITON_INTERPRET=1): use a small model there.
+smallest and largest over its layers and heads. On the CPU a Triton-kernel backend runs under
+Triton's interpreter (TRITON_INTERPRET=1): use a small model there.
 """
 
 from __future__ import annotations
@@ -148,7 +148,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(runner.model_config.dtype),
         **_scales(runner),
     }
-    for phase, ours, theirs in (("prefill", prefill, ref_prefill), ("decode", decodes, ref_decodes)):
+    for phase, ours, theirs in (
+        ("prefill", prefill, ref_prefill),
+        ("decode", decodes, ref_decodes),
+    ):
         figures = _compare([t.cpu() for t in ours], theirs)
         result.update({f"{phase}_{key}": value for key, value in figures.items()})
     return result

@@ -3,7 +3,9 @@ goes, with baselines measured in the same run.
 
 Workloads: N requests of random token ids with fixed input/output lengths, or lengths uniform in
 [min, max] (nano-vllm's offline benchmark: 256 requests, 100..1024, seed 0), `ignore_eos`, all
-submitted at once, after one warm-up. Also reported: the workload's bound from the model's shape
+submitted at once, after one warm-up. Also reported: the KV cache's size in tokens, the output
+tokens per engine step of the timed run (about the sequences a step runs: the cache's hold under
+KV pressure) and its preemptions; the workload's bound from the model's shape
 at the copy bandwidth and matmul rate measured first in the same run (bench/bound.py) and the
 fraction of it reached; the step-time breakdown of `--profile-steps` profiled decode steps
 (bench/breakdown.py; on a GPU the engine is then rebuilt with `enforce_eager`, since CUDA graphs

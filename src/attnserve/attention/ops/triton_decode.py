@@ -8,8 +8,9 @@ a partial output and its log-sum-exp, and a small kernel merges them. The tile s
 K/V loads are `triton_common`'s.
 
 An fp8 cache's bytes are converted to fp16 on the GPU (`cvt.rn.f16x2.e4m3x2`, one instruction
-per pair of bytes), and the query with them (fp16's range covers any e4m3 value); its scales are folded in, the keys' into
-the softmax scale and the values' into the output, so no element is multiplied.
+per pair of bytes), and the query with them (fp16's range covers any e4m3 value; a query beyond
++-65504 would overflow); its per-head scales are folded in, the keys' into the softmax scale
+and the values' into the output, so no element is multiplied.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, slopes, k_pos, k_pos < end, cache_ptr, table,
             kv_head * stride_head, dims, dim_mask, window, sm_scale * k_scale, soft_cap,
-            stride_block, stride_kv, HEAD_SIZE, HEAD_PAD == HEAD_SIZE, BLOCK_SIZE, 1, USE_WINDOW, USE_ALIBI,
-            USE_SOFTCAP, FP8, DOT_FP32,
+            stride_block, stride_kv, HEAD_SIZE, HEAD_PAD == HEAD_SIZE, BLOCK_SIZE, 1, USE_WINDOW,
+            USE_ALIBI, USE_SOFTCAP, FP8, DOT_FP32,
         )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -211,7 +212,8 @@ def paged_decode(
         storage.stride(0), storage.stride(1), storage.stride(2),
         scales_operand(params.kv_scales, kv_cache, query),
         params.scale, params.soft_cap or 1.0, params.sliding_window or 0, num_splits,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_SIZE=head_size, HEAD_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=kv_cache.shape[3], BLOCK_N=cfg.block_n, SPLIT_KEYS=num_splits > 1,
         USE_WINDOW=params.sliding_window is not None,
