@@ -8,8 +8,12 @@
 #   stage          copy the .sbs/v* part carried this call (device.sh stage); `install` after
 #                  the third part
 #   workloads      tools/sbs/workloads.py for every preset used below, into /tmp/wl
-#   a-dense        attnserve: Qwen3-0.6B (every workload kind, latency; fp8 KV; KV pressure in
-#                  bf16 and fp8), Llama-3-8B (standard + latency; fp8 weights; fp8 KV)
+#   a-dense        attnserve: Qwen3-0.6B (standard + latency; fp8 KV), Llama-3-8B (standard +
+#                  latency; fp8 weights)
+#   a-kinds        attnserve: Qwen3-0.6B on the other workload kinds (long, prefix, short)
+#   a-fp8kv        the fp8-KV checks: TRITON's fp8 conformance and calibration tests on cuda,
+#                  `bench throughput` under KV pressure (a tenth of what the batch needs) with
+#                  either cache, `bench kv-quality`
 #   a-moe          attnserve: Qwen3-30B-A3B and Mixtral-8x7B (standard + latency), Llama-3-70B
 #                  in fp8 (latency)
 #   v-PRESET[-VARIANT]  vLLM 0.26 on one configuration of the above (v-qwen3-30b-a3b,
@@ -48,13 +52,29 @@ for step in "$@"; do
             PYTHONPATH=$A_PATH python3 tools/sbs/workloads.py $m /tmp/wl 2>&1 | grep standard
         done ;;
     a-dense)
-        drive 150 a-qwen3-0.6b-kinds attnserve qwen3-0.6b --kinds standard,long,prefix,short --latency
+        drive 90 a-qwen3-0.6b attnserve qwen3-0.6b --latency
         drive 60 a-qwen3-0.6b-fp8kv attnserve qwen3-0.6b --kv-cache-dtype fp8
-        drive 60 a-qwen3-0.6b-pressure attnserve qwen3-0.6b $QWEN_PRESSURE
-        drive 60 a-qwen3-0.6b-pressure-fp8kv attnserve qwen3-0.6b $QWEN_PRESSURE --kv-cache-dtype fp8
         drive 90 a-llama-3-8b attnserve llama-3-8b --latency
-        drive 80 a-llama-3-8b-fp8 attnserve llama-3-8b --quantization fp8
-        drive 80 a-llama-3-8b-fp8kv attnserve llama-3-8b --kv-cache-dtype fp8 ;;
+        drive 80 a-llama-3-8b-fp8 attnserve llama-3-8b --quantization fp8 ;;
+    a-kinds) drive 120 a-qwen3-0.6b-kinds attnserve qwen3-0.6b --kinds long,prefix,short ;;
+    a-fp8kv)
+        s=$SECONDS
+        timeout 70 env PYTHONPATH=$A_PATH python3 -m pytest -o addopts= -q -p no:cacheprovider \
+            -n 8 -rfE -k 'fp8 or kv_calibration' tests/attention/test_conformance.py \
+            tests/worker/test_kv_calibration.py 2>&1 | tail -4
+        echo "== fp8 tests $((SECONDS - s)) s"
+        for d in auto fp8; do
+            s=$SECONDS
+            timeout 60 env PYTHONPATH=$A_PATH python3 -m attnserve.cli bench throughput \
+                --model qwen3-0.6b --load-format dummy --num-prompts 256 --min-len 100 \
+                --max-len 1024 $QWEN_PRESSURE --kv-cache-dtype $d --profile-steps 0 \
+                --json "$R/pressure-$d.json" >"$R/pressure-$d.log" 2>&1
+            echo "== pressure $d rc=$? $((SECONDS - s)) s"; tail -12 "$R/pressure-$d.log" | cut -c1-200
+        done
+        s=$SECONDS
+        timeout 60 env PYTHONPATH=$A_PATH python3 -m attnserve.cli bench kv-quality \
+            --model qwen3-0.6b --load-format dummy --kv-cache-dtype fp8 >"$R/kv-quality.log" 2>&1
+        echo "== kv-quality rc=$? $((SECONDS - s)) s"; tail -14 "$R/kv-quality.log" | cut -c1-200 ;;
     a-moe)
         drive 150 a-qwen3-30b-a3b attnserve qwen3-30b-a3b --latency
         drive 180 a-mixtral-8x7b attnserve mixtral-8x7b --latency
