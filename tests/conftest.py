@@ -17,12 +17,17 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 if TYPE_CHECKING:
     from attnserve import LLM
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Hypothesis without a clock: no per-example deadline, no health check that times generation.
+settings.register_profile("no-clock", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("no-clock")
 
 # Only a hang takes this long: no test waits on a clock, this bound just turns a hang into a
 # failure. (The slowest wait here, under a loaded two-core machine, is a few seconds.)
