@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -58,21 +58,26 @@ TINY_LLAMA = {
 }
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An HF LlamaForCausalLM with random weights (std large enough for varied argmaxes)."""
+def _save_random_llama(factory: pytest.TempPathFactory, name: str, config: dict[str, Any]) -> Path:
+    """An HF LlamaForCausalLM of `config` with random weights (std large enough for varied
+    argmaxes), saved as safetensors in a fresh directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**TINY_LLAMA)
-    model = LlamaForCausalLM(config).float().eval()
+    model = LlamaForCausalLM(LlamaConfig(**config)).float().eval()
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0, 0.2)
-    path = tmp_path_factory.mktemp("tiny_llama")
+    path = factory.mktemp(name)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny HF LlamaForCausalLM with random weights."""
+    return _save_random_llama(tmp_path_factory, "tiny_llama", TINY_LLAMA)
 
 
 HEAD64_LLAMA = {**TINY_LLAMA, "hidden_size": 128, "intermediate_size": 256, "head_dim": 64,
@@ -82,17 +87,7 @@ HEAD64_LLAMA = {**TINY_LLAMA, "hidden_size": 128, "intermediate_size": 256, "hea
 @pytest.fixture(scope="session")
 def head64_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`tiny_llama_dir`'s kind of model with heads of 64 (the TRITON backend's smallest)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**HEAD64_LLAMA)).float().eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0, 0.2)
-    path = tmp_path_factory.mktemp("head64_llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return _save_random_llama(tmp_path_factory, "head64_llama", HEAD64_LLAMA)
 
 
 @pytest.fixture(scope="session")
