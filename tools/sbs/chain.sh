@@ -29,7 +29,7 @@ R=${OUT:-/tmp}/sbs
 mkdir -p "$R" /tmp/wl
 A_PATH="$PWD/src"
 V_PATH="/tmp/site_v:/tmp/site_common"
-QWEN_PRESSURE="--max-model-len 4096 --kv-cache-memory-bytes 3.2e9"  # a tenth of what 256 need
+QWEN_PRESSURE="--max-model-len 4096 --kv-cache-memory-bytes 3200000000"  # a tenth of what 256 need
 
 drive() {  # drive LIMIT NAME ENGINE PRESET [ARGS...]
     local limit=$1 name=$2 engine=$3 s=$SECONDS path=$A_PATH

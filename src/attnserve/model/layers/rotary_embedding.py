@@ -3,7 +3,9 @@
 The cos/sin table for every position up to `max_position` is built once, in float32, on the
 module's device; a forward gathers the rows of the batch's positions. On CUDA (with Triton) a
 forward is one fused Triton kernel for q and k (`fused_ops.rotary_embedding`), the same math;
-on the CPU in float32, one native call (`cpu_ops.rotary_embedding`).
+on the CPU in float32, one native call (`cpu_ops.rotary_embedding`). `forward_qkv` readies an
+attention layer's whole q, k, v: Qwen3's per-head q/k norm, the rotation and the copy of v in
+one launch on CUDA (`fused_ops.qkv_rotary_embedding`).
 """
 
 from __future__ import annotations
