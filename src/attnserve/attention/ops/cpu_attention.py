@@ -27,7 +27,7 @@ def cpu_attention_library() -> ctypes.CDLL | None:
         pointer, pointer, pointer, pointer,  # slot_mapping, token_seq, token_pos, block_table
         size, size, size, size, size, size,  # table width, block size, T, H, Hkv, D
         real, size, real, pointer,  # scale, window, soft-cap, ALiBi slopes
-        pointer,  # out
+        pointer, ctypes.c_int,  # out, threads
     ]  # fmt: skip
     return library
 
@@ -55,7 +55,8 @@ def cpu_paged_attention(
 ) -> torch.Tensor:
     """One layer's attention (see the C source). `tables`: slot_mapping, token_seq, token_pos
     [T] and block_table [B, W], contiguous int64; `shape`: heads, KV heads, head size;
-    kv_cache [2, blocks, block size, Hkv, D] float32. Returns [T, H*D]."""
+    kv_cache [2, blocks, block size, Hkv, D] float32. Returns [T, H*D], computed on torch's
+    thread count."""
     library = cpu_attention_library()
     if library is None:
         raise RuntimeError("the native CPU attention kernel is not available here")
@@ -71,7 +72,7 @@ def cpu_paged_attention(
         slot_mapping.data_ptr(), token_seq.data_ptr(), token_pos.data_ptr(),
         block_table.data_ptr(), block_table.shape[1], kv_cache.shape[2], q.shape[0],
         heads, kv_heads, head_size, scale, window or 0, soft_cap or 0.0,
-        None if alibi is None else alibi.data_ptr(), out.data_ptr(),
+        None if alibi is None else alibi.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("cpu_paged_attention: out of memory for the score buffers")
