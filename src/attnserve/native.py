@@ -5,10 +5,11 @@ A library is built into `<cache>/kernels/` ($ATTNSERVE_CACHE_DIR or ~/.cache/att
 its source, flags and compiler, written whole or not at all (a staging file renamed into place).
 The kernels use AVX2/FMA/F16C. They share one thread pool (`native_pool.c`, a library of its own
 that every kernel library is linked against, so one set of workers serves them all); a kernel
-takes its thread count as an argument (callers pass `torch.get_num_threads()`). OpenMP is still
-on (-fopenmp) for `omp simd` and the small ops' row loops, which run on torch's own OpenMP
-runtime. Where they cannot run (torch's CPU capability below AVX2, no compiler, a failed build),
-`load_native` returns None, logging why once, and the callers take their torch path.
+takes its thread count as an argument (callers pass `torch.get_num_threads()`). Only OpenMP's
+`simd` pragmas are on (-fopenmp-simd: no OpenMP runtime). The shared headers (`native_*.h`: the
+pool's, vector math) are part of every library's key. Where they cannot run (torch's CPU
+capability below AVX2, no compiler, a failed build), `load_native` returns None, logging why
+once, and the callers take their torch path.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV = "ATTNSERVE_CACHE_DIR"
 POOL_SOURCE = Path(__file__).with_name("native_pool.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+HEADERS = tuple(POOL_SOURCE.with_name(name) for name in ("native_pool.h", "native_math.h"))
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp-simd", "-shared", "-fPIC")
 _CAPABLE = ("AVX2", "AVX512")
 
 
@@ -65,8 +67,8 @@ def _built(source: Path, compiler: str, libraries: tuple[str, ...]) -> Path:
     """The shared library in the cache, compiled first if it is not there yet; linked against
     `libraries` (paths of built ones: their names hold their sources' digests)."""
     include = ("-I", str(POOL_SOURCE.parent))
-    header = POOL_SOURCE.with_suffix(".h").read_bytes()
-    key = source.read_bytes() + header + " ".join((compiler, *FLAGS, *libraries)).encode()
+    headers = b"".join(header.read_bytes() for header in HEADERS)
+    key = source.read_bytes() + headers + " ".join((compiler, *FLAGS, *libraries)).encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{source.stem}-{digest}.so"
     if target.is_file():

@@ -7,8 +7,8 @@
  * p % B), so nothing is gathered; the query heads sharing a KV head (h / (H / Hkv)) are done
  * together, up to four at a time in AVX2 registers, so each key and value is loaded once for
  * them. The (token, KV head) pairs are chunks of work for `threads` threads of the shared pool
- * (native_pool.h), each with its own score buffer. exp is a polynomial (see exp8), within
- * 2 ulp of expf.
+ * (native_pool.h), each with its own score buffer; a token's KV heads are one chunk, so its
+ * cache rows are read while they are in cache. exp is native_math.h's polynomial (2 ulp).
  *
  * Caches: [slots, Hkv, D] floats each. q, k, v: rows of H*D / Hkv*D floats, `*_stride` floats
  * apart (splits of a fused qkv row). out: [T, H*D], contiguous.
@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_math.h"
 #include "native_pool.h"
 
 #define HEADS_AT_ONCE 4
@@ -53,26 +54,6 @@ static inline float hsum(__m256 v) {
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     x = _mm_add_ss(x, _mm_movehdup_ps(x));
     return _mm_cvtss_f32(x);
-}
-
-/* e^x for eight lanes: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts)
- * and a degree-6 polynomial for e^r on |r| <= ln 2 / 2; x clamped to the float range. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                            _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 /* The cache slots of key positions first..first+keys-1 of a sequence (its block table row),
@@ -243,6 +224,6 @@ int cpu_paged_attention(const float *q, int64_t q_stride, const float *k, int64_
               num_heads, num_kv_heads, head_size, scale, soft_cap, window, alibi, out,
               longest, 0};
     write_new_tokens(&s);
-    pool_run(threads, num_tokens * num_kv_heads, 1, attend_pairs, &s);
+    pool_run(threads, num_tokens * num_kv_heads, num_kv_heads, attend_pairs, &s);
     return atomic_load(&s.failed) ? -1 : 0;
 }

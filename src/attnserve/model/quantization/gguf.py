@@ -59,17 +59,16 @@ class PackedSegment:
     @staticmethod
     def _through_blas(native: NativeWeight, x: torch.Tensor) -> torch.Tensor:
         """Chunks of weight rows dequantized into one reused buffer, each multiplied by the
-        BLAS into its columns of the output (contiguous [M, rows], as the next op wants it)."""
+        BLAS into its columns of the output (contiguous [M, rows], as the next op wants it;
+        the BLAS writes a column slice in place)."""
         rows, cols = native.rows, native.cols
         step = max(1, CHUNK_FLOATS // cols)
-        if step >= rows:
-            return torch.mm(x, native.dequantize().t())
-        chunk = torch.empty(step, cols, dtype=torch.float32)
-        parts = [
-            torch.mm(x, native.dequantize_into(start, chunk[: min(step, rows - start)]).t())
-            for start in range(0, rows, step)
-        ]
-        return torch.cat(parts, dim=1)
+        out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+        chunk = torch.empty(min(step, rows), cols, dtype=torch.float32)
+        for start in range(0, rows, step):
+            dense = native.dequantize_into(start, chunk[: min(step, rows - start)])
+            torch.mm(x, dense.t(), out=out[:, start : start + len(dense)])
+        return out
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows `ids` (a vocabulary lookup)."""
