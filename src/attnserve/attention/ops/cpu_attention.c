@@ -68,16 +68,27 @@ static void key_slots(const int64_t *table, int64_t block_size, int64_t first, i
 }
 
 #define INLINE static inline __attribute__((always_inline))
+#define AHEAD 8 /* keys ahead whose K and V rows are prefetched */
+
+/* Asks for the cache lines of `floats` floats at `row` (a key's K or V of one KV head). */
+INLINE void prefetch_row(const float *row, int64_t floats) {
+    for (int64_t f = 0; f < floats; f += 16) _mm_prefetch((const char *)(row + f), _MM_HINT_T0);
+}
 
 /* scores[j][i] = scale * q_j . k_i (key i at slots[i]) for `heads` (<= 4, a constant where
  * it is inlined: the accumulators stay in registers) query heads q_j, D apart; two
- * accumulators a head, 16 floats a step. */
+ * accumulators a head, 16 floats a step. The K and V rows AHEAD keys on are prefetched (the
+ * rows of a decode step's many sequences come from memory). */
 INLINE void head_scores(const int64_t *slots, int64_t slot_width, const float *k_cache,
-                        const float *q, const int heads, int64_t D, int64_t keys, float scale,
-                        float *scores, int64_t score_stride) {
+                        const float *v_cache, const float *q, const int heads, int64_t D,
+                        int64_t keys, float scale, float *scores, int64_t score_stride) {
     const int64_t pair_end = D / 16 * 16, vector_end = D / 8 * 8;
     for (int64_t i = 0; i < keys; i++) {
         const float *k = k_cache + slots[i] * slot_width;
+        if (i + AHEAD < keys) {
+            prefetch_row(k_cache + slots[i + AHEAD] * slot_width, D);
+            prefetch_row(v_cache + slots[i + AHEAD] * slot_width, D);
+        }
         __m256 acc[HEADS_AT_ONCE][2];
         for (int j = 0; j < heads; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
         int64_t d = 0;
@@ -164,8 +175,8 @@ INLINE void attend_heads(const Step *s, int64_t t, int64_t h0, const int heads,
                          const int64_t *slots, int64_t first, int64_t keys, float *scores) {
     const int64_t D = s->head_size, slot_width = s->num_kv_heads * D;
     const int64_t kv_offset = h0 / (s->num_heads / s->num_kv_heads) * D;
-    head_scores(slots, slot_width, s->k_cache + kv_offset, s->q + t * s->q_stride + h0 * D,
-                heads, D, keys, s->scale, scores, keys);
+    head_scores(slots, slot_width, s->k_cache + kv_offset, s->v_cache + kv_offset,
+                s->q + t * s->q_stride + h0 * D, heads, D, keys, s->scale, scores, keys);
     for (int j = 0; j < heads; j++)
         softmax_row(scores + j * keys, keys, s->soft_cap,
                     s->alibi != NULL ? s->alibi[h0 + j] : 0.0f, s->alibi != NULL,
