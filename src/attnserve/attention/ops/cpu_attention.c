@@ -235,6 +235,8 @@ int cpu_paged_attention(const float *q, int64_t q_stride, const float *k, int64_
               num_heads, num_kv_heads, head_size, scale, soft_cap, window, alibi, out,
               longest, 0};
     write_new_tokens(&s);
-    pool_run(threads, num_tokens * num_kv_heads, num_kv_heads, attend_pairs, &s);
+    /* a token's KV heads together where there are tokens enough for every thread */
+    const int64_t chunk = num_tokens >= 4 * (int64_t)threads ? num_kv_heads : 1;
+    pool_run(threads, num_tokens * num_kv_heads, chunk, attend_pairs, &s);
     return atomic_load(&s.failed) ? -1 : 0;
 }

@@ -161,7 +161,8 @@ def _add_to_runs(runs: list[list[Part]], part: Part) -> None:
 def segments_mm(segments: list[Segment], x: torch.Tensor) -> torch.Tensor:
     """x [M, K] times the segments' rows transposed, in x's dtype [M, rows]."""
     if len(segments) == 1:
-        return segments[0].mm(x).to(x.dtype)
+        out = segments[0].mm(x)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
     return torch.cat([s.mm(x).to(x.dtype) for s in segments], dim=-1)
 
 
