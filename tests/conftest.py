@@ -65,6 +65,26 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+HEAD64_LLAMA = {**TINY_LLAMA, "hidden_size": 128, "intermediate_size": 256, "head_dim": 64,
+                "num_attention_heads": 2, "num_key_value_heads": 1}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def head64_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_llama_dir`'s kind of model with heads of 64 (the TRITON backend's smallest)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**HEAD64_LLAMA)).float().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.2)
+    path = tmp_path_factory.mktemp("head64_llama")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF transformers' own greedy continuation of `prompt` (no EOS stop)."""
     from transformers import AutoModelForCausalLM

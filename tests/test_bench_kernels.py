@@ -4,6 +4,7 @@ timings themselves are not asserted)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -55,6 +56,20 @@ def test_prefill_sweep_checks_every_key_source_against_sdpa() -> None:
     assert all(row.max_err is not None and row.max_err < 1e-3 for row in rows)
     assert rows[0].vs_baseline == 1.0
     assert [row.default for row in rows] == [False, True, False, False]
+
+
+def test_fp8_sweeps_check_against_the_stored_values_and_count_fp8_bytes() -> None:
+    torch.manual_seed(0)
+    setup = dataclasses.replace(TINY, kv_cache_dtype="fp8")
+    shape = (2, 40, 4, 2)
+    decode = sweep_decode(shape, [1], [TILE], 1.0, setup, deadline=math.inf)
+    prefill = sweep_prefill(shape, [("cache", TILE), ("pointers", TILE)], setup, math.inf)
+    assert [row.status for row in decode + prefill] == ["ok"] * len(decode + prefill)
+    assert all(row.max_err is not None and row.max_err < 1e-3 for row in decode + prefill)
+    kv_bytes = 2 * 2 * 40 * 2 * 32  # K and V, batch, tokens, KV heads, head size: one byte each
+    for row in decode:
+        assert row.rate is not None and row.median_us is not None
+        assert row.rate * row.median_us * 1e6 == pytest.approx(kv_bytes)
 
 
 def test_runs_past_the_deadline_are_skipped_not_timed() -> None:

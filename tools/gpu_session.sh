@@ -12,6 +12,13 @@
 #   kernels      `attnserve bench kernels` (every backend that fits)
 #   throughput   `attnserve bench throughput`, the standard offline workload on Qwen3-0.6B's
 #                shape (dummy weights, 256 requests, 100..1024 tokens in and out)
+#   fp8kv        the fp8 KV cache against the bf16 one (issue 22): the fp8 GPU tests (TRITON's fp8
+#                conformance cases, the Triton kernel tests, scale calibration, kv-quality), bench
+#                kernels --backends TRITON for both caches, the standard throughput workload for
+#                both, the same under KV pressure (FP8KV_PRESSURE_BYTES, default 3.3e9: a tenth of
+#                the ~33 GB the workload's bf16 K/V take), and bench kv-quality on Qwen3-0.6B;
+#                JSON: throughput_{auto,fp8}, pressure_{auto,fp8}, kv_quality (steps limited to
+#                545 s in all, FP8KV_TIMEOUT 540 s: run it alone, `bash tools/gpu_session.sh fp8kv`)
 #   serve        `attnserve bench serve --launch` on Qwen3-0.6B's shape: a burst of 400 streamed
 #                requests (512 in, 128 out) against the server (engine core in its own process),
 #                then LLM.generate of the same requests, and their ratio (needs the fastapi,
@@ -39,7 +46,7 @@
 #                        (default 80 s)
 set -uo pipefail
 
-OUT="${OUT:-/tmp/gpu_session_out}"
+export OUT="${OUT:-/tmp/gpu_session_out}"  # the fp8kv phase writes under it
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
@@ -88,14 +95,46 @@ conformance() {
         "${workers[@]}" "${tests[@]}"
 }
 
-export -f env_report conformance
+fp8kv() {  # each step under its own limit; the phase fails if any step does
+    local rc=0 dtype workload=(--model qwen3-0.6b --load-format dummy --num-prompts 256
+        --min-len 100 --max-len 1024)
+    local pressure=${FP8KV_PRESSURE_BYTES:-3300000000}
+    run_step() {  # run_step SECONDS COMMAND...
+        local limit=$1 start=$SECONDS
+        shift
+        echo "-- $*"
+        timeout "$limit" "$@" || { echo "-- failed: rc=$?"; rc=1; }
+        echo "-- $((SECONDS - start)) s"
+    }
+    run_step 90 python3 -m pytest -o addopts= -q -p no:cacheprovider -p no:benchmark -rfE \
+        -n "${CONFORMANCE_WORKERS:-8}" -k 'fp8 or test_triton_ops or kv_calibration' \
+        tests/attention/test_conformance.py tests/attention/test_triton_ops.py \
+        tests/worker/test_kv_calibration.py tests/test_bench_kv_quality.py
+    for dtype in auto fp8; do
+        run_step 45 python3 -m attnserve.cli bench kernels --backends TRITON --kv-cache-dtype "$dtype"
+    done
+    for dtype in auto fp8; do
+        run_step 70 python3 -m attnserve.cli bench throughput "${workload[@]}" \
+            --kv-cache-dtype "$dtype" --json "$OUT/throughput_$dtype.json"
+    done
+    for dtype in auto fp8; do
+        run_step 90 python3 -m attnserve.cli bench throughput "${workload[@]}" \
+            --kv-cache-dtype "$dtype" --kv-cache-memory-bytes "$pressure" \
+            --json "$OUT/pressure_$dtype.json"
+    done
+    run_step 45 python3 -m attnserve.cli bench kv-quality --model qwen3-0.6b --load-format dummy \
+        --kv-cache-dtype fp8 --json "$OUT/kv_quality.json"
+    return "$rc"
+}
+
+export -f env_report conformance fp8kv
 
 phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(conformance gpu kernels throughput)
 for name in "${phases[@]}"; do
     case $name in
-        env | conformance | gpu | kernels | throughput | serve) ;;
-        *) echo "unknown phase $name (env, conformance, gpu, kernels, throughput, serve)" >&2 && exit 2 ;;
+        env | conformance | gpu | kernels | throughput | fp8kv | serve) ;;
+        *) echo "unknown phase $name (env, conformance, gpu, kernels, throughput, fp8kv, serve)" >&2 && exit 2 ;;
     esac
 done
 : >"$OUT/summary.txt"
@@ -118,6 +157,7 @@ for name in "${phases[@]}"; do
                 throughput --model qwen3-0.6b --load-format dummy --num-prompts 256 \
                 --min-len 100 --max-len 1024 --json "$OUT/throughput.json" ${THROUGHPUT_ARGS:-}
             ;;
+        fp8kv) phase fp8kv "${FP8KV_TIMEOUT:-540}" fp8kv ;;
         serve)
             # shellcheck disable=SC2086  # SERVE_ARGS is a list of words
             phase serve "${SERVE_TIMEOUT:-150}" python3 -m attnserve.cli bench serve \

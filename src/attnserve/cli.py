@@ -282,6 +282,10 @@ BENCHMARKS = {
         "attnserve.bench.quality",
         "a quantization's greedy tokens against a reference run",
     ),
+    "kv-quality": (
+        "attnserve.bench.kv_quality",
+        "a KV-cache dtype's logits against another's (fp8 against auto) on the same weights",
+    ),
     "llamacpp": ("attnserve.bench.llamacpp", "single-stream chat decode against llama.cpp (CPU)"),
 }
 

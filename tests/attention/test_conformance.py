@@ -55,6 +55,15 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
+# fp8 caches (per-KV-head scales calibrated on the case's K/V) at FP8_TOLERANCE: a compute dtype
+# each, the features, block sizes 1..128, GQA groups 1..8.
+FP8_CASES = [
+    Case(2, 4, 128, 16, torch.bfloat16, kv_cache_dtype="fp8", seed=100),
+    Case(2, 1, 64, 32, torch.float32, kv_cache_dtype="fp8", seed=101, sliding_window=7),
+    Case(1, 8, 128, 1, torch.float16, kv_cache_dtype="fp8", seed=102, alibi=True),
+    Case(2, 2, 80, 128, torch.bfloat16, kv_cache_dtype="fp8", seed=103, soft_cap=5.0),
+    Case(2, 2, 64, 16, torch.float32, kv_cache_dtype="fp8", seed=104),
+]
 
 
 def _lengths(rng: random.Random, block_size: int, short: bool = False) -> list[tuple[int, int]]:
@@ -104,10 +113,12 @@ def _setup(
     rng = random.Random(case.seed)
     lengths = _lengths(rng, case.block_size, short=runs_interpreted(backend, device))
     seqs = make_sequences(case, lengths, rng)
-    return Runner(backend, case, num_cache_blocks(seqs), device), seqs
+    runner = Runner(backend, case, num_cache_blocks(seqs), device)
+    runner.calibrate(seqs)
+    return runner, seqs
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", CASES + FP8_CASES, ids=str)
 def test_mixed_batch_matches_dense_reference(
     backend_on_device: tuple[type[AttentionBackend], str], case: Case
 ) -> None:
@@ -117,7 +128,7 @@ def test_mixed_batch_matches_dense_reference(
     _check_mixed_step(runner, seqs)
 
 
-@pytest.mark.parametrize("case", CASES[::7], ids=str)
+@pytest.mark.parametrize("case", CASES[::7] + FP8_CASES[:1], ids=str)
 def test_swap_out_and_in_keeps_outputs(
     backend_on_device: tuple[type[AttentionBackend], str], case: Case
 ) -> None:
@@ -138,7 +149,7 @@ def test_swap_out_and_in_keeps_outputs(
     _check_mixed_step(runner, seqs)
 
 
-@pytest.mark.parametrize("case", CASES[3::7], ids=str)
+@pytest.mark.parametrize("case", CASES[3::7] + FP8_CASES[1:2], ids=str)
 def test_copy_blocks_keeps_outputs(
     backend_on_device: tuple[type[AttentionBackend], str], case: Case
 ) -> None:
@@ -190,7 +201,7 @@ def _storage(meta: object) -> dict[str, int]:
     return {name: value.data_ptr() for name, value in fields if isinstance(value, torch.Tensor)}
 
 
-@pytest.mark.parametrize("case", CASES[1::9], ids=str)
+@pytest.mark.parametrize("case", CASES[1::9] + FP8_CASES[4:], ids=str)
 def test_cuda_graph_metadata_decodes_match_reference(
     backend_on_device: tuple[type[AttentionBackend], str], case: Case
 ) -> None:

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from attnserve.attention import get_backend_cls
+from attnserve.attention import KVCacheScales, get_backend_cls
 from tests.attention.harness import TOLERANCE, Case, Sequence, reference
 from tests.attention.test_conformance import _setup
 
@@ -74,7 +74,7 @@ def test_split_kv_decode_matches_reference(num_splits: int, window: int | None) 
     torch.testing.assert_close(out.cpu(), want, atol=2e-5, rtol=2e-5)
 
 
-def test_fp8_cache_write_scales_saturates_and_skips_padding() -> None:
+def test_fp8_cache_write_scales_each_head_saturates_and_skips_padding() -> None:
     kv_heads, head_size, block_size = 2, 64, 16
     cache = torch.zeros(4, 2, kv_heads, block_size, head_size, dtype=torch.float8_e4m3fn)
     cache = cache.to(DEVICE)
@@ -82,12 +82,12 @@ def test_fp8_cache_write_scales_saturates_and_skips_padding() -> None:
     key[0, 0, 0] = 5000.0  # beyond e4m3's range once scaled: saturates at 448
     value = torch.randn(3, kv_heads, head_size)
     slots = torch.tensor([5, -1, 3 * block_size + 7])
-    reshape_and_cache(
-        key.to(DEVICE), value.to(DEVICE), cache, slots.to(DEVICE), k_scale=2.0, v_scale=0.5
-    )
+    scales = torch.tensor([[2.0, 4.0], [0.5, 0.25]], device=DEVICE)  # [K/V, head]
+    reshape_and_cache(key.to(DEVICE), value.to(DEVICE), cache, slots.to(DEVICE), scales)
     got = cache.cpu().float()
-    want_k = (key / 2.0).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-    want_v = (value / 0.5).to(torch.float8_e4m3fn).float()
+    head_scales = scales.cpu()[:, None, :, None]  # [K/V, token, head, dim]
+    want_k = (key / head_scales[0]).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    want_v = (value / head_scales[1]).to(torch.float8_e4m3fn).float()
     for token, slot in ((0, 5), (2, 3 * block_size + 7)):
         block, offset = divmod(slot, block_size)
         assert torch.equal(got[block, 0, :, offset], want_k[token])
@@ -107,14 +107,19 @@ def test_fp8_cache_write_scales_saturates_and_skips_padding() -> None:
              sliding_window=7, seed=4),
         Case(num_kv_heads=2, group=1, head_size=128, block_size=64, dtype=torch.float16,
              kv_cache_dtype="fp8", alibi=True, soft_cap=10.0, seed=5),
+        Case(num_kv_heads=2, group=4, head_size=128, block_size=16, dtype=torch.float32,
+             kv_cache_dtype="fp8", seed=6),
     ],
     ids=str,
 )  # fmt: skip
 def test_backend_cases_beyond_the_shared_grid(case: Case) -> None:
-    """Two steps (context prefill, then mixed) against the dense reference; an fp8 cache is
-    checked at the compute dtype's tolerance against K/V rounded to e4m3 the way torch does."""
+    """Two steps (context prefill, then mixed) against the dense reference. An fp8 cache is
+    checked at the compute dtype's tolerance against K/V stored as the kernels store them:
+    divided by the layer's calibrated per-head scales, rounded to e4m3 the way torch does, times
+    the scales; a prefill of plain attention reads its own new K/V from the step, unrounded."""
     runner, seqs = _setup(BACKEND, case, DEVICE)
-    refs = [_rounded_to_cache_dtype(s, case.kv_cache_dtype) for s in seqs]
+    scales = runner.layer.kv_scales
+    assert scales is None or not torch.all(scales.scales == 1.0)
     tol = TOLERANCE[case.dtype]
     cached = [i for i, s in enumerate(seqs) if s.context_len > 0]
     steps = [
@@ -125,13 +130,31 @@ def test_backend_cases_beyond_the_shared_grid(case: Case) -> None:
         spans = [span(seqs[i]) for i in members]
         got = runner.step([seqs[i] for i in members], spans)
         want = torch.cat(
-            [reference(case, refs[i], *ab) for i, ab in zip(members, spans, strict=True)]
+            [
+                reference(case, _as_stored(seqs[i], case, scales, *ab), *ab)
+                for i, ab in zip(members, spans, strict=True)
+            ]
         )
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
-def _rounded_to_cache_dtype(seq: Sequence, kv_cache_dtype: str) -> Sequence:
-    if kv_cache_dtype != "fp8":
+def _as_stored(
+    seq: Sequence, case: Case, scales: KVCacheScales | None, start: int, end: int
+) -> Sequence:
+    """`seq` as a step over tokens [start, end) sees it through an fp8 cache: every key and
+    value rounded, but a prefill's own (from `start` on) where the kernel reads them from the
+    step (plain attention, a power-of-two head size)."""
+    if scales is None:
         return seq
-    k, v = (x.to(torch.float8_e4m3fn).float() for x in (seq.k, seq.v))
-    return dataclasses.replace(seq, k=k, v=v)
+    plain = case.sliding_window is None and not case.alibi and case.soft_cap is None
+    prefill = end - start > 1 or start == 0
+    fresh_from = start if prefill and plain and case.head_size & (case.head_size - 1) == 0 else end
+
+    def stored(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        per_head = scale.cpu()[None, :, None]
+        rounded = (x / per_head).to(torch.float8_e4m3fn).float() * per_head
+        return torch.cat([rounded[:fresh_from], x[fresh_from:]])
+
+    return dataclasses.replace(
+        seq, k=stored(seq.k, scales.k_scale), v=stored(seq.v, scales.v_scale)
+    )

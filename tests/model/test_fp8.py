@@ -214,3 +214,21 @@ def test_replicated_layers_stay_unquantized() -> None:
     assert isinstance(router.quant_method, UnquantizedLinearMethod)
     assert router.weight.dtype == torch.float32
     assert projection.weight.dtype == FP8
+
+
+@pytest.mark.parametrize(("m", "k"), [(1, 64), (5, 1000)])
+def test_one_launch_activation_quantization_under_the_interpreter(m: int, k: int) -> None:
+    """The CUDA kernel's rows, masks and scales (exact) against the torch path; its E4M3 cast is
+    the hardware's on the GPU (tests/gpu/test_fp8.py checks every value bit for bit), the
+    interpreter's here, which rounds some values wrongly: only zeros and signs are compared."""
+    pytest.importorskip("triton")
+    from attnserve.model.quantization import fp8_quant
+
+    x = (3 * torch.randn(m, k, generator=torch.Generator().manual_seed(k))).bfloat16()
+    x[0, :7] = 0.0
+    got, got_scale = fp8_quant.quantize_rows(x)
+    expected, scale = quantize_rows(x.cpu())
+    assert got.dtype == FP8 and got.shape == (m, k)
+    assert torch.equal(got_scale, scale)
+    assert torch.equal(torch.sign(got.float()), torch.sign(expected.float()))
+    assert bool((got.float()[0, :7] == 0).all())

@@ -124,6 +124,28 @@ def test_rotary_embedding_matches_torch_and_formula(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("normed", [False, True], ids=["rope", "qk-norm-rope"])
+def test_qkv_rotary_embedding_matches_the_separate_layers(dtype: torch.dtype, normed: bool) -> None:
+    """One launch for q/k norm, rope and the copy of v, against the layers run one by one on a
+    strided split of one qkv row (as the attention layer hands them over)."""
+    rope, positions, _, _ = _rope(dtype)
+    qkv = 3 * _rand(T, (Q_HEADS + 2 * KV_HEADS) * HEAD, dtype=dtype, seed=4)
+    q, k, v = qkv.split([Q_HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], -1)
+    norms = (_norm(HEAD, dtype), _norm(HEAD, dtype)) if normed else None
+    weights = None if norms is None else (norms[0].weight, norms[1].weight)
+    got = ops.qkv_rotary_embedding(positions, (q, k, v), rope.cos_sin_cache, HEAD, weights, EPS)
+    if norms is not None:
+        q, k = (
+            n._norm(x.reshape(T, -1, HEAD)).flatten(1) for n, x in zip(norms, (q, k), strict=True)
+        )
+    expected = (*rope(positions, q, k), v)
+    for out, ref in zip(got, expected, strict=True):
+        assert out.dtype == dtype and out.shape == ref.shape and out.is_contiguous()
+        torch.testing.assert_close(out, ref, **TOL[dtype])
+    torch.testing.assert_close(got[2], v, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("inter", [40, 1500], ids=["one-block", "two-blocks"])
 def test_silu_and_mul_matches_torch_and_formula(dtype: torch.dtype, inter: int) -> None:
     x = 2 * _rand(T, 2 * inter, dtype=dtype, seed=5)
@@ -163,7 +185,13 @@ def triton_layers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
         return call
 
-    for name in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"):
+    for name in (
+        "rms_norm",
+        "fused_add_rms_norm",
+        "rotary_embedding",
+        "qkv_rotary_embedding",
+        "silu_and_mul",
+    ):
         monkeypatch.setattr(ops, name, spy(name, getattr(ops, name)))
     return calls
 
@@ -206,6 +234,6 @@ def test_qwen3_through_triton_matches_hf(triton_layers: list[str], tmp_path: Pat
     assert set(triton_layers) == {
         "rms_norm",
         "fused_add_rms_norm",
-        "rotary_embedding",
+        "qkv_rotary_embedding",
         "silu_and_mul",
     }

@@ -3,6 +3,8 @@ parts; capture and replay run in tests/gpu/test_hf_parity.py on the GPU)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -16,6 +18,15 @@ from attnserve.worker.cuda_graph import capture_sizes
 )
 def test_capture_sizes_cover_every_batch(max_num_seqs: int, sizes: list[int]) -> None:
     assert capture_sizes(max_num_seqs) == sizes
+
+
+def test_capture_sizes_thin_out_above_256() -> None:
+    sizes = capture_sizes(1000)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 1000
+    assert sizes[sizes.index(248) : sizes.index(256) + 3] == [248, 256, 272, 288]
+    assert sizes[sizes.index(480) : sizes.index(512) + 3] == [480, 496, 512, 544, 576]
+    steps = [(b - a) / b for a, b in itertools.pairwise(sizes) if a >= 128]
+    assert max(steps) < 0.07  # above 128 a step's padding to its bucket stays under 7%
 
 
 def test_padded_decode_layout_puts_padding_nowhere() -> None:

@@ -17,12 +17,14 @@ from attnserve.attention.forward_context import (
     metadata_builders,
     set_forward_context,
 )
+from attnserve.attention.kv_scales import KVCacheScales
 from attnserve.attention.layer import (
     Attention,
     attention_layers,
     attention_specs,
     bind_attention_backend,
     bind_kv_caches,
+    calibrating_kv_scales,
 )
 from attnserve.attention.registry import backend_names, get_backend_cls, register_backend
 from attnserve.attention.selector import get_attn_backend, get_model_attn_backend
@@ -36,6 +38,7 @@ __all__ = [
     "AttentionSpec",
     "BackendCapabilities",
     "Builders",
+    "KVCacheScales",
     "StepLayout",
     "StepMetadata",
     "attention_layers",
@@ -46,6 +49,7 @@ __all__ = [
     "build_graph_metadata",
     "build_metadata",
     "build_step_layout",
+    "calibrating_kv_scales",
     "get_attn_backend",
     "get_backend_cls",
     "get_model_attn_backend",

@@ -6,10 +6,14 @@ The model runner collects the model's specs (`attention_specs`), selects one bac
 and binds it (`bind_attention_backend`), which checks that the backend serves each layer's spec
 and builds that backend's operator; a layer built on its own may be handed a backend instead.
 At forward time the layer passes the operator its bound KV cache and its spec's metadata from
-the forward context.
+the forward context. A layer with an fp8 cache owns its cache's scales (`KVCacheScales`, on the
+device it is built on), hands them to its operator, and while they calibrate
+(`calibrating_kv_scales`) observes the keys and values it passes on.
 """
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -21,6 +25,7 @@ from attnserve.attention.backends.abstract import (
     AttentionSpec,
 )
 from attnserve.attention.forward_context import get_attn_metadata
+from attnserve.attention.kv_scales import KVCacheScales, calibrating
 from attnserve.profiling import ATTENTION_RANGE
 
 
@@ -56,6 +61,11 @@ class Attention(nn.Module):
         self.backend: type[AttentionBackend] | None = None
         self.impl: AttentionImpl[AttentionMetadata] | None = None
         self.kv_cache = torch.empty(0)
+        self.kv_scales = (
+            KVCacheScales(self.spec.num_kv_heads, torch.get_default_device())
+            if kv_cache_dtype == "fp8"
+            else None
+        )
         if backend is not None:
             self.bind_backend(backend)
 
@@ -78,6 +88,7 @@ class Attention(nn.Module):
             sliding_window=spec.sliding_window,
             logits_soft_cap=spec.logits_soft_cap,
             kv_cache_dtype=spec.kv_cache_dtype,
+            kv_scales=self.kv_scales,
         )
 
     def forward(
@@ -92,6 +103,8 @@ class Attention(nn.Module):
         if self.kv_cache.numel() == 0:
             raise RuntimeError("no KV cache bound to this attention layer (bind_kv_caches)")
         metadata = attn_metadata if attn_metadata is not None else get_attn_metadata(self.spec)
+        if self.kv_scales is not None and self.kv_scales.calibrating:
+            self.kv_scales.observe(key, value)
         with torch.profiler.record_function(ATTENTION_RANGE):
             return self.impl.forward(query, key, value, self.kv_cache, metadata)
 
@@ -110,6 +123,13 @@ def bind_attention_backend(model: nn.Module, backend: type[AttentionBackend]) ->
     """Bind `backend` to every attention layer of `model` (ValueError if it cannot serve one)."""
     for layer in attention_layers(model):
         layer.bind_backend(backend)
+
+
+def calibrating_kv_scales(model: nn.Module) -> AbstractContextManager[None]:
+    """Inside, every fp8-cache layer of `model` widens its scales to the keys and values it
+    writes (`KVCacheScales.observe`); layers of other caches are untouched."""
+    layers = attention_layers(model)
+    return calibrating(layer.kv_scales for layer in layers if layer.kv_scales is not None)
 
 
 def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:

@@ -9,8 +9,8 @@ reason and not timed. Timing is kernels.py's (`median_us`); decode runs are repl
 graph of the call, as the engine runs decode, prefill runs are eager.
 
 - decode: at the split count the kernel plans for the shape, every tile of DECODE_TILES; at the
-  default tile, every split count asked for. TB/s of KV read, and the fraction of the copy
-  bandwidth.
+  default tile, every split count asked for. TB/s of KV read (in the cache's bytes: an fp8
+  cache's are half of bf16's), and the fraction of the copy bandwidth.
 - prefill (prompts only, no cached context): SDPA on contiguous tensors, the kernel's own
   choice, then each (source of the new tokens' keys, tile) of PREFILL_GRID. TFLOP/s counting
   the causal half, and the fraction of SDPA.
@@ -69,6 +69,7 @@ class Setup:
     block_size: int = BLOCK_SIZE
     dtype: torch.dtype = DTYPE
     device: str = DEVICE
+    kv_cache_dtype: str = "auto"  # "fp8": the cache holds e4m3 bytes (unit scales)
     atol: float = 0.05  # largest abs error against fp32 attention for a run to be timed
     calls: int = 10  # `median_us`'s calls per timed batch, and batches
     repeats: int = 10
@@ -95,11 +96,14 @@ def paged_cache(
     batch: int, length: int, kv_heads: int, setup: Setup
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random K/V of `length` tokens per sequence in the kernels' layout [blocks, 2 (K, V),
-    KV heads, block size, head size], on shuffled pages, and the block table [B, pages]."""
+    KV heads, block size, head size] (rounded to e4m3 for an fp8 cache), on shuffled pages, and
+    the block table [B, pages]."""
     pages = -(-length // setup.block_size)
     table = torch.randperm(batch * pages, device=setup.device).view(batch, pages)
     shape = (batch * pages, 2, kv_heads, setup.block_size, setup.head_size)
     cache = torch.randn(shape, device=setup.device, dtype=setup.dtype)
+    if setup.kv_cache_dtype == "fp8":
+        cache = cache.to(torch.float8_e4m3fn)
     return cache, table.to(torch.int32)
 
 
@@ -201,7 +205,7 @@ def sweep_prefill(
     batch, length, heads, kv_heads = shape
     tokens, dim = batch * length, setup.head_size
     cache, table = paged_cache(batch, length, kv_heads, setup)
-    dense = dense_kv(cache, table, length)
+    dense = dense_kv(cache, table, length).to(setup.dtype)
     key, value = dense.permute(1, 0, 3, 2, 4).reshape(2, tokens, kv_heads, dim).unbind(0)
     key, value = key.contiguous(), value.contiguous()  # the new tokens' K/V, also in the cache
     q = torch.randn(tokens, heads, dim, device=setup.device, dtype=setup.dtype)

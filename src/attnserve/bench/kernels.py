@@ -2,13 +2,15 @@
 the GPU, through the backend API alone, beside the card's copy bandwidth and torch's own
 `scaled_dot_product_attention` on contiguous tensors, measured in the same run.
 
-Each backend is driven the same way: `get_kv_cache_shape` for its cache (random bf16, pages
-shuffled over the pool), its metadata built once, then `impl.forward` timed with CUDA events
+Each backend is driven the same way: `get_kv_cache_shape` for its cache (random bf16, or with
+`--kv-cache-dtype fp8` random values rounded to e4m3 at unit scales; pages shuffled over the
+pool), its metadata built once, then `impl.forward` timed with CUDA events
 after a warm-up (which also absorbs any just-in-time compilation). Decode runs as the engine runs
 it: replays of a CUDA graph of the call, for SDPA and for backends that capture graphs (metadata
 from `build_for_cuda_graph`), so the timing is the kernels' and not the host's launch work;
 prefill (eager in the engine) runs eagerly. Decode is reported in TB/s of KV
-read (K and V of every context token, once) and as a fraction of a device-to-device copy;
+read (K and V of every context token, once, in the cache's own bytes: half of bf16's for fp8;
+SDPA's contiguous bf16 K/V stay bf16) and as a fraction of a device-to-device copy;
 prefill in TFLOP/s counting the causal half (2·B·H·L²·D) and as a fraction of SDPA.
 
 `--sweep decode,prefill` times tiles and decode split counts of attnserve's own Triton kernels
@@ -50,6 +52,7 @@ from attnserve.bench.kernel_common import (
     copy_bandwidth_tbs,
     median_us,
 )
+from attnserve.config import KV_CACHE_DTYPES
 
 SWEEPS = ("decode", "prefill")  # what `--sweep` can ask for (bench/kernel_sweep.py)
 DEFAULT_SPLITS = (1, 2, 4, 8, 16)
@@ -66,12 +69,15 @@ class Row:
     error: str | None = None
 
 
-def _spec(num_heads: int = 32, num_kv_heads: int = 8) -> AttentionSpec:
+def _spec(
+    num_heads: int = 32, num_kv_heads: int = 8, kv_cache_dtype: str = "auto"
+) -> AttentionSpec:
     return AttentionSpec(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_size=HEAD_SIZE,
         dtype=DTYPE,
+        kv_cache_dtype=kv_cache_dtype,
         block_size=BLOCK_SIZE,
         device=DEVICE,
     )
@@ -88,10 +94,11 @@ def _step_metadata(
     query: int,
     heads: tuple[int, int],
     graphed: bool,
+    kv_cache_dtype: str,
 ) -> AttentionMetadata:
     """The backend's metadata for a step of every sequence at `context` cached and `query` new
     tokens, from its builder as the engine drives it (graph buffers for a graphed decode)."""
-    builder = backend.get_builder_cls()(_spec(*heads), DEVICE)
+    builder = backend.get_builder_cls()(_spec(*heads, kv_cache_dtype), DEVICE)
     batch = len(block_tables)
     layout = build_step_layout(block_tables, [context] * batch, [query] * batch, BLOCK_SIZE)
     if graphed:
@@ -106,6 +113,7 @@ def _backend_step(
     context: int,
     query: int,
     heads: tuple[int, int],
+    kv_cache_dtype: str,
 ) -> Callable[[], object]:
     """A ready-to-time call of `impl.forward` for one step: `batch` sequences, each with
     `context` cached tokens and `query` new ones, on pages shuffled over the pool; a decode
@@ -114,10 +122,12 @@ def _backend_step(
     pages = -(-(context + query) // BLOCK_SIZE)
     order = torch.randperm(batch * pages).view(batch, pages).tolist()
     shape = backend.get_kv_cache_shape(batch * pages, BLOCK_SIZE, num_kv_heads, HEAD_SIZE)
-    cache = _random(*shape)
+    cache = _random(*shape).to(backend.get_kv_cache_torch_dtype(kv_cache_dtype, DTYPE))
     graphed = query == 1 and backend.capabilities.cuda_graphs
-    meta = _step_metadata(backend, order, context, query, heads, graphed)
-    impl = backend.get_impl_cls()(num_heads, HEAD_SIZE, 1 / math.sqrt(HEAD_SIZE), num_kv_heads)
+    meta = _step_metadata(backend, order, context, query, heads, graphed, kv_cache_dtype)
+    impl = backend.get_impl_cls()(
+        num_heads, HEAD_SIZE, 1 / math.sqrt(HEAD_SIZE), num_kv_heads, kv_cache_dtype=kv_cache_dtype
+    )
     tokens = batch * query
     q = _random(tokens, num_heads * HEAD_SIZE)
     k, v = _random(tokens, num_kv_heads * HEAD_SIZE), _random(tokens, num_kv_heads * HEAD_SIZE)
@@ -148,27 +158,29 @@ def _measure(step: Callable[[], Callable[[], object]]) -> tuple[float | None, st
         torch.cuda.empty_cache()
 
 
-def bench_decode(backends: list[str], copy_tbs: float) -> list[Row]:
+def bench_decode(backends: list[str], copy_tbs: float, kv_cache_dtype: str = "auto") -> list[Row]:
     """Decode: one new token per sequence over `context` tokens; SDPA reads contiguous KV."""
     rows = []
+    cache_bytes = 1 if kv_cache_dtype == "fp8" else DTYPE.itemsize
     for batch, context, num_heads, num_kv_heads in DECODE_SHAPES:
         heads = (num_heads, num_kv_heads)
-        kv_bytes = 2 * batch * context * num_kv_heads * HEAD_SIZE * DTYPE.itemsize
+        kv_elements = 2 * batch * context * num_kv_heads * HEAD_SIZE
         steps = {SDPA_BASELINE: partial(_sdpa_step, batch, context, 1, heads)}
         for name in backends:
             steps[name] = partial(
-                _backend_step, get_backend_cls(name), batch, context - 1, 1, heads
+                _backend_step, get_backend_cls(name), batch, context - 1, 1, heads, kv_cache_dtype
             )
         shape = f"{batch}x{context} {num_heads}/{num_kv_heads}"
         for name, step in steps.items():
             us, error = _measure(step)
-            tbs = None if us is None else kv_bytes / us / 1e6
+            element = DTYPE.itemsize if name == SDPA_BASELINE else cache_bytes
+            tbs = None if us is None else kv_elements * element / us / 1e6
             ratio = None if tbs is None else tbs / copy_tbs
             rows.append(Row("decode", shape, name, us, tbs, ratio, error))
     return rows
 
 
-def bench_prefill(backends: list[str]) -> list[Row]:
+def bench_prefill(backends: list[str], kv_cache_dtype: str = "auto") -> list[Row]:
     """Causal prefill of whole prompts; SDPA gets K/V expanded to every query head (same
     FLOPs, the fast FlashAttention-2 path)."""
     rows = []
@@ -177,7 +189,9 @@ def bench_prefill(backends: list[str]) -> list[Row]:
         steps = {SDPA_BASELINE: partial(_sdpa_step, batch, length, length, (num_heads, num_heads))}
         for name in backends:
             heads = (num_heads, num_kv_heads)
-            steps[name] = partial(_backend_step, get_backend_cls(name), batch, 0, length, heads)
+            steps[name] = partial(
+                _backend_step, get_backend_cls(name), batch, 0, length, heads, kv_cache_dtype
+            )
         shape = f"{batch}x{length} {num_heads}/{num_kv_heads}"
         sdpa_tflops = None
         for name, step in steps.items():
@@ -190,13 +204,15 @@ def bench_prefill(backends: list[str]) -> list[Row]:
     return rows
 
 
-def cuda_backends(requested: list[str] | None) -> list[str]:
+def cuda_backends(requested: list[str] | None, kv_cache_dtype: str = "auto") -> list[str]:
     """The requested (default: all registered) backends that can serve the bench's spec here."""
     names = requested or backend_names()
     usable = []
     for name in names:
         try:
-            reasons = get_backend_cls(name).unsupported_reasons(_spec())
+            reasons = get_backend_cls(name).unsupported_reasons(
+                _spec(kv_cache_dtype=kv_cache_dtype)
+            )
         except ImportError as error:
             reasons = [f"cannot be imported: {error}"]
         if reasons:
@@ -221,8 +237,9 @@ def format_table(rows: list[Row]) -> str:
 
 def _compare_backends(args: argparse.Namespace, copy_tbs: float) -> tuple[list[Any], bool]:
     """(rows, every row measured) of the backend comparison."""
-    backends = cuda_backends(args.backends.split(",") if args.backends else None)
-    rows = bench_decode(backends, copy_tbs) + bench_prefill(backends)
+    dtype = args.kv_cache_dtype
+    backends = cuda_backends(args.backends.split(",") if args.backends else None, dtype)
+    rows = bench_decode(backends, copy_tbs, dtype) + bench_prefill(backends, dtype)
     print(format_table(rows))
     return rows, all(row.error is None for row in rows)
 
@@ -231,7 +248,8 @@ def _sweep_kernels(args: argparse.Namespace, copy_tbs: float) -> tuple[list[Any]
     """(rows, every default configuration checked and timed) of the kernel sweeps."""
     from attnserve.bench.kernel_sweep import Setup, format_sweep, run_sweeps
 
-    rows = run_sweeps(args.sweep, args.splits, args.budget_s, copy_tbs, Setup(atol=args.atol))
+    setup = Setup(kv_cache_dtype=args.kv_cache_dtype, atol=args.atol)
+    rows = run_sweeps(args.sweep, args.splits, args.budget_s, copy_tbs, setup)
     print(format_sweep(rows))
     return rows, all(row.status == "ok" for row in rows if row.default)
 
@@ -250,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
             "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "dtype": str(DTYPE),
+            "kv_cache_dtype": args.kv_cache_dtype,
             "head_size": HEAD_SIZE,
             "block_size": BLOCK_SIZE,
             "copy_tbs": copy_tbs,
@@ -276,6 +295,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backends", default=None, help="comma-separated backend names (default: all that fit)"
     )
     parser.add_argument("--json", default=None, metavar="FILE", help="also write rows as JSON")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_CACHE_DTYPES),
+        default="auto",
+        help="the backends' cache: auto (bf16) or fp8 (decode rates in fp8 bytes; the sweeps "
+        "take it too)",
+    )
     parser.add_argument(
         "--sweep",
         type=_choices(SWEEPS),

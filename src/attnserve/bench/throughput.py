@@ -3,7 +3,9 @@ goes, with baselines measured in the same run.
 
 Workloads: N requests of random token ids with fixed input/output lengths, or lengths uniform in
 [min, max] (nano-vllm's offline benchmark: 256 requests, 100..1024, seed 0), `ignore_eos`, all
-submitted at once, after one warm-up. Also reported: the workload's bound from the model's shape
+submitted at once, after one warm-up. Also reported: the KV cache's size in tokens, the output
+tokens per engine step of the timed run (about the sequences a step runs: the cache's hold under
+KV pressure) and its preemptions; the workload's bound from the model's shape
 at the copy bandwidth and matmul rate measured first in the same run (bench/bound.py) and the
 fraction of it reached; the step-time breakdown of `--profile-steps` profiled decode steps
 (bench/breakdown.py; on a GPU the engine is then rebuilt with `enforce_eager`, since CUDA graphs
@@ -201,9 +203,6 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(
             "--plot draws the breakdown or the sweep: use --profile-steps or --batch-sizes"
         )
-    too_many = [b for b in args.batch_sizes if b > args.max_num_seqs]
-    if too_many:
-        raise ValueError(f"--batch-sizes {too_many} exceed --max-num-seqs {args.max_num_seqs}")
     check_output_files(args, "json", "plot")
 
 
@@ -211,9 +210,13 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
     """The figures (see the module docstring) and the breakdown, if profiled."""
     _check(args)
     structured = _json_schema(args)
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = EngineArgs.from_cli_args(args).with_offline_defaults()
     config = engine_args.create_engine_config()
     model_config, device = config.model_config, config.device
+    max_num_seqs = config.scheduler_config.max_num_seqs
+    too_many = [b for b in args.batch_sizes if b > max_num_seqs]
+    if too_many:
+        raise ValueError(f"--batch-sizes {too_many} exceed --max-num-seqs {max_num_seqs}")
     progress(f"measuring copy bandwidth and {model_config.dtype} matmul rate on {device}")
     rates = measure_rates(device, model_config.dtype)
     shape = ModelShape.from_config(model_config, engine_args.kv_cache_dtype)
@@ -225,15 +228,24 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
     progress(f"warm-up; then {len(workload.prompts)} requests, {workload.output_tokens} tokens")
     _warm_up(llm, workload)
     progress("timing attnserve")
+    before = llm.llm_engine.stats()
     seconds = run_engine(llm, workload)
+    after = llm.llm_engine.stats()
     progress(f"attnserve: {workload.output_tokens / seconds:,.0f} output tok/s ({seconds:.2f} s)")
+    runner = llm.llm_engine.executor.driver_runner
+    steps = after["num_steps"] - before["num_steps"]
     result: dict[str, Any] = {
         "model": model_config.model,
         "device": str(device),
-        "backend": llm.llm_engine.executor.driver_runner.backend.get_name(),
+        "backend": runner.backend.get_name(),
+        "kv_cache_dtype": engine_args.kv_cache_dtype,
+        "kv_cache_tokens": runner.num_blocks * config.cache_config.block_size,
         "requests": len(workload.prompts),
         "output_tokens": workload.output_tokens,
         "seconds": seconds,
+        # how many sequences a step runs on average, and how often the cache ran out
+        "output_tokens_per_step": workload.output_tokens / max(steps, 1),
+        "preemptions": after["num_preemptions"] - before["num_preemptions"],
     }
     result |= _against_bound(seconds, workload, shape, rates)
     result |= {

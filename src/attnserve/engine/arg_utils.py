@@ -31,6 +31,11 @@ from attnserve.model.config import LOAD_FORMATS, ModelConfig
 from attnserve.model.default_model import default_model_dir
 from attnserve.model.quantization.resolve import check_quantization
 
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+LARGE_GPU_GIB = 70
+LARGE_GPU_OFFLINE_LIMITS = (1024, 16384)  # max_num_seqs, max_num_batched_tokens
+
 
 def _arg(default: Any, help_text: str) -> Any:
     """A field's default and its CLI help."""
@@ -75,8 +80,16 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(
         0.9, "share of the GPU's memory for the weights, activations and KV cache"
     )
-    max_num_seqs: int = _arg(256, "most sequences in one step")
-    max_num_batched_tokens: int = _arg(8192, "most new tokens in one step")
+    max_num_seqs: int | None = _arg(
+        None,
+        f"most sequences in one step (default {DEFAULT_MAX_NUM_SEQS}; offline runs on a GPU of "
+        f"{LARGE_GPU_GIB} GiB or more: {LARGE_GPU_OFFLINE_LIMITS[0]}, as vLLM)",
+    )
+    max_num_batched_tokens: int | None = _arg(
+        None,
+        f"most new tokens in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; offline runs on "
+        f"a GPU of {LARGE_GPU_GIB} GiB or more: {LARGE_GPU_OFFLINE_LIMITS[1]}, as vLLM)",
+    )
     enable_prefix_caching: bool = _arg(
         True, "reuse the cached KV blocks of prompt prefixes seen before"
     )
@@ -121,6 +134,22 @@ class EngineArgs:
             _check_cuda_device(device)
         return device
 
+    def with_offline_defaults(self) -> EngineArgs:
+        """These arguments for an offline run (`LLM`): on a GPU of LARGE_GPU_GIB or more, the
+        step limits not given are vLLM's offline ones there (more sequences and tokens a step
+        than a server's, whose latency they would cost)."""
+        device = self.resolved_device()
+        if device.type != "cuda":
+            return self
+        if torch.cuda.get_device_properties(device).total_memory < LARGE_GPU_GIB * 2**30:
+            return self
+        seqs, tokens = LARGE_GPU_OFFLINE_LIMITS
+        return dataclasses.replace(
+            self,
+            max_num_seqs=_given_or(self.max_num_seqs, seqs),
+            max_num_batched_tokens=_given_or(self.max_num_batched_tokens, tokens),
+        )
+
     def uses_core_process(self, default: bool) -> bool:
         """Whether the engine core runs in its own process(es): `engine_core_process`, or when
         unset, `default` (the entry point's) or data parallelism."""
@@ -151,8 +180,10 @@ class EngineArgs:
         )
         model_config.verify_with_parallel_config(parallel_config.tensor_parallel_size)
         scheduler_config = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=_given_or(self.max_num_seqs, DEFAULT_MAX_NUM_SEQS),
+            max_num_batched_tokens=_given_or(
+                self.max_num_batched_tokens, DEFAULT_MAX_NUM_BATCHED_TOKENS
+            ),
             max_model_len=model_config.max_model_len,
             preemption_mode=self.preemption_mode,
             async_scheduling=self.async_scheduling,
@@ -241,6 +272,10 @@ class _ModelOnce(argparse.Action):
         if given is not None and given != values:
             parser.error(f"the model is given twice: {given!r} and {values!r}")
         setattr(namespace, self.dest, values)
+
+
+def _given_or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def _check_cuda_device(device: torch.device) -> None:

@@ -22,7 +22,8 @@ class LLM:
     """An engine for offline batched generation. Keyword arguments are `EngineArgs` fields
     (quantization: "gguf", "fp8", "none" or None for the checkpoint's own; block_size,
     max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, tensor_parallel_size,
-    distributed_executor_backend, ...)."""
+    distributed_executor_backend, ...). Step limits not given take the offline defaults
+    (`EngineArgs.with_offline_defaults`: vLLM's, larger on GPUs of 70 GiB or more)."""
 
     def __init__(
         self,
@@ -33,7 +34,7 @@ class LLM:
         attention_backend: str | None = None,
         block_size: int = 16,
         max_model_len: int | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         load_format: str = "auto",
         quantization: str | None = None,
         seed: int = 0,
@@ -53,7 +54,7 @@ class LLM:
             seed=seed,
             **kwargs,
         )
-        self.llm_engine = LLMEngine.from_engine_args(args)
+        self.llm_engine = LLMEngine.from_engine_args(args.with_offline_defaults())
         self._request_counter = itertools.count()
 
     @classmethod

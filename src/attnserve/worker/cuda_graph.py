@@ -2,13 +2,14 @@
 
 A decode step launches hundreds of small kernels; replaying them as one captured graph removes
 the per-launch host cost. Graphs are captured once at start-up for buckets 1, 2, 4, 8, 16, 24,
-... up to `max_num_seqs` (largest first, all in one memory pool). A step of n decodes runs the
-smallest bucket >= n: its layout is padded to the bucket (`pad_for_cuda_graph`), its token ids
-and the padded layout's positions go into static input buffers, each of the model's metadata
-builders writes the padded layout into its persistent buffers (`build_for_cuda_graph`), the
-graph replays, and the first n rows of the captured final hidden states are the step's (the LM
-head runs outside the graph, on those rows only, so the graphs hold no vocabulary-sized
-buffers). Only backends whose capabilities declare `cuda_graphs` are captured.
+... (sparser above 256) up to `max_num_seqs` (largest first, all in one memory pool). A step of
+n decodes runs the smallest bucket >= n: its layout is padded to the bucket
+(`pad_for_cuda_graph`), its token ids and the padded layout's positions go into static input
+buffers, each of the model's metadata builders writes the padded layout into its persistent
+buffers (`build_for_cuda_graph`), the graph replays, and the first n rows of the captured final
+hidden states are the step's (the LM head runs outside the graph, on those rows only, so the
+graphs hold no vocabulary-sized buffers). Only backends whose capabilities declare `cuda_graphs`
+are captured.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ class CausalLM(Protocol):
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Bucket sizes: 1, 2, 4, then every multiple of 8, up to and including max_num_seqs."""
-    sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
-    sizes += list(range(8, max_num_seqs, 8))
-    return [*sizes, max_num_seqs]
+    """Bucket sizes: 1, 2, 4, then every multiple of 8 to 256, of 16 to 512 and of 32 beyond
+    (above 128 a step pads by under 7%), up to and including max_num_seqs."""
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, 512, 16), *range(512, max_num_seqs, 32)]
+    return [*(s for s in sizes if s < max_num_seqs), max_num_seqs]
 
 
 class CUDAGraphRunner:

@@ -2,7 +2,8 @@
 
 It loads the model, selects one attention backend for the specs of the model's attention layers
 and binds it, makes one metadata builder per spec, sizes the KV cache (on CUDA, after a profile
-run of the largest possible step measures its activation memory) and binds it. Each step it
+run of the largest possible step measures its activation memory) and binds it; an fp8 cache's
+scales are then calibrated on a prefill of random tokens (`kv_calibration`). Each step it
 computes the step's `StepLayout` once (the model's positions come from it) and hands it to the
 builders for the attention metadata. It never looks at the metadata or the cache layout itself.
 On CUDA, unless `enforce_eager`, decode-only steps replay captured graphs (`CUDAGraphRunner`)
@@ -29,6 +30,7 @@ from attnserve.attention import (
     bind_kv_caches,
     build_metadata,
     build_step_layout,
+    calibrating_kv_scales,
     get_model_attn_backend,
     metadata_builders,
     set_forward_context,
@@ -48,6 +50,7 @@ from attnserve.worker.cache_engine import (
     num_blocks_for_budget,
 )
 from attnserve.worker.cuda_graph import CUDAGraphRunner
+from attnserve.worker.kv_calibration import calibration_batch
 from attnserve.worker.profile_run import profile_batch
 from attnserve.worker.step_future import StepFuture
 
@@ -83,6 +86,7 @@ class ModelRunner:
         activation_bytes = self._peak_activation_bytes(max_num_seqs, max_num_batched_tokens)
         self.cache_engine = self._allocate_kv_cache(activation_bytes)
         bind_kv_caches(self.model, self.cache_engine.kv_caches)
+        self._calibrate_kv_scales(max_num_batched_tokens)
         self.cuda_graphs = None if enforce_eager else self._capture_cuda_graphs(max_num_seqs)
 
     @property
@@ -103,6 +107,21 @@ class ModelRunner:
         runner = CUDAGraphRunner(self.model, self.builders, max_num_seqs, max_blocks, self.device)
         runner.capture()
         return runner
+
+    def _calibrate_kv_scales(self, max_num_batched_tokens: int) -> None:
+        """An fp8 cache's scales, from one prefill of random tokens (`calibration_batch`), before
+        the cache holds anything kept and before any graph is captured."""
+        if self.cache_config.kv_cache_dtype != "fp8":
+            return
+        batch = calibration_batch(
+            self.model_config.vocab_size,
+            max_num_batched_tokens,
+            self.model_config.max_model_len,
+            self.cache_config.block_size,
+            self.cache_engine.num_blocks,
+        )
+        with calibrating_kv_scales(self.model):
+            self.execute(batch)
 
     def profile_run(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Run the largest step the scheduler may send (`profile_batch`) against a one-block KV
@@ -263,6 +282,14 @@ class ModelRunner:
             yield
         finally:
             torch.set_num_threads(threads)
+
+    @torch.inference_mode()
+    def logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Every new token's logits [T, vocab] (float32), nothing sampled: for measuring how
+        close two configurations of one model run (`attnserve bench kv-quality`)."""
+        self._move_blocks(batch)
+        layout = self._layout(batch)
+        return self.model.compute_logits(self._forward(batch, layout))
 
     def _first_draws(self, counts: list[int]) -> torch.Tensor:
         return device_tensor([0, *accumulate(counts)][:-1], self.device)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
+from attnserve.attention.kv_scales import KVCacheScales
+
 if TYPE_CHECKING:
     from attnserve.attention.backends.layout import StepLayout
 
@@ -162,7 +164,10 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
 
 class AttentionImpl(ABC, Generic[M]):
-    """The attention operator of one layer: writes the new K/V, then attends."""
+    """The attention operator of one layer: writes the new K/V, then attends.
+
+    `kv_scales`: an fp8 cache's scales (`KVCacheScales`, the layer's own, calibrated by the
+    model runner); a backend that serves fp8 caches makes unit scales where none are given."""
 
     def __init__(
         self,
@@ -174,6 +179,7 @@ class AttentionImpl(ABC, Generic[M]):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         kv_cache_dtype: str = "auto",
+        kv_scales: KVCacheScales | None = None,
     ) -> None:
         if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
             raise ValueError(
@@ -191,6 +197,7 @@ class AttentionImpl(ABC, Generic[M]):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.kv_cache_dtype = kv_cache_dtype
+        self.kv_scales = kv_scales
 
     @abstractmethod
     def forward(

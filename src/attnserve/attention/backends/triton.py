@@ -27,6 +27,7 @@ from attnserve.attention.backends.abstract import (
     BackendCapabilities,
 )
 from attnserve.attention.backends.layout import StepLayout
+from attnserve.attention.kv_scales import KVCacheScales
 from attnserve.host_copy import to_device
 
 try:
@@ -132,10 +133,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
 
 
 class TritonImpl(AttentionImpl[TritonMetadata]):
-    """`k_scale` / `v_scale`: the fp8 cache's per-layer scales (stored = value / scale)."""
-
-    k_scale: float = 1.0
-    v_scale: float = 1.0
+    """An fp8 cache reads its per-KV-head scales from `kv_scales` (the layer's; an operator
+    made on its own gets unit scales on the device of its first call)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -155,10 +154,10 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
         dim = self.head_size
         k = key.view(-1, self.num_kv_heads, dim)
         v = value.view(-1, self.num_kv_heads, dim)
-        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        params = self._params(query.device)
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, params.kv_scales)
         q = query.view(-1, self.num_heads, dim)
         out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
-        params = self._params(query.device)
         prefill, decode = slice(0, meta.num_prefill_tokens), slice(meta.num_prefill_tokens, None)
         if meta.num_prefills:
             paged_prefill(
@@ -203,9 +202,15 @@ class TritonImpl(AttentionImpl[TritonMetadata]):
             sliding_window=self.sliding_window,
             alibi_slopes=slopes,
             soft_cap=self.logits_soft_cap,
-            k_scale=self.k_scale,
-            v_scale=self.v_scale,
+            kv_scales=self._kv_scales(device),
         )
+
+    def _kv_scales(self, device: torch.device) -> torch.Tensor | None:
+        if self.kv_cache_dtype != "fp8":
+            return None
+        if self.kv_scales is None:
+            self.kv_scales = KVCacheScales(self.num_kv_heads, device)
+        return self.kv_scales.scales
 
 
 class TritonBackend(AttentionBackend):

@@ -2,8 +2,10 @@
 
 The cache layout is [num_blocks, 2, num_kv_heads, block_size, head_size] (K plane, then V
 plane of each block; within a plane each KV head's page is contiguous). A slot of -1 is
-padding and is never written. An fp8 cache stores value / scale in e4m3 (saturated), viewed
-as bytes so that the same kernel runs on the GPU and under the Triton interpreter.
+padding and is never written. An fp8 cache stores value / scale in e4m3 (saturated; one
+scale per KV head, `KVCacheScales`), viewed as bytes: on the GPU through the hardware's
+conversion, under the Triton interpreter (which rounds fp8 casts wrongly) through integer ops
+that compute the same bits.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from attnserve.attention.ops.triton_common import is_fp8, load_scales, scales_operand
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # a new token count needs no new compile
@@ -25,13 +29,14 @@ def _reshape_and_cache_kernel(  # type: ignore[no-untyped-def]
     stride_cache_block,
     stride_cache_kv,
     stride_cache_head,
-    inv_k_scale,
-    inv_v_scale,
+    scales_ptr,
+    NUM_KV_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     FP8: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ) -> None:
     head = tl.program_id(1)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -46,17 +51,21 @@ def _reshape_and_cache_kernel(  # type: ignore[no-untyped-def]
         value_ptr + src * stride_value_tok + head * HEAD_SIZE + dims[None, :], mask=written
     )
     if FP8:
-        key = _to_fp8_bytes(key.to(tl.float32) * inv_k_scale)
-        value = _to_fp8_bytes(value.to(tl.float32) * inv_v_scale)
+        k_scale, v_scale = load_scales(scales_ptr, head, NUM_KV_HEADS, FP8)
+        key = _to_fp8_bytes(key.to(tl.float32) * (1.0 / k_scale), HW_CAST)
+        value = _to_fp8_bytes(value.to(tl.float32) * (1.0 / v_scale), HW_CAST)
     tl.store(dst, key, mask=written)
     tl.store(dst + stride_cache_kv, value, mask=written)
 
 
 @triton.jit
-def _to_fp8_bytes(x):  # type: ignore[no-untyped-def]
-    """fp32 -> e4m3fn bit pattern (round to nearest even, saturating at +-448), computed with
-    integer ops: Triton's interpreter rounds fp8 casts wrongly, this runs the same everywhere."""
+def _to_fp8_bytes(x, HW_CAST: tl.constexpr):  # type: ignore[no-untyped-def]
+    """fp32 -> e4m3fn bit pattern (round to nearest even, saturating at +-448): the hardware's
+    conversion with HW_CAST, else integer ops (for the interpreter, whose fp8 casts round
+    wrongly) that give the same bits."""
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if HW_CAST:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -74,7 +83,7 @@ def _to_fp8_bytes(x):  # type: ignore[no-untyped-def]
 
 def cache_storage(kv_cache: torch.Tensor) -> torch.Tensor:
     """The cache as the kernels address it: fp8 caches are handled as raw bytes."""
-    return kv_cache.view(torch.uint8) if kv_cache.dtype == torch.float8_e4m3fn else kv_cache
+    return kv_cache.view(torch.uint8) if is_fp8(kv_cache) else kv_cache
 
 
 def reshape_and_cache(
@@ -82,11 +91,11 @@ def reshape_and_cache(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Write key/value [T, Hkv, D] into `kv_cache` [num_blocks, 2, Hkv, block_size, D] at
-    `slot_mapping` [T] (flat slot = block * block_size + offset; -1 = skip)."""
+    `slot_mapping` [T] (flat slot = block * block_size + offset; -1 = skip); an fp8 cache
+    stores them divided by `kv_scales` [2, Hkv] (keys' row, values' row; None: 1.0)."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
@@ -106,11 +115,12 @@ def reshape_and_cache(
         storage.stride(0),
         storage.stride(1),
         storage.stride(2),
-        1.0 / k_scale,
-        1.0 / v_scale,
+        scales_operand(kv_scales, kv_cache, slot_mapping),
+        NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
         HEAD_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=kv_cache.shape[3],
         BLOCK_T=block_t,
-        FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        FP8=is_fp8(kv_cache),
+        HW_CAST=key.is_cuda,
     )

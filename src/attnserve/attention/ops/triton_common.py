@@ -22,8 +22,34 @@ class AttentionParams:
     sliding_window: int | None = None
     alibi_slopes: torch.Tensor | None = None  # [num_heads] fp32, on the kernel's device
     soft_cap: float | None = None
-    k_scale: float = 1.0
-    v_scale: float = 1.0
+    kv_scales: torch.Tensor | None = None  # fp8 caches: [2, KV heads] fp32 (None: all 1.0)
+
+
+def is_fp8(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype == torch.float8_e4m3fn
+
+
+def scales_operand(
+    kv_scales: torch.Tensor | None, kv_cache: torch.Tensor, placeholder: torch.Tensor
+) -> torch.Tensor:
+    """The kernels' `scales_ptr`: an fp8 cache's [2, KV heads] scales (all 1.0 where none are
+    given); for a cache of another dtype `placeholder`, which the kernels never read."""
+    if not is_fp8(kv_cache):
+        return placeholder
+    if kv_scales is not None:
+        return kv_scales
+    return torch.ones(2, kv_cache.shape[2], dtype=torch.float32, device=kv_cache.device)
+
+
+@triton.jit
+def load_scales(scales_ptr, kv_head, NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(k_scale, v_scale) of one KV head of an fp8 cache; (1.0, 1.0) for other caches."""
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:
+        k_scale = tl.load(scales_ptr + kv_head)
+        v_scale = tl.load(scales_ptr + NUM_KV_HEADS + kv_head)
+    return k_scale, v_scale
 
 
 @dataclass(frozen=True)

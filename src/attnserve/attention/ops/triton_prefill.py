@@ -10,12 +10,16 @@ each (sequence, KV head)'s query tiles longest first, so neighbouring programs s
 Where the new tokens' keys come from (`PrefillVariant.fresh_keys`):
 - "cache": every key, the new tokens' too, is gathered from the paged cache through the block
   table (they were written there first by `triton_cache`). Page ids are loaded once per key
-  row, never per element. The only source for fp8 caches, ALiBi, soft-cap, sliding windows and
-  head sizes that are not a power of two.
+  row, never per element. The only source for ALiBi, soft-cap, sliding windows and head sizes
+  that are not a power of two.
 - "pointers" / "tma": the cached context is gathered from the pages, and the new tokens' keys
   are read from the step's own K/V tensors, rows of one sequence back to back: plain loads, or
   Hopper's bulk tensor copies (a host `TensorDescriptor`, Triton 3.4+, compute capability 9+),
   which land K/V tiles in shared memory without the registers and address math of a gather.
+
+With an fp8 cache the context's keys are scaled in the softmax (its k_scale folded into the
+score's scale) and its values' tiles multiplied by v_scale; the new tokens' own K/V, read from
+the step, are unquantized. Reading every key from the cache folds v_scale into the output.
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ from attnserve.attention.ops.triton_common import (
     KernelConfig,
     attend_plain_tile,
     attend_tile,
+    is_fp8,
     load_kv,
+    load_scales,
+    scales_operand,
 )
 
 FreshKeys = Literal["cache", "pointers", "tma"]
@@ -68,6 +75,7 @@ def _attend_cached(  # type: ignore[no-untyped-def]
     window,
     sm_scale,
     soft_cap,
+    v_scale,
     stride_block,
     stride_kv,
     HEAD_SIZE: tl.constexpr,
@@ -81,9 +89,11 @@ def _attend_cached(  # type: ignore[no-untyped-def]
     FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PLAIN: tl.constexpr,
+    SCALE_V: tl.constexpr,
 ):
     """Fold the paged cache's key tiles [start, end) (keys at or past kv_end masked) into the
-    running softmax state of one query tile."""
+    running softmax state of one query tile; SCALE_V (plain attention only) multiplies each
+    value tile by v_scale."""
     for tile in range(start, end, BLOCK_N):
         k_pos = tile + tl.arange(0, BLOCK_N)
         valid = k_pos < kv_end
@@ -92,6 +102,8 @@ def _attend_cached(  # type: ignore[no-untyped-def]
                 cache_ptr, table, k_pos, valid, head_offset, dims, dim_mask, stride_block,
                 stride_kv, HEAD_SIZE, HEAD_PAD == HEAD_SIZE, BLOCK_SIZE, MASKED, FP8, q.dtype,
             )  # fmt: skip
+            if SCALE_V:
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
             allowed = (k_pos[None, :] <= q_pos[:, None]) & valid[None, :]
             acc, m_i, l_i = attend_plain_tile(
                 acc, m_i, l_i, q, k, v, allowed, sm_scale * 1.4426950408889634, MASKED, DOT_FP32
@@ -172,9 +184,9 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
     stride_block,
     stride_kv,
     stride_head,
+    scales_ptr,
     sm_scale,
     soft_cap,
-    v_scale,
     window,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -226,6 +238,7 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     table = table_ptr + seq.to(tl.int64) * stride_table
     head_offset = kv_head * stride_head
+    k_scale, v_scale = load_scales(scales_ptr, kv_head, NUM_KV_HEADS, FP8)
     # the cache's keys: all of them, or only the context when the new ones come from the step
     cached_end = context_len if FRESH != 0 else tl.minimum(seq_len, last_pos + 1)
     full_hi = tl.minimum(first_pos + 1, cached_end) // BLOCK_N * BLOCK_N
@@ -245,9 +258,10 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
                     start, end = tl.maximum(full_lo, full_hi), cached_end
                 acc, m_i, l_i = _attend_cached(
                     acc, m_i, l_i, q, q_pos, slopes, cache_ptr, table, head_offset, dims,
-                    dim_mask, start, end, cached_end, window, sm_scale, soft_cap, stride_block,
-                    stride_kv, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, part != 1, USE_WINDOW,
-                    USE_ALIBI, USE_SOFTCAP, FP8, DOT_FP32, PLAIN,
+                    dim_mask, start, end, cached_end, window, sm_scale * k_scale, soft_cap,
+                    v_scale, stride_block, stride_kv, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N,
+                    part != 1, USE_WINDOW, USE_ALIBI, USE_SOFTCAP, FP8, DOT_FP32, PLAIN,
+                    FP8 and FRESH != 0,
                 )  # fmt: skip
     if FRESH != 0:
         diagonal = q_tile * TOKENS // BLOCK_N * BLOCK_N
@@ -262,7 +276,8 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]
             acc, m_i, l_i, q, token, k_src, v_src, query_start, head_col, dims, diagonal,
             fresh_end, query_len, qk_scale, stride_fresh, BLOCK_N, True, FRESH == 2, DOT_FP32,
         )  # fmt: skip
-    result = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]  # 0: rows past the end
+    out_scale = v_scale if FRESH == 0 else 1.0  # every value from the cache: v_scale folds in
+    result = acc * (out_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]  # 0: rows past the end
     out_offsets = tokens[:, None] * stride_out_tok + heads[:, None] * HEAD_SIZE + dims[None, :]
     tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -297,12 +312,12 @@ def fresh_keys_for(
     query: torch.Tensor, key: torch.Tensor | None, kv_cache: torch.Tensor, params: AttentionParams
 ) -> FreshKeys:
     """Where a call reads the new tokens' keys by default (module docstring): from the step's
-    K/V when the call is plain causal attention over a cache of the query's dtype, by TMA where
-    the GPU has it and the rows are 16-byte aligned."""
+    K/V when the call is plain causal attention over a cache of the query's dtype or fp8, by
+    TMA where the GPU has it and the rows are 16-byte aligned."""
     head_size = query.shape[-1]
     if key is None or not _is_plain(params):
         return "cache"
-    if kv_cache.dtype != query.dtype or head_size & (head_size - 1):
+    if kv_cache.dtype not in (query.dtype, torch.float8_e4m3fn) or head_size & (head_size - 1):
         return "cache"
     aligned = key.data_ptr() % 16 == 0 and key.stride(0) * key.element_size() % 16 == 0
     if aligned and query.is_cuda and torch.cuda.get_device_capability(query.device)[0] >= 9:
@@ -321,8 +336,8 @@ def _resolve_fresh_keys(
     allowed = fresh_keys_for(query, key, kv_cache, params)
     if allowed == "cache" and wanted not in (None, "cache"):
         raise ValueError(
-            f"fresh_keys={wanted!r} needs the step's key/value and a plain bf16/fp16/fp32 call "
-            "(no fp8 cache, ALiBi, soft-cap or window, a power-of-two head size)"
+            f"fresh_keys={wanted!r} needs the step's key/value and a plain call (no ALiBi, "
+            "soft-cap or window, a power-of-two head size, a cache of the query's dtype or fp8)"
         )
     return allowed if allowed == "cache" else wanted or allowed
 
@@ -397,15 +412,15 @@ def paged_prefill(
         out, num_q_tiles, query.stride(0), key.stride(0) if key is not None else 0,
         out.stride(0), block_table.stride(0),
         storage.stride(0), storage.stride(1), storage.stride(2),
-        params.scale * params.k_scale, params.soft_cap or 1.0, params.v_scale,
-        params.sliding_window or 0,
+        scales_operand(params.kv_scales, kv_cache, query),
+        params.scale, params.soft_cap or 1.0, params.sliding_window or 0,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size,
         HEAD_PAD=triton.next_power_of_2(head_size), BLOCK_SIZE=kv_cache.shape[3],
         BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         USE_WINDOW=params.sliding_window is not None,
         USE_ALIBI=params.alibi_slopes is not None,
         USE_SOFTCAP=params.soft_cap is not None,
-        FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        FP8=is_fp8(kv_cache),
         DOT_FP32=query.dtype == torch.float32 or query.device.type == "cpu",
         PLAIN=_is_plain(params),
         HAS_CONTEXT=fresh == "cache" or max_context_len != 0,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from attnserve.model.layers import cpu_ops
-from attnserve.model.layers.layernorm import use_triton
+from attnserve.model.layers.layernorm import RMSNorm, use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -94,3 +94,32 @@ class RotaryEmbedding(nn.Module):
             heads = x.view(x.shape[0], -1, self.head_size).float()
             rotated.append(_rotate(heads, cos, sin).to(x.dtype).flatten(1))
         return rotated[0], rotated[1]
+
+    def forward_qkv(
+        self,
+        positions: torch.Tensor,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        head_norms: tuple[RMSNorm, RMSNorm] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An attention layer's q, k, v [T, H*D] (splits of its qkv projection) ready for
+        attention: q and k per-head normalised by `head_norms` (Qwen3's q/k norm) when given,
+        then rotated; v contiguous. One fused launch on CUDA, the separate layers elsewhere."""
+        query, key, value = qkv
+        weights = None if head_norms is None else (head_norms[0].weight, head_norms[1].weight)
+        if use_triton(query) and (weights is None or weights[0].dtype == query.dtype):
+            from attnserve.model.layers.fused_ops import qkv_rotary_embedding
+
+            eps = 0.0 if head_norms is None else head_norms[0].eps
+            return qkv_rotary_embedding(
+                positions, qkv, self.cos_sin_cache, self.head_size, weights, eps
+            )
+        if head_norms is not None:
+            query, key = (
+                _per_head(norm, x, self.head_size)
+                for norm, x in zip(head_norms, (query, key), strict=True)
+            )
+        return (*self.forward(positions, query, key), value.contiguous())
+
+
+def _per_head(norm: RMSNorm, x: torch.Tensor, head_size: int) -> torch.Tensor:
+    return norm(x.reshape(x.shape[0], -1, head_size)).flatten(1)

@@ -84,9 +84,11 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_size
         self.o_proj = RowParallelLinear(config.num_heads * self.head_size, config.hidden_size, bias)
         self.q_norm = self.k_norm = None
+        self.head_norms: tuple[RMSNorm, RMSNorm] | None = None
         if parts.variant.qk_norm:
             self.q_norm = RMSNorm(self.head_size, hf.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, hf.rms_norm_eps)
+            self.head_norms = (self.q_norm, self.k_norm)
         self.rotary_emb = parts.rotary_emb
         self.attn = Attention(
             self.num_heads,
@@ -98,16 +100,10 @@ class LlamaAttention(nn.Module):
             block_size=parts.block_size,
         )
 
-    def _head_norm(self, norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
-        if norm is None:
-            return x
-        return norm(x.reshape(x.shape[0], -1, self.head_size)).flatten(1)
-
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+        qkv = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q, k, v = self.rotary_emb.forward_qkv(positions, qkv, self.head_norms)
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):

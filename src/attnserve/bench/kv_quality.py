@@ -1,0 +1,165 @@
+"""`attnserve bench kv-quality`: how far one KV-cache dtype moves a model's logits from another's
+(default: `--kv-cache-dtype fp8` against the auto cache, bf16 on CUDA and float32 on the CPU), on
+the same weights (dummy weights are seeded), in one process.
+
+Two model runners, one per cache dtype, run the same steps: one prefill of `--num-prompts`
+random prompts of `--prompt-len` tokens, then `--decode-steps` decode steps, each feeding every
+sequence the reference's greedy token (teacher forcing: both runs see the same text). Reported,
+for the prefill and for the decodes apart (a prefill of prompts attends to its own new K/V and
+reads nothing back from the cache; decodes read every key and value from it): the relative
+error of the logits, ||ours - reference|| / ||reference|| over every position, and the share of
+positions whose top-1 tokens agree; and the fp8 cache's calibrated scales (`KVCacheScales`),
+smallest and largest over its layers and heads. On the CPU a Triton-kernel backend runs under
+Triton's interpreter (TRITON_INTERPRET=1): use a small model there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import torch
+
+from attnserve.attention import attention_layers
+from attnserve.bench.common import check_output_files, print_scalars, progress, write_json
+from attnserve.config import KV_CACHE_DTYPES
+from attnserve.core import ScheduledBatch, SequenceInput
+from attnserve.engine.arg_utils import EngineArgs
+from attnserve.worker.model_runner import ModelRunner
+
+DEFAULT_CACHE_BYTES = 1 << 30
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser, positional_model=False)
+    parser.add_argument(
+        "--reference-kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+        help="the reference run's KV cache (default: auto, the model's dtype)",
+    )  # fmt: skip
+    parser.add_argument("--num-prompts", type=int, default=8, help="sequences")
+    parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")
+    parser.add_argument("--decode-steps", type=int, default=32, help="decode steps after it")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the figures")
+    parser.set_defaults(handler=main)
+
+
+def _runner(engine_args: EngineArgs) -> ModelRunner:
+    config = engine_args.create_engine_config()
+    return ModelRunner(
+        config.model_config,
+        config.cache_config,
+        engine_args.resolved_device(),
+        config.attention_backend,
+        max_num_seqs=config.scheduler_config.max_num_seqs,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+        enforce_eager=config.enforce_eager,
+    )
+
+
+class _Sequences:
+    """The prompts and their blocks (each sequence its own run of blocks), step by step."""
+
+    def __init__(self, prompts: list[list[int]], total_len: int, block_size: int) -> None:
+        per_seq = -(-total_len // block_size)
+        self.tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+        self.prompts = prompts
+
+    def prefill(self) -> ScheduledBatch:
+        return ScheduledBatch(
+            [SequenceInput(p, 0, t) for p, t in zip(self.prompts, self.tables, strict=True)]
+        )
+
+    def decode(self, tokens: list[int], context_len: int) -> ScheduledBatch:
+        return ScheduledBatch(
+            [SequenceInput([x], context_len, t) for x, t in zip(tokens, self.tables, strict=True)]
+        )
+
+
+def _compare(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> dict[str, float]:
+    a, b = torch.cat(ours), torch.cat(theirs)
+    return {
+        "logits_relative_error": float((a - b).norm() / b.norm()),
+        "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+        "positions": int(b.shape[0]),
+    }
+
+
+def _scales(runner: ModelRunner) -> dict[str, float]:
+    layers = [layer.kv_scales for layer in attention_layers(runner.model) if layer.kv_scales]
+    if not layers:
+        return {}
+    keys = torch.stack([s.k_scale for s in layers])
+    values = torch.stack([s.v_scale for s in layers])
+    return {
+        "k_scale_min": float(keys.min()),
+        "k_scale_max": float(keys.max()),
+        "v_scale_min": float(values.min()),
+        "v_scale_max": float(values.max()),
+    }
+
+
+def _run(
+    runner: ModelRunner, seqs: _Sequences, forced: list[list[int]] | None, steps: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[list[int]]]:
+    """(prefill logits, each decode step's logits, the tokens fed): `forced` tokens, else greedy."""
+    prefill = runner.logits(seqs.prefill())
+    ends = torch.tensor([len(p) for p in seqs.prompts]).cumsum(0) - 1
+    last = prefill[ends.to(prefill.device)]
+    decodes, fed = [], []
+    context = len(seqs.prompts[0])
+    for step in range(steps):
+        tokens = forced[step] if forced is not None else last.argmax(-1).tolist()
+        fed.append(tokens)
+        last = runner.logits(seqs.decode(tokens, context))
+        decodes.append(last)
+        context += 1
+    return [prefill], decodes, fed
+
+
+def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("num_prompts", "prompt_len", "decode_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    check_output_files(args, "json")
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.kv_cache_memory_bytes is None:
+        engine_args = dataclasses.replace(engine_args, kv_cache_memory_bytes=DEFAULT_CACHE_BYTES)
+    reference_args = dataclasses.replace(engine_args, kv_cache_dtype=args.reference_kv_cache_dtype)
+    progress(f"reference run (kv cache {args.reference_kv_cache_dtype})")
+    reference = _runner(reference_args)
+    vocab = reference.model_config.vocab_size
+    generator = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(vocab, (args.num_prompts, args.prompt_len), generator=generator)
+    seqs = _Sequences(
+        prompts.tolist(), args.prompt_len + args.decode_steps, reference.cache_config.block_size
+    )
+    ref_prefill, ref_decodes, fed = _run(reference, seqs, None, args.decode_steps)
+    ref_prefill, ref_decodes = [t.cpu() for t in ref_prefill], [t.cpu() for t in ref_decodes]
+    del reference
+    progress(f"measured run (kv cache {engine_args.kv_cache_dtype})")
+    runner = _runner(engine_args)
+    prefill, decodes, _ = _run(runner, seqs, fed, args.decode_steps)
+    result: dict[str, Any] = {
+        "model": runner.model_config.model,
+        "backend": runner.backend.get_name(),
+        "kv_cache_dtype": engine_args.kv_cache_dtype,
+        "reference_kv_cache_dtype": args.reference_kv_cache_dtype,
+        "dtype": str(runner.model_config.dtype),
+        **_scales(runner),
+    }
+    for phase, ours, theirs in (
+        ("prefill", prefill, ref_prefill),
+        ("decode", decodes, ref_decodes),
+    ):
+        figures = _compare([t.cpu() for t in ours], theirs)
+        result.update({f"{phase}_{key}": value for key, value in figures.items()})
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    result = benchmark(args)
+    print_scalars(result)
+    if args.json:
+        write_json(args.json, result, args)
+    return 0

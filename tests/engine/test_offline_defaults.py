@@ -1,0 +1,35 @@
+"""`EngineArgs.with_offline_defaults`: vLLM's larger offline step limits on GPUs of 70 GiB or
+more, given limits kept, nothing changed elsewhere; `create_engine_config` fills the rest."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from attnserve.engine.arg_utils import EngineArgs
+
+
+def _on_gpu(monkeypatch: pytest.MonkeyPatch, gib: int) -> None:
+    """Pretend the arguments resolve to a CUDA device of `gib` GiB."""
+    monkeypatch.setattr(EngineArgs, "resolved_device", lambda self: torch.device("cuda"))
+    props = types.SimpleNamespace(total_memory=gib * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+
+
+def test_large_gpu_takes_vllms_offline_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    _on_gpu(monkeypatch, 141)
+    args = EngineArgs(model="llama-tiny").with_offline_defaults()
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (1024, 16384)
+    given = EngineArgs(model="llama-tiny", max_num_seqs=8).with_offline_defaults()
+    assert (given.max_num_seqs, given.max_num_batched_tokens) == (8, 16384)
+
+
+def test_small_gpu_and_cpu_keep_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = EngineArgs(model="llama-tiny", device="cpu").with_offline_defaults()
+    scheduler = config.create_engine_config().scheduler_config
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (256, 8192)
+    _on_gpu(monkeypatch, 40)
+    args = EngineArgs(model="llama-tiny").with_offline_defaults()
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (None, None)
