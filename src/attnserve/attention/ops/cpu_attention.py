@@ -35,7 +35,8 @@ def cpu_attention_library() -> ctypes.CDLL | None:
 def _rows(x: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
     """`x` [T, width] float32 with a unit inner stride (a copy only when it lacks one), and its
     row stride in floats."""
-    x = x.reshape(x.shape[0], width)
+    if x.dim() != 2 or x.shape[1] != width:
+        x = x.reshape(x.shape[0], width)
     if x.dtype != torch.float32 or x.stride(-1) != 1:
         x = x.to(torch.float32).contiguous()
     return x, x.stride(0)
@@ -68,7 +69,7 @@ def cpu_paged_attention(
     out = torch.empty(q.shape[0], heads * head_size, dtype=torch.float32)
     failed = library.cpu_paged_attention(
         q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride,
-        kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        kv_cache.data_ptr(), kv_cache.data_ptr() + kv_cache.stride(0) * kv_cache.element_size(),
         slot_mapping.data_ptr(), token_seq.data_ptr(), token_pos.data_ptr(),
         block_table.data_ptr(), block_table.shape[1], kv_cache.shape[2], q.shape[0],
         heads, kv_heads, head_size, scale, window or 0, soft_cap or 0.0,

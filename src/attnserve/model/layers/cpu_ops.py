@@ -42,9 +42,15 @@ def use_cpu_ops(x: torch.Tensor) -> bool:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """`x` [..., N] as rows [R, N] with a unit inner stride (a view where one exists)."""
-    rows = x.reshape(-1, x.shape[-1])
+    """`x` [..., N] as rows [R, N] with a unit inner stride (a view where one exists; `x`
+    itself where it is such rows already: a decode step's ops are a few microseconds each)."""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _shaped(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`out` rows viewed as `shape` (no view where they have it already)."""
+    return out if out.shape == shape else out.view(shape)
 
 
 def _library() -> ctypes.CDLL:
@@ -67,7 +73,7 @@ def _launch_rms_norm(
         weight.contiguous().data_ptr(), eps, rows.shape[0], rows.shape[1], out.data_ptr(),
         summed.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    return out.view(x.shape), summed.view(x.shape)
+    return _shaped(out, x.shape), _shaped(summed, x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -109,4 +115,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], inter)
     _library().silu_and_mul(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr(),
                             torch.get_num_threads())  # fmt: skip
-    return out.view(*x.shape[:-1], inter)
+    return _shaped(out, (*x.shape[:-1], inter))
