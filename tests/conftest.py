@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Llama saved as an HF directory, HF's own greedy output,
+"""Shared fixtures: a tiny random Llama saved as an HF directory, HF's own greedy output, the
+embedded default model's engines (kept packed, and dequantized) loaded once per session,
 `wait_until` for what happens in another process, and the `cuda` marker's skip (tests/gpu/).
 
 The suite runs torch with one intra-op thread (and its subprocesses, through OMP_NUM_THREADS):
@@ -10,14 +11,23 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+if TYPE_CHECKING:
+    from attnserve import LLM
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Hypothesis without a clock: no per-example deadline, no health check that times generation.
+settings.register_profile("no-clock", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("no-clock")
 
 # Only a hang takes this long: no test waits on a clock, this bound just turns a hang into a
 # failure. (The slowest wait here, under a loaded two-core machine, is a few seconds.)
@@ -48,21 +58,26 @@ TINY_LLAMA = {
 }
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An HF LlamaForCausalLM with random weights (std large enough for varied argmaxes)."""
+def _save_random_llama(factory: pytest.TempPathFactory, name: str, config: dict[str, Any]) -> Path:
+    """An HF LlamaForCausalLM of `config` with random weights (std large enough for varied
+    argmaxes), saved as safetensors in a fresh directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**TINY_LLAMA)
-    model = LlamaForCausalLM(config).float().eval()
+    model = LlamaForCausalLM(LlamaConfig(**config)).float().eval()
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0, 0.2)
-    path = tmp_path_factory.mktemp("tiny_llama")
+    path = factory.mktemp(name)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny HF LlamaForCausalLM with random weights."""
+    return _save_random_llama(tmp_path_factory, "tiny_llama", TINY_LLAMA)
 
 
 HEAD64_LLAMA = {**TINY_LLAMA, "hidden_size": 128, "intermediate_size": 256, "head_dim": 64,
@@ -72,17 +87,29 @@ HEAD64_LLAMA = {**TINY_LLAMA, "hidden_size": 128, "intermediate_size": 256, "hea
 @pytest.fixture(scope="session")
 def head64_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`tiny_llama_dir`'s kind of model with heads of 64 (the TRITON backend's smallest)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return _save_random_llama(tmp_path_factory, "head64_llama", HEAD64_LLAMA)
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**HEAD64_LLAMA)).float().eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0, 0.2)
-    path = tmp_path_factory.mktemp("head64_llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+
+@pytest.fixture(scope="session")
+def default_llm() -> Iterator[LLM]:
+    """`LLM()` on the embedded default model as a CPU user gets it (GGUF weights kept packed),
+    max_model_len 1024. Tests that share it leave no request or KV block behind."""
+    from attnserve import LLM
+
+    llm = LLM(device="cpu", max_model_len=1024)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def default_llm_dequantized() -> Iterator[LLM]:
+    """The embedded default model with its GGUF weights dequantized to fp32 (quantization
+    "none"), max_model_len 512: the engine compared with HF transformers on the same weights."""
+    from attnserve import LLM
+
+    llm = LLM(device="cpu", max_model_len=512, quantization="none")
+    yield llm
+    llm.shutdown()
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -2,7 +2,8 @@
 
 Each case runs two steps through the backend: step 1 prefills every sequence's context (so the
 cache is written by the backend itself), step 2 mixes fresh prefills, chunked prefills and
-decodes. Both steps are checked against a dense fp32 attention.
+decodes. Both steps are checked against a dense fp32 attention. A backend run through Triton's
+interpreter (on a CPU) runs half of the case grid, chosen to keep every value of every axis.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ FEATURES: list[dict[str, object]] = [
     {"sliding_window": 19, "alibi": True, "soft_cap": 8.0},
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+GRID = ([1, 2, 4, 8], [64, 80, 128], [1, 16, 32, 128])  # GQA group, head size, block size
 
 
 def _cases() -> list[Case]:
-    grid = itertools.product([1, 2, 4, 8], [64, 80, 128], [1, 16, 32, 128])
+    grid = itertools.product(*GRID)
     cases = []
     for index, (group, head_size, block_size) in enumerate(grid):
         cases.append(
@@ -55,6 +57,16 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
+# Under Triton's interpreter (a second a case) a backend runs half of CASES: those whose grid
+# coordinates have an even sum. They still hold every group, head size, block size, dtype and
+# feature, and 135 of the 143 pairs of them; compiled, every case runs.
+INTERPRETED_SKIPS = frozenset(
+    case
+    for case, coordinates in zip(
+        CASES, itertools.product(*(range(len(axis)) for axis in GRID)), strict=True
+    )
+    if sum(coordinates) % 2
+)
 # fp8 caches (per-KV-head scales calibrated on the case's K/V) at FP8_TOLERANCE: a compute dtype
 # each, the features, block sizes 1..128, GQA groups 1..8.
 FP8_CASES = [
@@ -81,6 +93,8 @@ def _skip_unsupported(backend: type[AttentionBackend], case: Case, device: str) 
     reasons = backend.unsupported_reasons(case.spec(device))
     if reasons:
         pytest.skip("; ".join(reasons))
+    if runs_interpreted(backend, device) and case in INTERPRETED_SKIPS:
+        pytest.skip("interpreted: this case's half of the grid runs compiled only")
 
 
 def _write_context(runner: Runner, seqs: list[Sequence]) -> None:

@@ -17,8 +17,13 @@ import httpx
 import torch
 
 import attnserve
+from tests.conftest import HANG_GUARD_S
 
 SRC = Path(attnserve.__file__).resolve().parents[1]
+API_KEY = "test-key"  # the default model's shared server (tests/entrypoints/conftest.py)
+TINY_MODEL = "tiny"  # the tiny chat model's served name, limits and request size limit
+TINY_MAX_MODEL_LEN = 128
+TINY_MAX_BYTES = 65536
 
 
 def free_port() -> int:
@@ -29,9 +34,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`attnserve serve ARGS` in a subprocess; ready (GET /health 200) when constructed."""
+    """`attnserve serve ARGS` in a subprocess; ready (GET /health 200) when constructed. Every
+    wait polls for its condition and fails only on a hang (HANG_GUARD_S)."""
 
-    def __init__(self, args: list[str], api_key: str | None = None, timeout: float = 180) -> None:
+    def __init__(self, args: list[str], api_key: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -45,10 +51,10 @@ class ServerProcess:
             command += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self._wait_ready(timeout)
+        self._wait_ready()
 
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + HANG_GUARD_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited:\n{self.log_text()[-3000:]}")
@@ -59,7 +65,8 @@ class ServerProcess:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError(f"the server was not ready in {timeout} s:\n{self.log_text()[-3000:]}")
+        log = self.log_text()[-3000:]
+        raise RuntimeError(f"the server was not ready in {HANG_GUARD_S:.0f} s (a hang):\n{log}")
 
     @property
     def headers(self) -> dict[str, str]:
@@ -70,7 +77,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """`name{labels}` -> value, for every sample of GET /metrics."""
-        text = httpx.get(self.url + "/metrics", timeout=30).text
+        text = httpx.get(self.url + "/metrics", timeout=HANG_GUARD_S).text
         samples = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -78,17 +85,19 @@ class ServerProcess:
                 samples[name] = float(value)
         return samples
 
-    def wait_idle(self, timeout: float = 30) -> dict[str, float]:
-        """The metrics once nothing runs or waits (or the last ones seen, at the timeout)."""
-        deadline = time.monotonic() + timeout
+    def wait_idle(self) -> dict[str, float]:
+        """The metrics once nothing runs or waits."""
+        deadline = time.monotonic() + HANG_GUARD_S
         while True:
             metrics = self.metrics()
             busy = (
                 metrics["attnserve:num_requests_running"]
                 + metrics["attnserve:num_requests_waiting"]
             )
-            if not busy or time.monotonic() > deadline:
+            if not busy:
                 return metrics
+            if time.monotonic() > deadline:
+                raise AssertionError(f"requests still busy after {HANG_GUARD_S:.0f} s: a hang")
             time.sleep(0.1)
 
     def children(self) -> list[int]:
@@ -99,10 +108,10 @@ class ServerProcess:
         return [pid for pid in self.children() if "resource_tracker" not in _cmdline(pid)]
 
     def stop(self) -> int:
-        """SIGTERM, then (past a generous grace) SIGKILL; the exit code."""
+        """SIGTERM, then (only on a hang) SIGKILL; the exit code."""
         self.proc.terminate()
         try:
-            code = self.proc.wait(timeout=60)
+            code = self.proc.wait(timeout=HANG_GUARD_S)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait()

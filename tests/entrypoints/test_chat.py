@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import signal
-from collections.abc import Iterator
 
 import pytest
 
@@ -19,10 +18,9 @@ LONG = "Count from 1 to 100, one number per line."
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[LLMEngine]:
-    llm = LLM(device="cpu", max_model_len=1024)
-    yield llm.llm_engine
-    llm.shutdown()
+def engine(default_llm: LLM) -> LLMEngine:
+    """The shared default model's engine (tests/conftest.py); every test leaves it idle."""
+    return default_llm.llm_engine
 
 
 class Script:

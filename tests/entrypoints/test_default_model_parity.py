@@ -13,7 +13,7 @@ import torch
 from attnserve import LLM, SamplingParams
 from attnserve.model.hf_export import to_hf_model
 
-NEW_TOKENS = 32
+NEW_TOKENS = 16  # every prompt's decode crosses a 16-token block boundary
 RAW_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -29,8 +29,10 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[LLM, Any, list[list[int]]]:
-    llm = LLM(device="cpu", max_model_len=512, quantization="none")
+def reference(default_llm_dequantized: LLM) -> tuple[LLM, Any, list[list[int]]]:
+    """The dequantized default engine, HF transformers' model on its weights, and the prompts
+    (raw text, then chat-formatted) as token ids."""
+    llm = default_llm_dequantized
     tokenizer = llm.get_tokenizer()
     chats = [
         tokenizer.apply_chat_template(
@@ -48,6 +50,7 @@ def reference() -> tuple[LLM, Any, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def hf_tokens(reference: tuple[LLM, Any, list[list[int]]]) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt, one prompt at a time."""
     _, hf, prompts = reference
     hf.generation_config.eos_token_id = None
     tokens = []
@@ -80,7 +83,10 @@ def test_greedy_tokens_equal_hf(
         max_num_seqs=max_num_seqs,
         quantization="none",
     )
-    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    try:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == hf_tokens
 
 

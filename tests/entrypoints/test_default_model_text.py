@@ -17,8 +17,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(device="cpu", max_model_len=1024)
+def llm(default_llm: LLM) -> LLM:
+    """The shared default model (tests/conftest.py)."""
+    return default_llm
 
 
 def test_chat_answers_the_question(llm: LLM) -> None:
@@ -48,7 +49,8 @@ def test_incremental_detokenizer_never_splits_characters(llm: LLM) -> None:
 
 
 def test_streamed_deltas_concatenate_to_the_final_text(llm: LLM) -> None:
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(device="cpu", max_model_len=1024))
+    args = EngineArgs(device="cpu", max_model_len=1024, engine_core_process=False)
+    engine = AsyncLLMEngine.from_engine_args(args)  # streaming is the front end's: one process
     question = [{"role": "user", "content": "Écris « bonjour » en japonais et en russe 🌍🙂"}]
     prompt = llm.get_tokenizer().apply_chat_template(
         question, tokenize=False, add_generation_prompt=True

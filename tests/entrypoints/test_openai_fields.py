@@ -1,12 +1,12 @@
 """Every request field, through the official `openai` client (or raw JSON for what it would not
-send) against a real server over a tiny random Llama with the default model's tokenizer (its
-greedy text repeats one token: " time time time ..."): the served fields do what they say,
+send) against a real server over a tiny random Llama with the default model's tokenizer (shared
+with test_openai_bad_input.py; its greedy text repeats one token: " time time time ..."): the
+served fields do what they say,
 checked against HF transformers on the same weights where a number is involved; refused fields
 and wrong types get a 400 naming them; and no KV block is left in use after all of it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.entrypoints.openai_server import ServerProcess, tiny_model_with_tokenizer
+from tests.conftest import HANG_GUARD_S
+from tests.entrypoints.openai_server import TINY_MODEL, ServerProcess
 
-MODEL = "tiny"
+MODEL = TINY_MODEL
 PROMPT = "Once upon a time"
 TIME = 655  # " time": what the tiny model repeats after PROMPT
 PARIS = 7042  # " Paris"
@@ -28,31 +29,29 @@ CHAT = [{"role": "user", "content": PROMPT}]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny_fields_model"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[ServerProcess]:
-    args = [str(model_dir), "--device", "cpu", "--served-model-name", MODEL]
-    process = ServerProcess([*args, "--max-model-len", "128"])
-    yield process
-    process.stop()
+def server(tiny_chat_server: ServerProcess) -> ServerProcess:
+    """The tiny chat model's shared server (tests/entrypoints/conftest.py)."""
+    return tiny_chat_server
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    """The official client on the server; no retries."""
+    return openai.OpenAI(
+        base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=HANG_GUARD_S
+    )
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(model_dir)
+def tokenizer(tiny_chat_model_dir: Path) -> Any:
+    """The served model's tokenizer, through transformers."""
+    return AutoTokenizer.from_pretrained(tiny_chat_model_dir)
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir: Path) -> Any:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf_model(tiny_chat_model_dir: Path) -> Any:
+    """HF transformers' model on the served weights (fp32): the reference."""
+    return AutoModelForCausalLM.from_pretrained(tiny_chat_model_dir, dtype=torch.float32).eval()
 
 
 def _complete(client: openai.OpenAI, **kwargs: Any) -> Any:
@@ -70,7 +69,7 @@ def _chat(client: openai.OpenAI, **kwargs: Any) -> Any:
 
 
 def _post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=60)
+    return httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=HANG_GUARD_S)
 
 
 def test_logit_bias_forces_and_forbids_a_token(client: openai.OpenAI, tokenizer: Any) -> None:

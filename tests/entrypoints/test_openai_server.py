@@ -1,13 +1,13 @@
 """The OpenAI-compatible server, driven by the official `openai` client against a real
-`attnserve serve` process (default model, CPU, loopback, an API key): both endpoints, streaming
-and not, n / stop / seed / logprobs / usage, the API key, and the metrics it reports."""
+`attnserve serve` process (default model, CPU, loopback, an API key; shared with
+test_openai_structured.py): both endpoints, streaming and not, n / stop / seed / logprobs /
+usage, the API key, and the metrics it reports."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,28 +18,32 @@ from transformers import AutoTokenizer
 from attnserve.bench.serve import benchmark, format_report
 from attnserve.cli import build_parser
 from attnserve.model.default_model import default_model_dir
-from tests.entrypoints.openai_server import ServerProcess
+from tests.conftest import HANG_GUARD_S
+from tests.entrypoints.openai_server import API_KEY, ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
-KEY = "test-key"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 NO_EOS: dict[str, Any] = {"ignore_eos": True}
+RAN_OUT = 'attnserve:request_success_total{finished_reason="length"}'  # reached max_tokens
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    process = ServerProcess(["--device", "cpu", "--max-model-len", "512"], api_key=KEY)
-    yield process
-    process.stop()
+def server(default_model_server: ServerProcess) -> ServerProcess:
+    """The default model's shared server (tests/entrypoints/conftest.py)."""
+    return default_model_server
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    """The official client on the server, with its API key; no retries."""
+    return openai.OpenAI(
+        base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=HANG_GUARD_S
+    )
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
+    """The default model's tokenizer, through transformers."""
     return AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
 
 
@@ -173,15 +177,17 @@ def test_chat_top_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_api_key_is_required_on_v1_only(server: ServerProcess) -> None:
-    wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    wrong = openai.OpenAI(
+        base_url=server.url + "/v1", api_key="wrong", max_retries=0, timeout=HANG_GUARD_S
+    )
     with pytest.raises(openai.AuthenticationError) as caught:
         wrong.models.list()
     assert caught.value.body["message"] == "a valid API key is required"  # type: ignore[index]
     body = {"model": MODEL, "prompt": "hi"}
-    missing = httpx.post(server.url + "/v1/completions", json=body)
+    missing = httpx.post(server.url + "/v1/completions", json=body, timeout=HANG_GUARD_S)
     assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
     for open_route in ("/health", "/metrics"):
-        assert httpx.get(server.url + open_route).status_code == 200
+        assert httpx.get(server.url + open_route, timeout=HANG_GUARD_S).status_code == 200
 
 
 def test_metrics_count_a_request(client: openai.OpenAI, server: ServerProcess) -> None:
@@ -204,7 +210,9 @@ def test_metrics_count_a_request(client: openai.OpenAI, server: ServerProcess) -
 
 
 def test_64_concurrent_streams_all_complete_and_free_their_blocks(server: ServerProcess) -> None:
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=HANG_GUARD_S
+    )
     common: dict[str, Any] = {
         "model": MODEL,
         "max_tokens": 8,
@@ -225,7 +233,9 @@ def test_64_concurrent_streams_all_complete_and_free_their_blocks(server: Server
 
     async def run() -> list[tuple[int, int]]:
         async with client:
-            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), 150)
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(i) for i in range(64))), HANG_GUARD_S
+            )
 
     started = time.monotonic()
     results = asyncio.run(run())
@@ -242,7 +252,9 @@ def test_streamed_text_equals_whole_text_with_many_streams(client: openai.OpenAI
     prompts = [f"{i} apples and {i + 1}" for i in range(32)]
     stops = [["\n"] if i % 2 else None for i in range(32)]
     common: dict[str, Any] = {"model": MODEL, "max_tokens": 16, "temperature": 0}
-    concurrent = openai.AsyncOpenAI(base_url=client.base_url, api_key=KEY, max_retries=0)
+    concurrent = openai.AsyncOpenAI(
+        base_url=client.base_url, api_key=API_KEY, max_retries=0, timeout=HANG_GUARD_S
+    )
 
     async def whole(prompt: str, stop: list[str] | None) -> tuple[str, str | None]:
         choice = (await concurrent.completions.create(prompt=prompt, stop=stop, **common)).choices[
@@ -261,13 +273,25 @@ def test_streamed_text_equals_whole_text_with_many_streams(client: openai.OpenAI
     async def run() -> tuple[list[tuple[str, str | None]], list[tuple[str, str | None, int]]]:
         async with concurrent:
             pairs = list(zip(prompts, stops, strict=True))
-            wholes = await asyncio.wait_for(asyncio.gather(*(whole(*p) for p in pairs)), 150)
-            streams = await asyncio.wait_for(asyncio.gather(*(streamed(*p) for p in pairs)), 150)
+            wholes = await asyncio.wait_for(
+                asyncio.gather(*(whole(*p) for p in pairs)), HANG_GUARD_S
+            )
+            streams = await asyncio.wait_for(
+                asyncio.gather(*(streamed(*p) for p in pairs)), HANG_GUARD_S
+            )
             return wholes, streams
 
     wholes, streams = asyncio.run(run())
     assert [(text, reason) for text, reason, _ in streams] == wholes
     print(f"events per stream: {[n for _, _, n in streams]}")
+
+
+async def _until_running(server: ServerProcess, count: int) -> None:
+    """Poll the metrics until `count` requests run; fail only on a hang."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while (await asyncio.to_thread(server.metrics))["attnserve:num_requests_running"] < count:
+        assert time.monotonic() < deadline, f"{count} requests never ran at once: a hang"
+        await asyncio.sleep(0.05)
 
 
 async def _open_streams(server: ServerProcess, count: int) -> None:
@@ -283,47 +307,51 @@ async def _open_streams(server: ServerProcess, count: int) -> None:
             assert (await anext(lines)).startswith("data: ")
             await drop.wait()
 
-    async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=60) as http:
+    async with httpx.AsyncClient(
+        base_url=server.url, headers=server.headers, timeout=HANG_GUARD_S
+    ) as http:
         streams = asyncio.gather(*(one(http) for _ in range(count)))
-        while (await asyncio.to_thread(server.metrics))["attnserve:num_requests_running"] < count:
-            await asyncio.sleep(0.1)
+        await _until_running(server, count)
         assert (await asyncio.to_thread(server.metrics))["attnserve:kv_cache_usage_perc"] > 0
         drop.set()
         await streams
 
 
 def test_a_burst_of_disconnects_frees_every_block(server: ServerProcess) -> None:
+    before = server.wait_idle().get(RAN_OUT, 0.0)
     asyncio.run(_open_streams(server, 32))
-    dropped = time.monotonic()
-    idle = server.wait_idle(timeout=20)
+    idle = server.wait_idle()
     assert idle["attnserve:num_requests_running"] == 0
     assert idle["attnserve:kv_cache_usage_perc"] == 0
-    assert time.monotonic() - dropped < 10  # 32 x 400 tokens would take minutes
+    assert idle.get(RAN_OUT, 0.0) == before  # aborted: none ran on to its 400 tokens
 
 
 def test_a_dropped_non_streaming_request_is_aborted(server: ServerProcess) -> None:
     body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 400, **NO_EOS}
+    before = server.wait_idle().get(RAN_OUT, 0.0)
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers) as http:
-            request = asyncio.create_task(http.post("/v1/completions", json=body, timeout=60))
-            while (await asyncio.to_thread(server.metrics))["attnserve:num_requests_running"] < 1:
-                await asyncio.sleep(0.05)
+            post = http.post("/v1/completions", json=body, timeout=HANG_GUARD_S)
+            request = asyncio.create_task(post)
+            await _until_running(server, 1)
             request.cancel()  # closes the connection mid-generation
             with contextlib.suppress(asyncio.CancelledError):
                 await request
 
     asyncio.run(run())
-    idle = server.wait_idle(timeout=20)
+    idle = server.wait_idle()
     assert idle["attnserve:num_requests_running"] == 0
     assert idle["attnserve:kv_cache_usage_perc"] == 0
+    assert idle.get(RAN_OUT, 0.0) == before  # aborted, not run on to its 400 tokens
 
 
 @pytest.mark.parametrize("pacing", [[], ["--request-rate", "20", "--max-concurrency", "2"]])
 def test_bench_serve_reports_what_the_server_counted(
     server: ServerProcess, pacing: list[str]
 ) -> None:
-    command = ["bench", "serve", "--base-url", server.url, "--api-key", KEY, "--num-prompts", "6"]
+    command = ["bench", "serve", "--base-url", server.url, "--api-key", API_KEY]
+    command += ["--num-prompts", "6"]
     args = build_parser().parse_args([*command, "--input-len", "16", "--output-len", "5", *pacing])
     before = server.wait_idle()
     summary = asyncio.run(benchmark(args))

@@ -1,5 +1,6 @@
 """Structured outputs and tool calling through the official `openai` client against a real
-`attnserve serve` (default model, CPU, `--enable-auto-tool-choice --tool-call-parser hermes`).
+`attnserve serve` (default model, CPU, `--enable-auto-tool-choice --tool-call-parser hermes`;
+shared with test_openai_server.py).
 
 Outputs are checked by `jsonschema` against the schema asked for (n=2, streamed), tool calls
 by their function's parameters schema; a spec the compiler refuses is a 400 carrying its
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -21,7 +21,8 @@ from attnserve.entrypoints.openai.protocol import ChatCompletionRequest
 from attnserve.entrypoints.openai.protocol_structured import DeltaFunctionCall, DeltaToolCall
 from attnserve.entrypoints.openai.tool_choice import AUTO_NEEDS_FLAGS, tool_plan
 from attnserve.entrypoints.openai.tool_parsers import merged_calls
-from tests.entrypoints.openai_server import ServerProcess
+from tests.conftest import HANG_GUARD_S
+from tests.entrypoints.openai_server import API_KEY, ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 CITY = {
@@ -69,16 +70,17 @@ SAMPLED: dict[str, Any] = {"temperature": 0.5, "seed": 11, "max_tokens": 120}
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    args = ["--device", "cpu", "--max-model-len", "512"]
-    process = ServerProcess([*args, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-    yield process
-    process.stop()
+def server(default_model_server: ServerProcess) -> ServerProcess:
+    """The default model's shared server (tests/entrypoints/conftest.py)."""
+    return default_model_server
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    """The official client on the server, with its API key; no retries."""
+    return openai.OpenAI(
+        base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=HANG_GUARD_S
+    )
 
 
 def city_format(strict: bool = True) -> dict[str, Any]:

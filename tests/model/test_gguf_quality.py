@@ -15,18 +15,17 @@ QUESTIONS = [
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-def _greedy(quantization: str | None) -> list[list[int]]:
-    llm = LLM(device="cpu", max_model_len=256, quantization=quantization)
-    try:
-        assert llm.llm_engine.model_config.quantization == (None if quantization else "gguf")
-        chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
-        return [list(o.outputs[0].token_ids) for o in llm.chat(chats, GREEDY, use_tqdm=False)]
-    finally:
-        llm.shutdown()
+def _greedy(llm: LLM) -> list[list[int]]:
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    return [list(o.outputs[0].token_ids) for o in llm.chat(chats, GREEDY, use_tqdm=False)]
 
 
-def test_packed_default_model_greedy_equals_its_dequantized_run() -> None:
-    packed, dequantized = _greedy(None), _greedy("none")
+def test_packed_default_model_greedy_equals_its_dequantized_run(
+    default_llm: LLM, default_llm_dequantized: LLM
+) -> None:
+    assert default_llm.llm_engine.model_config.quantization == "gguf"
+    assert default_llm_dequantized.llm_engine.model_config.quantization is None
+    packed, dequantized = _greedy(default_llm), _greedy(default_llm_dequantized)
     partings = [
         next((i for i, (a, b) in enumerate(zip(p, d, strict=True)) if a != b), None)
         for p, d in zip(packed, dequantized, strict=True)

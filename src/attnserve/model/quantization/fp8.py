@@ -50,7 +50,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
         return fp8_quant.quantize_rows(x)
     x32 = x.float()
-    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+    scale = (x32.abs().amax(dim=-1, keepdim=True) * (1.0 / FP8_MAX)).clamp(min=_TINY)
     quantized = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return quantized, scale.squeeze(-1)
 

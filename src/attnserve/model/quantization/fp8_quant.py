@@ -1,10 +1,11 @@
 """One Triton launch for FP8's per-token activation quantization on CUDA (`fp8.quantize_rows`
 in torch takes eight: float cast, abs, amax, divide, clamp, divide, clamp, cast).
 
-A program per row: the row's max |x| gives its scale (max / 448, at least float32's smallest
-normal), then x / scale (correctly rounded division, as torch's), clamped to +-448, cast to E4M3
-(round to nearest even, as torch's cast). The same values as the torch path, so the FP8 linear
-layer computes the same on either.
+A program per row: the row's max |x| gives its scale (max times 1/448, as torch computes a
+division by a scalar, at least float32's smallest normal), then x / scale (correctly rounded
+division, as torch's by a tensor), clamped to +-448, cast to E4M3 (round to nearest even, as
+torch's cast). The same values as the torch path, so the FP8 linear layer computes the same on
+either.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-_TINY = float(torch.finfo(torch.float32).tiny)
+FP8_MAX = tl.constexpr(448.0)
+_INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
+_TINY = tl.constexpr(float(torch.finfo(torch.float32).tiny))
 
 
 @triton.jit
@@ -30,7 +32,7 @@ def _quantize_rows_kernel(  # type: ignore[no-untyped-def]
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), _TINY)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) * _INV_FP8_MAX, _TINY)
     scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
     tl.store(out_ptr + row * K + cols, scaled.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
