@@ -3,9 +3,12 @@ through ctypes on torch tensors' memory.
 
 A library is built into `<cache>/kernels/` ($ATTNSERVE_CACHE_DIR or ~/.cache/attnserve), keyed by
 its source, flags and compiler, written whole or not at all (a staging file renamed into place).
-The kernels use AVX2/FMA/F16C and OpenMP: built with -fopenmp against libgomp.so.1, they run on
-torch's own OpenMP runtime (its threads, `torch.set_num_threads`). Where they cannot run (torch's
-CPU capability below AVX2, no compiler, a failed build), `load_native` returns None, logging why
+The kernels use AVX2/FMA/F16C. They share one thread pool (`native_pool.c`, a library of its own
+that every kernel library is linked against, so one set of workers serves them all); a kernel
+takes its thread count as an argument (callers pass `torch.get_num_threads()`). Only OpenMP's
+`simd` pragmas are on (-fopenmp-simd: no OpenMP runtime). The shared headers (`native_*.h`: the
+pool's, vector math) are part of every library's key. Where they cannot run (torch's CPU
+capability below AVX2, no compiler, a failed build), `load_native` returns None, logging why
 once, and the callers take their torch path.
 """
 
@@ -26,7 +29,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "ATTNSERVE_CACHE_DIR"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+POOL_SOURCE = Path(__file__).with_name("native_pool.c")
+HEADERS = tuple(POOL_SOURCE.with_name(name) for name in ("native_pool.h", "native_math.h"))
+ISA = ("-mavx2", "-mfma", "-mf16c")
+FLAGS = ("-O3", *ISA, "-ffp-contract=off", "-fopenmp-simd", "-shared", "-fPIC")
 _CAPABLE = ("AVX2", "AVX512")
 
 
@@ -49,7 +55,8 @@ def load_native(source: Path) -> ctypes.CDLL | None:
         logger.warning("native kernels of %s off: no C compiler (set CC)", source.name)
         return None
     try:
-        return ctypes.CDLL(str(_built(source, compiler)))
+        pool = _built(POOL_SOURCE, compiler, ()).resolve()
+        return ctypes.CDLL(str(_built(source, compiler, (str(pool),))))
     except subprocess.CalledProcessError as error:
         logger.warning("native kernels of %s off: %s", source.name, error.stderr[-2000:])
     except OSError as error:
@@ -57,9 +64,12 @@ def load_native(source: Path) -> ctypes.CDLL | None:
     return None
 
 
-def _built(source: Path, compiler: str) -> Path:
-    """The shared library in the cache, compiled first if it is not there yet."""
-    key = source.read_bytes() + " ".join((compiler, *FLAGS)).encode()
+def _built(source: Path, compiler: str, libraries: tuple[str, ...]) -> Path:
+    """The shared library in the cache, compiled first if it is not there yet; linked against
+    `libraries` (paths of built ones: their names hold their sources' digests)."""
+    include = ("-I", str(POOL_SOURCE.parent))
+    headers = b"".join(header.read_bytes() for header in HEADERS)
+    key = source.read_bytes() + headers + " ".join((compiler, *FLAGS, *libraries)).encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{source.stem}-{digest}.so"
     if target.is_file():
@@ -68,7 +78,8 @@ def _built(source: Path, compiler: str) -> Path:
     handle, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
-        command = [compiler, *FLAGS, str(source), "-o", staging, "-lm"]
+        command = [compiler, *FLAGS, *include, str(source), *libraries, "-o", staging, "-lm",
+                   "-lpthread"]  # fmt: skip
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(staging, target)
     finally:

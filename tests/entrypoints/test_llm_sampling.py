@@ -149,3 +149,24 @@ def test_include_stop_str_in_output_keeps_the_stop_string(text_llm: LLM) -> None
     assert _one(text_llm, params, prompt).outputs[0].text == text[:cut]
     params = _greedy(stop=stop, include_stop_str_in_output=True)
     assert _one(text_llm, params, prompt).outputs[0].text == text[: cut + len(stop)]
+
+
+def test_two_threads_draw_what_one_does_and_keep_the_thread_count(llm: LLM) -> None:
+    """On the CPU the sampler runs on one torch thread inside each step
+    (`ModelRunner._sampling_threads`); the caller's thread count is back afterwards and the
+    seeded and greedy draws equal a one-thread run's."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=NEW_TOKENS, ignore_eos=True),
+    ]
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outputs = llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
+            assert torch.get_num_threads() == threads
+            runs.append([o.outputs[0].token_ids for o in outputs])
+    finally:
+        torch.set_num_threads(before)
+    assert runs[0] == runs[1]

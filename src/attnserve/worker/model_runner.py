@@ -14,9 +14,10 @@ step's draws (a `StepFuture`); the next step may take tokens still on the device
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import accumulate, chain
 
 import numpy as np
@@ -249,7 +250,7 @@ class ModelRunner:
             self._add_prompt_logprobs(batch, hidden, starts, results)
             return StepFuture(num_seqs, ready=results)
         logits = self.model.compute_logits(self._last_hidden(hidden, starts, rows))
-        with torch.profiler.record_function(SAMPLING_RANGE):
+        with torch.profiler.record_function(SAMPLING_RANGE), self._sampling_threads():
             draw = self.sampler.draw(logits, [batch.seqs[i] for i in rows], batch.token_bitmask)
         tokens = draw.tokens
         one_draw_each = len(tokens) == len(rows)
@@ -265,6 +266,22 @@ class ModelRunner:
             results[row] = result
         self._add_prompt_logprobs(batch, hidden, starts, results)
         return StepFuture(num_seqs, ready=results)
+
+    @contextlib.contextmanager
+    def _sampling_threads(self) -> Iterator[None]:
+        """On the CPU, the sampler's ops on one thread: splitting a [rows, vocab] reduction
+        over torch's OpenMP threads gains little and, where another process holds a core,
+        waits for the descheduled thread at every op (milliseconds a step instead of tens of
+        microseconds)."""
+        threads = torch.get_num_threads()
+        if self.device.type != "cpu" or threads == 1:
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -72,7 +72,7 @@ class CpuNativeImpl(AttentionImpl[CpuNativeMetadata]):
             self.logits_soft_cap,
             slopes,
         )
-        return out.to(query.dtype)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
 class CpuNativeBackend(AttentionBackend):

@@ -27,7 +27,7 @@ def cpu_attention_library() -> ctypes.CDLL | None:
         pointer, pointer, pointer, pointer,  # slot_mapping, token_seq, token_pos, block_table
         size, size, size, size, size, size,  # table width, block size, T, H, Hkv, D
         real, size, real, pointer,  # scale, window, soft-cap, ALiBi slopes
-        pointer,  # out
+        pointer, ctypes.c_int,  # out, threads
     ]  # fmt: skip
     return library
 
@@ -35,7 +35,8 @@ def cpu_attention_library() -> ctypes.CDLL | None:
 def _rows(x: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
     """`x` [T, width] float32 with a unit inner stride (a copy only when it lacks one), and its
     row stride in floats."""
-    x = x.reshape(x.shape[0], width)
+    if x.dim() != 2 or x.shape[1] != width:
+        x = x.reshape(x.shape[0], width)
     if x.dtype != torch.float32 or x.stride(-1) != 1:
         x = x.to(torch.float32).contiguous()
     return x, x.stride(0)
@@ -55,7 +56,8 @@ def cpu_paged_attention(
 ) -> torch.Tensor:
     """One layer's attention (see the C source). `tables`: slot_mapping, token_seq, token_pos
     [T] and block_table [B, W], contiguous int64; `shape`: heads, KV heads, head size;
-    kv_cache [2, blocks, block size, Hkv, D] float32. Returns [T, H*D]."""
+    kv_cache [2, blocks, block size, Hkv, D] float32. Returns [T, H*D], computed on torch's
+    thread count."""
     library = cpu_attention_library()
     if library is None:
         raise RuntimeError("the native CPU attention kernel is not available here")
@@ -67,11 +69,11 @@ def cpu_paged_attention(
     out = torch.empty(q.shape[0], heads * head_size, dtype=torch.float32)
     failed = library.cpu_paged_attention(
         q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride,
-        kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        kv_cache.data_ptr(), kv_cache.data_ptr() + kv_cache.stride(0) * kv_cache.element_size(),
         slot_mapping.data_ptr(), token_seq.data_ptr(), token_pos.data_ptr(),
         block_table.data_ptr(), block_table.shape[1], kv_cache.shape[2], q.shape[0],
         heads, kv_heads, head_size, scale, window or 0, soft_cap or 0.0,
-        None if alibi is None else alibi.data_ptr(), out.data_ptr(),
+        None if alibi is None else alibi.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("cpu_paged_attention: out of memory for the score buffers")

@@ -1,20 +1,37 @@
 /* The model's small float32 ops on the CPU, one call each instead of a chain of torch kernels:
  * RMSNorm (optionally after adding the residual), NeoX rotary embedding of q and k, and
  * SiLU-and-mul. Each computes what the plain-torch layer computes, in float32, up to the order
- * of a row's sum of squares. Rows are split over OpenMP threads (torch's runtime: see
- * attnserve.native). Row arguments have unit inner stride; `*_stride` is in floats.
+ * of a row's sum of squares (and SiLU's exp: native_math.h's, within 2 ulp). Rows are chunks
+ * of work for `threads` threads of the shared pool (native_pool.h). Row arguments have unit
+ * inner stride; `*_stride` is in floats.
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
+#include "native_math.h"
+#include "native_pool.h"
+
+#define ROW_FLOATS 16384 /* floats of rows a chunk of pool work takes, about */
+
+static int64_t chunk_rows(int64_t width) { return width >= ROW_FLOATS ? 1 : ROW_FLOATS / width; }
+
 /* out = weight * x * 1/sqrt(mean(x^2) + eps), per row of n; with `residual` (not NULL), x is
  * first replaced by x + residual, which is also written to `summed`. */
-void rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t residual_stride,
-              const float *weight, float eps, int64_t rows, int64_t n, float *out,
-              float *summed) {
-#pragma omp parallel for schedule(static) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++) {
+typedef struct {
+    const float *x, *residual, *weight;
+    int64_t x_stride, residual_stride, n;
+    float eps;
+    float *out, *summed;
+} Norm;
+
+static void norm_rows(const void *job, int64_t first, int64_t end) {
+    const Norm *j = job;
+    const float *x = j->x, *residual = j->residual, *weight = j->weight;
+    const int64_t x_stride = j->x_stride, residual_stride = j->residual_stride, n = j->n;
+    const float eps = j->eps;
+    float *out = j->out, *summed = j->summed;
+    for (int64_t r = first; r < end; r++) {
         const float *xr = x + r * x_stride;
         float *o = out + r * n;
         float squares = 0.0f;
@@ -37,6 +54,13 @@ void rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t r
     }
 }
 
+void rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t residual_stride,
+              const float *weight, float eps, int64_t rows, int64_t n, float *out,
+              float *summed, int threads) {
+    const Norm job = {x, residual, weight, x_stride, residual_stride, n, eps, out, summed};
+    pool_run(threads, rows, chunk_rows(n), norm_rows, &job);
+}
+
 /* Rotate `heads` heads of `size` (one token's, at src) by cos/sin [size / 2] into dst. */
 static inline void rotate(const float *src, float *dst, int64_t heads, int64_t size,
                           const float *cos, const float *sin) {
@@ -55,23 +79,60 @@ static inline void rotate(const float *src, float *dst, int64_t heads, int64_t s
 /* "Rotate half" rotary embedding: q [T, qh * size] and k [T, kh * size] (rows q_stride /
  * k_stride apart) by their tokens' positions, into contiguous q_out / k_out; cos_sin
  * [positions, size]: cos then sin, size / 2 each. */
+typedef struct {
+    const int64_t *positions;
+    const float *q, *k, *cos_sin;
+    int64_t q_stride, q_heads, k_stride, k_heads, size;
+    float *q_out, *k_out;
+} Rotary;
+
+static void rotate_tokens(const void *job, int64_t first, int64_t end) {
+    const Rotary *j = job;
+    const int64_t size = j->size;
+    for (int64_t t = first; t < end; t++) {
+        const float *cos = j->cos_sin + j->positions[t] * size, *sin = cos + size / 2;
+        rotate(j->q + t * j->q_stride, j->q_out + t * j->q_heads * size, j->q_heads, size, cos,
+               sin);
+        rotate(j->k + t * j->k_stride, j->k_out + t * j->k_heads * size, j->k_heads, size, cos,
+               sin);
+    }
+}
+
 void rotary_embedding(const int64_t *positions, int64_t tokens, const float *q, int64_t q_stride,
                       int64_t q_heads, const float *k, int64_t k_stride, int64_t k_heads,
-                      int64_t size, const float *cos_sin, float *q_out, float *k_out) {
-#pragma omp parallel for schedule(static) if (tokens > 1)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *cos = cos_sin + positions[t] * size, *sin = cos + size / 2;
-        rotate(q + t * q_stride, q_out + t * q_heads * size, q_heads, size, cos, sin);
-        rotate(k + t * k_stride, k_out + t * k_heads * size, k_heads, size, cos, sin);
+                      int64_t size, const float *cos_sin, float *q_out, float *k_out,
+                      int threads) {
+    const Rotary job = {positions, q, k, cos_sin, q_stride, q_heads, k_stride, k_heads, size,
+                        q_out, k_out};
+    pool_run(threads, tokens, chunk_rows((q_heads + k_heads) * size), rotate_tokens, &job);
+}
+
+typedef struct {
+    const float *x;
+    int64_t x_stride, inter;
+    float *out;
+} Gate;
+
+static void gate_rows(const void *job, int64_t first, int64_t end) {
+    const Gate *j = job;
+    const int64_t inter = j->inter;
+    for (int64_t r = first; r < end; r++) {
+        const float *gate = j->x + r * j->x_stride, *up = gate + inter;
+        float *o = j->out + r * inter;
+        int64_t i = 0;
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+        }
+        for (; i < inter; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
 }
 
 /* out [rows, inter] = silu(gate) * up, x = [gate | up] rows `x_stride` apart. */
-void silu_and_mul(const float *x, int64_t x_stride, int64_t rows, int64_t inter, float *out) {
-#pragma omp parallel for schedule(static) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = x + r * x_stride, *up = gate + inter;
-        float *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-    }
+void silu_and_mul(const float *x, int64_t x_stride, int64_t rows, int64_t inter, float *out,
+                  int threads) {
+    const Gate job = {x, x_stride, inter, out};
+    pool_run(threads, rows, chunk_rows(inter), gate_rows, &job);
 }

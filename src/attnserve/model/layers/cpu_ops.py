@@ -27,11 +27,12 @@ def cpu_ops_library() -> ctypes.CDLL | None:
     if library is None:
         return None
     pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    threads = ctypes.c_int
     library.rms_norm.argtypes = [pointer, size, pointer, size, pointer, real, size, size,
-                                 pointer, pointer]  # fmt: skip
+                                 pointer, pointer, threads]  # fmt: skip
     library.rotary_embedding.argtypes = [pointer, size, pointer, size, size, pointer, size, size,
-                                         size, pointer, pointer, pointer]  # fmt: skip
-    library.silu_and_mul.argtypes = [pointer, size, size, size, pointer]
+                                         size, pointer, pointer, pointer, threads]  # fmt: skip
+    library.silu_and_mul.argtypes = [pointer, size, size, size, pointer, threads]
     return library
 
 
@@ -41,9 +42,15 @@ def use_cpu_ops(x: torch.Tensor) -> bool:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """`x` [..., N] as rows [R, N] with a unit inner stride (a view where one exists)."""
-    rows = x.reshape(-1, x.shape[-1])
+    """`x` [..., N] as rows [R, N] with a unit inner stride (a view where one exists; `x`
+    itself where it is such rows already: a decode step's ops are a few microseconds each)."""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _shaped(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`out` rows viewed as `shape` (no view where they have it already)."""
+    return out if out.shape == shape else out.view(shape)
 
 
 def _library() -> ctypes.CDLL:
@@ -64,9 +71,9 @@ def _launch_rms_norm(
         rows.data_ptr(), rows.stride(0),
         None if residual is None else residual_rows.data_ptr(), residual_rows.stride(0),
         weight.contiguous().data_ptr(), eps, rows.shape[0], rows.shape[1], out.data_ptr(),
-        summed.data_ptr(),
+        summed.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    return out.view(x.shape), summed.view(x.shape)
+    return _shaped(out, x.shape), _shaped(summed, x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,6 +103,7 @@ def rotary_embedding(
         positions.data_ptr(), q.shape[0], q.data_ptr(), q.stride(0), q.shape[1] // head_size,
         k.data_ptr(), k.stride(0), k.shape[1] // head_size, head_size,
         cos_sin_cache.contiguous().data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     return q_out, k_out
 
@@ -105,5 +113,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = _rows(x)
     inter = rows.shape[1] // 2
     out = torch.empty(rows.shape[0], inter)
-    _library().silu_and_mul(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr())
-    return out.view(*x.shape[:-1], inter)
+    _library().silu_and_mul(rows.data_ptr(), rows.stride(0), rows.shape[0], inter, out.data_ptr(),
+                            torch.get_num_threads())  # fmt: skip
+    return _shaped(out, (*x.shape[:-1], inter))

@@ -58,14 +58,17 @@ class PackedSegment:
 
     @staticmethod
     def _through_blas(native: NativeWeight, x: torch.Tensor) -> torch.Tensor:
+        """Chunks of weight rows dequantized into one reused buffer, each multiplied by the
+        BLAS into its columns of the output (contiguous [M, rows], as the next op wants it;
+        the BLAS writes a column slice in place)."""
         rows, cols = native.rows, native.cols
         step = max(1, CHUNK_FLOATS // cols)
-        out_t = torch.empty(rows, x.shape[0], dtype=torch.float32)
+        out = torch.empty(x.shape[0], rows, dtype=torch.float32)
         chunk = torch.empty(min(step, rows), cols, dtype=torch.float32)
         for start in range(0, rows, step):
             dense = native.dequantize_into(start, chunk[: min(step, rows - start)])
-            torch.mm(dense, x.t(), out=out_t[start : start + len(dense)])
-        return out_t.t()
+            torch.mm(x, dense.t(), out=out[:, start : start + len(dense)])
+        return out
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows `ids` (a vocabulary lookup)."""
@@ -158,7 +161,8 @@ def _add_to_runs(runs: list[list[Part]], part: Part) -> None:
 def segments_mm(segments: list[Segment], x: torch.Tensor) -> torch.Tensor:
     """x [M, K] times the segments' rows transposed, in x's dtype [M, rows]."""
     if len(segments) == 1:
-        return segments[0].mm(x).to(x.dtype)
+        out = segments[0].mm(x)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
     return torch.cat([s.mm(x).to(x.dtype) for s in segments], dim=-1)
 
 

@@ -14,13 +14,15 @@
  * the sums sum(x_g) in float32 from x itself. Eight blocks' integer sums are reduced together
  * (hadd), converted and scaled by one vector of their d s, so the float work is per eight blocks.
  * `gguf_dequantize` writes float32 rows, rounded as gguf.quants.dequantize rounds them.
- * Both split the weight rows over OpenMP threads: built with -fopenmp against libgomp.so.1,
- * they share torch's own OpenMP runtime.
+ * Both split the weight rows into chunks for `threads` threads of the shared pool
+ * (native_pool.h), which degrades gracefully where another process takes a core.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "native_pool.h"
 
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 #define BLOCK 32
@@ -163,32 +165,55 @@ static void rows_times_row(const Weight *w, int64_t n, const Rows *x, int64_t M,
     }
 }
 
-/* out [M, N] = x [M, K] times the weight [N, K] transposed. Returns 0, or -1 for a bad type
- * or K, or no memory. */
-int gguf_mm(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c, int64_t N,
-            int64_t K, const float *x, int64_t M, float *out) {
-    if (type < Q4_0 || type > Q8_0 || K % BLOCK) return -1;
-    const Weight w = {type, codes, d, c, N, K / BLOCK};
+#define CHUNK_PRODUCTS 32768 /* weights x activation rows per chunk of pool work, about */
+
+static int64_t chunk_rows(int64_t K, int64_t M) {
+    const int64_t rows = CHUNK_PRODUCTS / (K * M);
+    return rows < 4 ? 4 : rows;
+}
+
+typedef struct {
+    Weight w;
     Rows rows;
-    if (round_rows(x, M, K, &rows) != 0) {
-        free_rows(&rows);
+    int64_t M;
+    float *out;
+} Product;
+
+static void product_rows(const void *job, int64_t first, int64_t end) {
+    const Product *p = job;
+    for (int64_t n = first; n < end; n++) rows_times_row(&p->w, n, &p->rows, p->M, p->out + n);
+}
+
+/* out [M, N] = x [M, K] times the weight [N, K] transposed, on `threads` threads. Returns 0,
+ * or -1 for a bad type or K, or no memory. */
+int gguf_mm(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c, int64_t N,
+            int64_t K, const float *x, int64_t M, float *out, int threads) {
+    if (type < Q4_0 || type > Q8_0 || K % BLOCK) return -1;
+    Product p = {{type, codes, d, c, N, K / BLOCK}, {NULL, NULL, NULL}, M, out};
+    if (round_rows(x, M, K, &p.rows) != 0) {
+        free_rows(&p.rows);
         return -1;
     }
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) rows_times_row(&w, n, &rows, M, out + n);
-    free_rows(&rows);
+    pool_run(threads, N, chunk_rows(K, M), product_rows, &p);
+    free_rows(&p.rows);
     return 0;
 }
 
-/* out [R, K] = float32 rows `row_ids[i]` (or rows 0..R-1 without ids) of the weight. Returns
- * 0, or -1 for a bad type or K. */
-int gguf_dequantize(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c,
-                    int64_t K, const int64_t *row_ids, int64_t R, float *out) {
-    if (type < Q4_0 || type > Q8_0 || K % BLOCK) return -1;
-    const int64_t G = K / BLOCK, padded = PAD(G), bytes = code_bytes(type);
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < R; i++) {
-        const int64_t n = row_ids == NULL ? i : row_ids[i];
+typedef struct {
+    Weight w;
+    const int64_t *row_ids;
+    float *out;
+} Dequantization;
+
+static void dequantize_rows(const void *job, int64_t first, int64_t end) {
+    const Dequantization *dq = job;
+    const int type = dq->w.type;
+    const uint8_t *codes = dq->w.codes;
+    const uint16_t *d = dq->w.d, *c = dq->w.c;
+    const int64_t G = dq->w.groups, K = G * BLOCK, padded = PAD(G), bytes = code_bytes(type);
+    float *out = dq->out;
+    for (int64_t i = first; i < end; i++) {
+        const int64_t n = dq->row_ids == NULL ? i : dq->row_ids[i];
         for (int64_t g = 0; g < G; g++) {
             __m256i words[2];
             code_words(type, codes + (n * G + g) * bytes, words);
@@ -207,5 +232,14 @@ int gguf_dequantize(int type, const uint8_t *codes, const uint16_t *d, const uin
             }
         }
     }
+}
+
+/* out [R, K] = float32 rows `row_ids[i]` (or rows 0..R-1 without ids) of the weight, on
+ * `threads` threads. Returns 0, or -1 for a bad type or K. */
+int gguf_dequantize(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c,
+                    int64_t K, const int64_t *row_ids, int64_t R, float *out, int threads) {
+    if (type < Q4_0 || type > Q8_0 || K % BLOCK) return -1;
+    const Dequantization job = {{type, codes, d, c, R, K / BLOCK}, row_ids, out};
+    pool_run(threads, R, chunk_rows(K, 1), dequantize_rows, &job);
     return 0;
 }

@@ -27,8 +27,9 @@ def native_library() -> ctypes.CDLL | None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     weight: list[Any] = [ctypes.c_int, pointer, pointer, pointer]  # type, codes, d, c
-    library.gguf_mm.argtypes = [*weight, size, size, pointer, size, pointer]
-    library.gguf_dequantize.argtypes = [*weight, size, pointer, size, pointer]
+    threads = ctypes.c_int
+    library.gguf_mm.argtypes = [*weight, size, size, pointer, size, pointer, threads]
+    library.gguf_dequantize.argtypes = [*weight, size, pointer, size, pointer, threads]
     return library
 
 
@@ -66,14 +67,15 @@ class NativeWeight:
         return self._type, codes.data_ptr(), d.data_ptr(), c.data_ptr()
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] (any float dtype) times the weight transposed: float32 [M, N]."""
+        """x [M, K] (any float dtype) times the weight transposed: float32 [M, N], on torch's
+        thread count."""
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
         if x.dim() != 2 or x.shape[1] != self.cols:
             raise ValueError(f"x {tuple(x.shape)} does not match the weight {self.shape}")
         out = torch.empty(x.shape[0], self.rows, dtype=torch.float32)
         if self._mm(*self._weight, self.rows, self.cols, x.data_ptr(), x.shape[0],
-                    out.data_ptr()):  # fmt: skip
+                    out.data_ptr(), torch.get_num_threads()):  # fmt: skip
             raise MemoryError("gguf_mm: out of memory for the rounded activations")
         return out
 
@@ -87,7 +89,8 @@ class NativeWeight:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
             raise ValueError(f"row ids outside 0..{self.rows - 1}")
         out = torch.empty(ids.numel(), self.cols, dtype=torch.float32)
-        self._dequantize(*self._weight, self.cols, ids.data_ptr(), ids.numel(), out.data_ptr())
+        self._dequantize(*self._weight, self.cols, ids.data_ptr(), ids.numel(), out.data_ptr(),
+                         torch.get_num_threads())  # fmt: skip
         return out
 
     def dequantize_into(self, first_row: int, out: torch.Tensor) -> torch.Tensor:
@@ -96,7 +99,8 @@ class NativeWeight:
             raise ValueError(f"out must be contiguous float32 rows of {self.shape}")
         if first_row + out.shape[0] > self.rows:
             raise ValueError(f"rows {first_row}..{first_row + out.shape[0] - 1} of {self.rows}")
-        self._dequantize(*self._pointers(first_row), self.cols, None, out.shape[0], out.data_ptr())
+        self._dequantize(*self._pointers(first_row), self.cols, None, out.shape[0], out.data_ptr(),
+                         torch.get_num_threads())  # fmt: skip
         return out
 
     def dequantize(self) -> torch.Tensor:
