@@ -8,6 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
+# What Llama-3-8B and Llama-3-70B share (8K context, 128K vocabulary, untied head).
+_LLAMA3_8K: dict[str, Any] = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 8192,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 32.0,
@@ -54,20 +66,12 @@ DUMMY_PRESETS: dict[str, dict[str, Any]] = {
         "eos_token_id": 128001,
     },
     "llama-3-8b": {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        **_LLAMA3_8K,
         "hidden_size": 4096,
         "num_hidden_layers": 32,
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
         "intermediate_size": 14336,
-        "vocab_size": 128256,
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": False,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 8192,
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
     },
     "qwen3-30b-a3b": {
         "model_type": "qwen3_moe",
@@ -114,20 +118,12 @@ DUMMY_PRESETS: dict[str, dict[str, Any]] = {
         "eos_token_id": 2,
     },
     "llama-3-70b": {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        **_LLAMA3_8K,
         "hidden_size": 8192,
         "num_hidden_layers": 80,
         "num_attention_heads": 64,
         "num_key_value_heads": 8,
         "intermediate_size": 28672,
-        "vocab_size": 128256,
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": False,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 8192,
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
     },
     # A few-MB model for fast engine tests.
     "llama-tiny": {

@@ -14,9 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = tl.constexpr(448.0)
-_INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
-_TINY = tl.constexpr(float(torch.finfo(torch.float32).tiny))
+from attnserve.model.quantization import fp8
+
+# fp8's constants, as Triton kernels may read globals (constexpr only)
+FP8_MAX = tl.constexpr(fp8.FP8_MAX)
+_INV_FP8_MAX = tl.constexpr(1.0 / fp8.FP8_MAX)
+_TINY = tl.constexpr(fp8._TINY)
 
 
 @triton.jit
