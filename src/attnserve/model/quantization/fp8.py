@@ -36,10 +36,7 @@ from attnserve.model.quantization.base import (
     UnquantizedLinearMethod,
 )
 from attnserve.model.quantization.fp8_checkpoint import Fp8Scheme
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)
-_TINY = torch.finfo(torch.float32).tiny
+from attnserve.model.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +47,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
         return fp8_quant.quantize_rows(x)
     x32 = x.float()
-    scale = (x32.abs().amax(dim=-1, keepdim=True) * (1.0 / FP8_MAX)).clamp(min=_TINY)
+    scale = (x32.abs().amax(dim=-1, keepdim=True) * (1.0 / FP8_MAX)).clamp(min=MIN_SCALE)
     quantized = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return quantized, scale.squeeze(-1)
 

@@ -14,12 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from attnserve.model.quantization import fp8
+from attnserve.model.quantization import fp8_format
 
-# fp8's constants, as Triton kernels may read globals (constexpr only)
-FP8_MAX = tl.constexpr(fp8.FP8_MAX)
-_INV_FP8_MAX = tl.constexpr(1.0 / fp8.FP8_MAX)
-_TINY = tl.constexpr(fp8._TINY)
+# the format's constants, as Triton kernels may read globals (constexpr only)
+FP8_MAX = tl.constexpr(fp8_format.FP8_MAX)
+_INV_FP8_MAX = tl.constexpr(1.0 / fp8_format.FP8_MAX)
+_MIN_SCALE = tl.constexpr(fp8_format.MIN_SCALE)
 
 
 @triton.jit
@@ -35,7 +35,7 @@ def _quantize_rows_kernel(  # type: ignore[no-untyped-def]
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) * _INV_FP8_MAX, _TINY)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) * _INV_FP8_MAX, _MIN_SCALE)
     scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
     tl.store(out_ptr + row * K + cols, scaled.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
@@ -45,7 +45,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (E4M3 [M, K], float32 scales [M]) with x ~ q * scale per row."""
     rows = x if x.stride(-1) == 1 else x.contiguous()
     num_rows, width = rows.shape
-    out = torch.empty(num_rows, width, dtype=torch.float8_e4m3fn, device=x.device)
+    out = torch.empty(num_rows, width, dtype=fp8_format.FP8, device=x.device)
     scale = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     if num_rows:
         block = triton.next_power_of_2(width)
