@@ -1,16 +1,19 @@
-"""`attnserve bench kv-quality`: how far one KV-cache dtype moves a model's logits from another's
-(default: `--kv-cache-dtype fp8` against the auto cache, bf16 on CUDA and float32 on the CPU), on
-the same weights (dummy weights are seeded), in one process.
+"""`attnserve bench kv-quality`: how far one KV-cache dtype, or one weight quantization, moves a
+model's final hidden states and logits from another's (default: `--kv-cache-dtype fp8` against the
+auto cache, bf16 on CUDA and float32 on the CPU; `--quantization fp8 --reference-quantization none`:
+FP8 linear layers against the float ones), on the same weights (dummy weights are seeded), in one
+process.
 
-Two model runners, one per cache dtype, run the same steps: one prefill of `--num-prompts`
-random prompts of `--prompt-len` tokens, then `--decode-steps` decode steps, each feeding every
-sequence the reference's greedy token (teacher forcing: both runs see the same text). Reported,
-for the prefill and for the decodes apart (a prefill of prompts attends to its own new K/V and
-reads nothing back from the cache; decodes read every key and value from it): the relative
-error of the logits, ||ours - reference|| / ||reference|| over every position, and the share of
-positions whose top-1 tokens agree; and the fp8 cache's calibrated scales (`KVCacheScales`),
-smallest and largest over its layers and heads. On the CPU a Triton-kernel backend runs under
-Triton's interpreter (TRITON_INTERPRET=1): use a small model there.
+Two model runners, the reference and the measured one, run the same steps: one prefill of
+`--num-prompts` random prompts of `--prompt-len` tokens, then `--decode-steps` decode steps, each
+feeding every sequence the reference's greedy token (teacher forcing: both runs see the same
+text). Reported, for the prefill and for the decodes apart (a prefill of prompts attends to its
+own new K/V and reads nothing back from the cache; decodes read every key and value from it): the
+relative errors of the final hidden states (after the last norm) and of the logits,
+||ours - reference|| / ||reference|| over every position, and the share of positions whose top-1
+tokens agree; and the fp8 cache's calibrated scales (`KVCacheScales`), smallest and largest over
+its layers and heads. On the CPU a Triton-kernel backend runs under Triton's interpreter
+(TRITON_INTERPRET=1): use a small model there.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from attnserve.bench.common import check_output_files, print_scalars, progress, 
 from attnserve.config import KV_CACHE_DTYPES
 from attnserve.core import ScheduledBatch, SequenceInput
 from attnserve.engine.arg_utils import EngineArgs
+from attnserve.model.quantization.resolve import QUANTIZATION_METHODS
 from attnserve.worker.model_runner import ModelRunner
 
 DEFAULT_CACHE_BYTES = 1 << 30
+Step = tuple[torch.Tensor, torch.Tensor]  # a step's (final hidden states, logits)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reference-kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
         help="the reference run's KV cache (default: auto, the model's dtype)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--reference-quantization", default=None, choices=list(QUANTIZATION_METHODS),
+        help="the reference run's quantization (default: the measured run's --quantization)",
     )  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=8, help="sequences")
     parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")
@@ -76,12 +85,19 @@ class _Sequences:
         )
 
 
-def _compare(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> dict[str, float]:
-    a, b = torch.cat(ours), torch.cat(theirs)
+def _relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return float((ours - theirs).norm() / theirs.norm())
+
+
+def _compare(ours: list[Step], theirs: list[Step]) -> dict[str, float]:
+    """Each step is (final hidden states, logits) of its new tokens, on the CPU in float32."""
+    hidden, logits = (torch.cat(parts) for parts in zip(*ours, strict=True))
+    ref_hidden, ref_logits = (torch.cat(parts) for parts in zip(*theirs, strict=True))
     return {
-        "logits_relative_error": float((a - b).norm() / b.norm()),
-        "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
-        "positions": int(b.shape[0]),
+        "hidden_relative_error": _relative_error(hidden, ref_hidden),
+        "logits_relative_error": _relative_error(logits, ref_logits),
+        "top1_agreement": float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
+        "positions": int(ref_logits.shape[0]),
     }
 
 
@@ -99,20 +115,25 @@ def _scales(runner: ModelRunner) -> dict[str, float]:
     }
 
 
+def _step(runner: ModelRunner, batch: ScheduledBatch) -> Step:
+    hidden = runner.final_hidden_states(batch)
+    return hidden.float().cpu(), runner.model.compute_logits(hidden).cpu()
+
+
 def _run(
     runner: ModelRunner, seqs: _Sequences, forced: list[list[int]] | None, steps: int
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[list[int]]]:
-    """(prefill logits, each decode step's logits, the tokens fed): `forced` tokens, else greedy."""
-    prefill = runner.logits(seqs.prefill())
+) -> tuple[list[Step], list[Step], list[list[int]]]:
+    """(the prefill, each decode step, the tokens fed): `forced` tokens, else greedy ones."""
+    prefill = _step(runner, seqs.prefill())
     ends = torch.tensor([len(p) for p in seqs.prompts]).cumsum(0) - 1
-    last = prefill[ends.to(prefill.device)]
+    last = prefill[1][ends]
     decodes, fed = [], []
     context = len(seqs.prompts[0])
     for step in range(steps):
         tokens = forced[step] if forced is not None else last.argmax(-1).tolist()
         fed.append(tokens)
-        last = runner.logits(seqs.decode(tokens, context))
-        decodes.append(last)
+        decodes.append(_step(runner, seqs.decode(tokens, context)))
+        last = decodes[-1][1]
         context += 1
     return [prefill], decodes, fed
 
@@ -125,8 +146,16 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.kv_cache_memory_bytes is None:
         engine_args = dataclasses.replace(engine_args, kv_cache_memory_bytes=DEFAULT_CACHE_BYTES)
-    reference_args = dataclasses.replace(engine_args, kv_cache_dtype=args.reference_kv_cache_dtype)
-    progress(f"reference run (kv cache {args.reference_kv_cache_dtype})")
+    reference_quantization = args.reference_quantization or engine_args.quantization
+    reference_args = dataclasses.replace(
+        engine_args,
+        kv_cache_dtype=args.reference_kv_cache_dtype,
+        quantization=reference_quantization,
+    )
+    progress(
+        f"reference run (kv cache {args.reference_kv_cache_dtype}, quantization "
+        f"{reference_quantization or 'default'})"
+    )
     reference = _runner(reference_args)
     vocab = reference.model_config.vocab_size
     generator = torch.Generator().manual_seed(args.seed)
@@ -135,7 +164,6 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         prompts.tolist(), args.prompt_len + args.decode_steps, reference.cache_config.block_size
     )
     ref_prefill, ref_decodes, fed = _run(reference, seqs, None, args.decode_steps)
-    ref_prefill, ref_decodes = [t.cpu() for t in ref_prefill], [t.cpu() for t in ref_decodes]
     del reference
     progress(f"measured run (kv cache {engine_args.kv_cache_dtype})")
     runner = _runner(engine_args)
@@ -145,6 +173,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "backend": runner.backend.get_name(),
         "kv_cache_dtype": engine_args.kv_cache_dtype,
         "reference_kv_cache_dtype": args.reference_kv_cache_dtype,
+        "quantization": runner.model_config.quantization or "none",
+        "reference_quantization": reference_quantization or "none",
         "dtype": str(runner.model_config.dtype),
         **_scales(runner),
     }
@@ -152,7 +182,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         ("prefill", prefill, ref_prefill),
         ("decode", decodes, ref_decodes),
     ):
-        figures = _compare([t.cpu() for t in ours], theirs)
+        figures = _compare(ours, theirs)
         result.update({f"{phase}_{key}": value for key, value in figures.items()})
     return result
 

@@ -284,12 +284,12 @@ class ModelRunner:
             torch.set_num_threads(threads)
 
     @torch.inference_mode()
-    def logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Every new token's logits [T, vocab] (float32), nothing sampled: for measuring how
-        close two configurations of one model run (`attnserve bench kv-quality`)."""
+    def final_hidden_states(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Every new token's final hidden states [T, hidden] (after the model's last norm; its
+        `compute_logits` gives the logits), nothing sampled: for measuring how close two
+        configurations of one model run (`attnserve bench kv-quality`)."""
         self._move_blocks(batch)
-        layout = self._layout(batch)
-        return self.model.compute_logits(self._forward(batch, layout))
+        return self._forward(batch, self._layout(batch))
 
     def _first_draws(self, counts: list[int]) -> torch.Tensor:
         return device_tensor([0, *accumulate(counts)][:-1], self.device)
