@@ -64,8 +64,8 @@ def instrument(engine: LLMEngine, timings: Timings) -> None:
     wrap(runner.model, "compute_logits", "logits", timings)
     wrap(runner.sampler, "draw", "sampler", timings)
     wrap(StepFuture, "result", "wait for tokens", timings)
-    if runner.cuda_graphs is not None:
-        wrap(runner.cuda_graphs, "run", "graph run", timings)
+    if runner.graphs is not None:
+        wrap(runner.graphs, "run", "graph run", timings)
 
 
 def sync() -> None:
@@ -87,7 +87,7 @@ def fill(engine: LLMEngine, args: argparse.Namespace) -> None:
 
 
 def time_replay(engine: LLMEngine) -> None:
-    graphs = engine.executor.driver_runner.cuda_graphs
+    graphs = engine.executor.driver_runner.graphs
     if graphs is None:
         return
     graph, _ = graphs.graphs[graphs.max_num_seqs]

@@ -107,7 +107,7 @@ def test_fp32_cuda_graph_replays_give_the_eager_tokens(
         pytest.skip(f"{backend} captures no CUDA graphs: it runs eagerly either way")
     reference = hf_reference("float32")
     llm = _engine(backend, "float32", enforce_eager=False)
-    graphs = llm.llm_engine.executor.driver_runner.cuda_graphs
+    graphs = llm.llm_engine.executor.driver_runner.graphs
     assert graphs is not None, "enforce_eager=False captured no CUDA graphs"
     replays = 0
     replay = graphs.run

@@ -26,7 +26,7 @@ from attnserve.attention.backends.abstract import (
 )
 from attnserve.attention.forward_context import get_attn_metadata
 from attnserve.attention.kv_scales import KVCacheScales, calibrating
-from attnserve.profiling import ATTENTION_RANGE
+from attnserve.profiling import ATTENTION_RANGE, marked
 
 
 class Attention(nn.Module):
@@ -105,7 +105,7 @@ class Attention(nn.Module):
         metadata = attn_metadata if attn_metadata is not None else get_attn_metadata(self.spec)
         if self.kv_scales is not None and self.kv_scales.calibrating:
             self.kv_scales.observe(key, value)
-        with torch.profiler.record_function(ATTENTION_RANGE):
+        with marked(ATTENTION_RANGE):
             return self.impl.forward(query, key, value, self.kv_cache, metadata)
 
 

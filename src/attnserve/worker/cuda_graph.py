@@ -37,6 +37,12 @@ class CausalLM(Protocol):
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
 
+class Graph(Protocol):
+    """A captured forward (a CUDA graph, or a CPU one: `attnserve.native_graph`)."""
+
+    def replay(self) -> None: ...
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """Bucket sizes: 1, 2, 4, then every multiple of 8 to 256, of 16 to 512 and of 32 beyond
     (above 128 a step pads by under 7%), up to and including max_num_seqs."""
@@ -58,7 +64,7 @@ class CUDAGraphRunner:
         self.sizes = capture_sizes(max_num_seqs)
         self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
         for builder in builders.values():
             builder.init_cuda_graph_buffers(max_num_seqs, max_blocks_per_seq)
 

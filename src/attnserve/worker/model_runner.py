@@ -6,8 +6,9 @@ run of the largest possible step measures its activation memory) and binds it; a
 scales are then calibrated on a prefill of random tokens (`kv_calibration`). Each step it
 computes the step's `StepLayout` once (the model's positions come from it) and hands it to the
 builders for the attention metadata. It never looks at the metadata or the cache layout itself.
-On CUDA, unless `enforce_eager`, decode-only steps replay captured graphs (`CUDAGraphRunner`)
-when the backend declares support for them. `execute_async` returns without waiting for the
+Unless `enforce_eager`, decode-only steps replay captured graphs when the backend declares
+support for them: CUDA graphs (`CUDAGraphRunner`), and on the CPU graphs of native kernel calls
+for steps of up to 8 sequences (`CPUGraphRunner`). `execute_async` returns without waiting for the
 step's draws (a `StepFuture`); the next step may take tokens still on the device from them
 (`ScheduledBatch.carried_tokens`).
 """
@@ -43,12 +44,13 @@ from attnserve.host_copy import device_tensor, to_device
 from attnserve.model.config import ModelConfig
 from attnserve.model.loader import load_model
 from attnserve.model.sampler import Sampler, top_logprobs
-from attnserve.profiling import SAMPLING_RANGE
+from attnserve.profiling import SAMPLING_RANGE, marked
 from attnserve.worker.cache_engine import (
     CacheEngine,
     gpu_kv_cache_budget,
     num_blocks_for_budget,
 )
+from attnserve.worker.cpu_graph import MAX_GRAPH_SEQS, CPUGraphRunner
 from attnserve.worker.cuda_graph import CUDAGraphRunner
 from attnserve.worker.kv_calibration import calibration_batch
 from attnserve.worker.profile_run import profile_batch
@@ -82,12 +84,12 @@ class ModelRunner:
         self.builders = metadata_builders(self.backend, specs, device)
         self.sampler = Sampler()
         self._last_tokens: torch.Tensor | None = None  # the last step's first draw per row
-        self.cuda_graphs: CUDAGraphRunner | None = None
+        self.graphs: CUDAGraphRunner | None = None
         activation_bytes = self._peak_activation_bytes(max_num_seqs, max_num_batched_tokens)
         self.cache_engine = self._allocate_kv_cache(activation_bytes)
         bind_kv_caches(self.model, self.cache_engine.kv_caches)
         self._calibrate_kv_scales(max_num_batched_tokens)
-        self.cuda_graphs = None if enforce_eager else self._capture_cuda_graphs(max_num_seqs)
+        self.graphs = None if enforce_eager else self._capture_graphs(max_num_seqs)
 
     @property
     def num_blocks(self) -> int:
@@ -97,16 +99,19 @@ class ModelRunner:
     def num_swap_blocks(self) -> int:
         return self.cache_engine.num_swap_blocks
 
-    def _capture_cuda_graphs(self, max_num_seqs: int) -> CUDAGraphRunner | None:
-        if self.device.type != "cuda":
+    def _capture_graphs(self, max_num_seqs: int) -> CUDAGraphRunner | None:
+        kind: type[CUDAGraphRunner] = CUDAGraphRunner
+        if self.device.type == "cpu":
+            kind, max_num_seqs = CPUGraphRunner, min(max_num_seqs, MAX_GRAPH_SEQS)
+        elif self.device.type != "cuda":
             return None
         if not self.backend.capabilities.cuda_graphs:
-            logger.info("no CUDA graphs: backend %s does not support them", self.backend.get_name())
+            logger.info("no graphs: backend %s does not support them", self.backend.get_name())
             return None
         max_blocks = -(-self.model_config.max_model_len // self.cache_config.block_size)
-        runner = CUDAGraphRunner(self.model, self.builders, max_num_seqs, max_blocks, self.device)
+        runner = kind(self.model, self.builders, max_num_seqs, max_blocks, self.device)
         runner.capture()
-        return runner
+        return runner if runner.sizes else None
 
     def _calibrate_kv_scales(self, max_num_batched_tokens: int) -> None:
         """An fp8 cache's scales, from one prefill of random tokens (`calibration_batch`), before
@@ -250,7 +255,7 @@ class ModelRunner:
             self._add_prompt_logprobs(batch, hidden, starts, results)
             return StepFuture(num_seqs, ready=results)
         logits = self.model.compute_logits(self._last_hidden(hidden, starts, rows))
-        with torch.profiler.record_function(SAMPLING_RANGE), self._sampling_threads():
+        with marked(SAMPLING_RANGE), self._sampling_threads():
             draw = self.sampler.draw(logits, [batch.seqs[i] for i in rows], batch.token_bitmask)
         tokens = draw.tokens
         one_draw_each = len(tokens) == len(rows)
@@ -321,7 +326,7 @@ class ModelRunner:
         """Final hidden states of the step's new tokens (sequence i's at query_start_loc[i] ..
         query_start_loc[i + 1] - 1), from a graph when one fits."""
         token_ids = self._token_ids(batch, int(layout.query_start_loc[-1]))
-        graphs = self.cuda_graphs
+        graphs = self.graphs
         if (
             graphs is not None
             and layout.num_prefills == 0

@@ -4,7 +4,9 @@ TORCH_SDPA, whose per-step gathers and masks cost a decode step more than the at
 
 KV layout: [2, num_blocks, block_size, num_kv_heads, head_size] (K then V, as TORCH_SDPA's). The
 builder hands the kernel the layout's own host tensors (slot of each new token, its sequence and
-position, the block table); the kernel writes the new K/V and reads the cache in place.
+position, the block table); the kernel writes the new K/V and reads the cache in place. For
+captured decode steps (CPU graphs, `attnserve.native_graph`) it writes them into persistent
+buffers instead, whose addresses the recorded kernel calls hold.
 """
 
 from __future__ import annotations
@@ -33,12 +35,43 @@ class CpuNativeMetadata(AttentionMetadata):
 
 
 class CpuNativeMetadataBuilder(AttentionMetadataBuilder[CpuNativeMetadata]):
+    _graph: CpuNativeMetadata | None = None  # the persistent buffers, largest bucket's size
+
     def build(self, layout: StepLayout) -> CpuNativeMetadata:
         return CpuNativeMetadata(
             **layout.common_metadata(self.device),
             token_seq=layout.token_seq.contiguous(),
             token_pos=layout.token_pos.contiguous(),
             block_table=layout.block_table.contiguous(),
+        )
+
+    def init_cuda_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        self._graph = CpuNativeMetadata(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decode_tokens=max_num_seqs,
+            slot_mapping=torch.zeros(max_num_seqs, dtype=torch.int64),
+            token_seq=torch.arange(max_num_seqs, dtype=torch.int64),
+            token_pos=torch.zeros(max_num_seqs, dtype=torch.int64),
+            block_table=torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int64),
+        )
+
+    def build_for_cuda_graph(self, layout: StepLayout) -> CpuNativeMetadata:
+        buffers = self._graph
+        if buffers is None:
+            raise RuntimeError("call init_cuda_graph_buffers before build_for_cuda_graph")
+        size = layout.num_seqs
+        buffers.slot_mapping[:size] = layout.slot_mapping
+        buffers.token_pos[:size] = layout.token_pos
+        buffers.block_table[:size, : layout.block_table.shape[1]] = layout.block_table
+        return CpuNativeMetadata(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decode_tokens=size,
+            slot_mapping=buffers.slot_mapping[:size],
+            token_seq=buffers.token_seq[:size],
+            token_pos=buffers.token_pos[:size],
+            block_table=buffers.block_table[:size],
         )
 
 
@@ -88,6 +121,7 @@ class CpuNativeBackend(AttentionBackend):
         sliding_window=True,
         alibi=True,
         logits_soft_cap=True,
+        cuda_graphs=True,
         priority=5,
     )
 

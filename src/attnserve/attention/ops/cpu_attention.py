@@ -10,12 +10,13 @@ from pathlib import Path
 import torch
 
 from attnserve.native import load_native
+from attnserve.native_graph import NativeFunction
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 
 
 @functools.cache
-def cpu_attention_library() -> ctypes.CDLL | None:
+def cpu_attention_library() -> NativeFunction | None:
     """The built kernel with its signature, or None where it cannot run here."""
     library = load_native(SOURCE)
     if library is None:
@@ -29,7 +30,7 @@ def cpu_attention_library() -> ctypes.CDLL | None:
         real, size, real, pointer,  # scale, window, soft-cap, ALiBi slopes
         pointer, ctypes.c_int,  # out, threads
     ]  # fmt: skip
-    return library
+    return NativeFunction("cpu_paged_attention", library.cpu_paged_attention)
 
 
 def _rows(x: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
@@ -58,8 +59,8 @@ def cpu_paged_attention(
     [T] and block_table [B, W], contiguous int64; `shape`: heads, KV heads, head size;
     kv_cache [2, blocks, block size, Hkv, D] float32. Returns [T, H*D], computed on torch's
     thread count."""
-    library = cpu_attention_library()
-    if library is None:
+    kernel = cpu_attention_library()
+    if kernel is None:
         raise RuntimeError("the native CPU attention kernel is not available here")
     heads, kv_heads, head_size = shape
     slot_mapping, token_seq, token_pos, block_table = tables
@@ -67,7 +68,7 @@ def cpu_paged_attention(
     k, k_stride = _rows(key, kv_heads * head_size)
     v, v_stride = _rows(value, kv_heads * head_size)
     out = torch.empty(q.shape[0], heads * head_size, dtype=torch.float32)
-    failed = library.cpu_paged_attention(
+    failed = kernel(
         q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride,
         kv_cache.data_ptr(), kv_cache.data_ptr() + kv_cache.stride(0) * kv_cache.element_size(),
         slot_mapping.data_ptr(), token_seq.data_ptr(), token_pos.data_ptr(),

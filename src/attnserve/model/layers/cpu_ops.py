@@ -9,17 +9,26 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from attnserve.native import load_native
+from attnserve.native_graph import NativeFunction
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 
 
+@dataclass(frozen=True)
+class CpuOps:
+    rms_norm: NativeFunction
+    rotary_embedding: NativeFunction
+    silu_and_mul: NativeFunction
+
+
 @functools.cache
-def cpu_ops_library() -> ctypes.CDLL | None:
+def cpu_ops_library() -> CpuOps | None:
     """The built ops with their signatures, or None where they cannot run here."""
     if os.environ.get("ATTNSERVE_FUSED_OPS", "1") == "0":
         return None
@@ -33,7 +42,10 @@ def cpu_ops_library() -> ctypes.CDLL | None:
     library.rotary_embedding.argtypes = [pointer, size, pointer, size, size, pointer, size, size,
                                          size, pointer, pointer, pointer, threads]  # fmt: skip
     library.silu_and_mul.argtypes = [pointer, size, size, size, pointer, threads]
-    return library
+    names = ("rms_norm", "rotary_embedding", "silu_and_mul")
+    for name in names:
+        getattr(library, name).restype = None
+    return CpuOps(*(NativeFunction(name, getattr(library, name)) for name in names))
 
 
 def use_cpu_ops(x: torch.Tensor) -> bool:
@@ -53,7 +65,7 @@ def _shaped(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return out if out.shape == shape else out.view(shape)
 
 
-def _library() -> ctypes.CDLL:
+def _library() -> CpuOps:
     library = cpu_ops_library()
     if library is None:
         raise RuntimeError("the native CPU ops are not available here (use_cpu_ops)")

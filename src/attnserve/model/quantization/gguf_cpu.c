@@ -234,11 +234,14 @@ static void dequantize_rows(const void *job, int64_t first, int64_t end) {
     }
 }
 
-/* out [R, K] = float32 rows `row_ids[i]` (or rows 0..R-1 without ids) of the weight, on
- * `threads` threads. Returns 0, or -1 for a bad type or K. */
+/* out [R, K] = float32 rows `row_ids[i]` (or rows 0..R-1 without ids) of the weight [N, K],
+ * on `threads` threads. Returns 0, -1 for a bad type or K, or -2 for an id outside 0..N-1. */
 int gguf_dequantize(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c,
-                    int64_t K, const int64_t *row_ids, int64_t R, float *out, int threads) {
+                    int64_t N, int64_t K, const int64_t *row_ids, int64_t R, float *out,
+                    int threads) {
     if (type < Q4_0 || type > Q8_0 || K % BLOCK) return -1;
+    for (int64_t i = 0; row_ids != NULL && i < R; i++)
+        if (row_ids[i] < 0 || row_ids[i] >= N) return -2;
     const Dequantization job = {{type, codes, d, c, R, K / BLOCK}, row_ids, out};
     pool_run(threads, R, chunk_rows(K, 1), dequantize_rows, &job);
     return 0;

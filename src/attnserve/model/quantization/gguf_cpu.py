@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +15,20 @@ import torch
 
 from attnserve.model.quantization.gguf_blocks import CODES_AT, GGUFWeight
 from attnserve.native import load_native
+from attnserve.native_graph import NativeFunction
 
 SOURCE = Path(__file__).with_name("gguf_cpu.c")
 TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 
 
+@dataclass(frozen=True)
+class GGUFKernels:
+    mm: NativeFunction
+    dequantize: NativeFunction
+
+
 @functools.cache
-def native_library() -> ctypes.CDLL | None:
+def native_library() -> GGUFKernels | None:
     """The built kernels with their signatures, or None where they cannot run here."""
     library = load_native(SOURCE)
     if library is None:
@@ -29,8 +37,11 @@ def native_library() -> ctypes.CDLL | None:
     weight: list[Any] = [ctypes.c_int, pointer, pointer, pointer]  # type, codes, d, c
     threads = ctypes.c_int
     library.gguf_mm.argtypes = [*weight, size, size, pointer, size, pointer, threads]
-    library.gguf_dequantize.argtypes = [*weight, size, pointer, size, pointer, threads]
-    return library
+    library.gguf_dequantize.argtypes = [*weight, size, size, pointer, size, pointer, threads]
+    return GGUFKernels(
+        NativeFunction("gguf_mm", library.gguf_mm),
+        NativeFunction("gguf_dequantize", library.gguf_dequantize),
+    )
 
 
 def _halves(blocks: torch.Tensor, offset: int) -> torch.Tensor:
@@ -58,7 +69,7 @@ class NativeWeight:
         self.d = _halves(blocks, 0)
         # m of Q4_1 (the others have none: a pointer never read)
         self.c = _halves(blocks, 2) if weight.qtype == "Q4_1" else self.d
-        self._mm, self._dequantize = library.gguf_mm, library.gguf_dequantize
+        self._mm, self._dequantize = library.mm, library.dequantize
         self._type = TYPE_IDS[weight.qtype]
         self._weight = self._pointers(0)  # the arguments of every call on the whole weight
 
@@ -86,11 +97,10 @@ class NativeWeight:
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows `ids` [R] of the weight [R, K] (rounded as gguf.quants rounds them)."""
         ids = ids.to(torch.int64).contiguous()
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
-            raise ValueError(f"row ids outside 0..{self.rows - 1}")
         out = torch.empty(ids.numel(), self.cols, dtype=torch.float32)
-        self._dequantize(*self._weight, self.cols, ids.data_ptr(), ids.numel(), out.data_ptr(),
-                         torch.get_num_threads())  # fmt: skip
+        if self._dequantize(*self._weight, self.rows, self.cols, ids.data_ptr(), ids.numel(),
+                            out.data_ptr(), torch.get_num_threads()):  # fmt: skip
+            raise ValueError(f"row ids outside 0..{self.rows - 1}")
         return out
 
     def dequantize_into(self, first_row: int, out: torch.Tensor) -> torch.Tensor:
@@ -99,8 +109,8 @@ class NativeWeight:
             raise ValueError(f"out must be contiguous float32 rows of {self.shape}")
         if first_row + out.shape[0] > self.rows:
             raise ValueError(f"rows {first_row}..{first_row + out.shape[0] - 1} of {self.rows}")
-        self._dequantize(*self._pointers(first_row), self.cols, None, out.shape[0], out.data_ptr(),
-                         torch.get_num_threads())  # fmt: skip
+        self._dequantize(*self._pointers(first_row), self.rows - first_row, self.cols, None,
+                         out.shape[0], out.data_ptr(), torch.get_num_threads())  # fmt: skip
         return out
 
     def dequantize(self) -> torch.Tensor:

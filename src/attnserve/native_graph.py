@@ -1,0 +1,111 @@
+"""CPU graphs: the native kernel calls of one forward recorded once and replayed without the
+Python around them, as a CUDA graph replays kernel launches.
+
+A CPU decode step of a small model is mostly host work: at one sequence the default model's
+30 layers make ~270 native calls, and the module calls, allocations and argument checks between
+them cost more than the kernels' own time. Kernels called through `NativeFunction` (every
+ctypes entry point of `attnserve.native`'s libraries) append their call, arguments as passed,
+to the graph being captured; `NativeGraph.replay` repeats those calls in order, so replaying
+reads the same input buffers and writes the same output buffers as the captured forward did.
+
+A capture is refused (`GraphCaptureError`, naming the op) when the forward computes anything
+with a torch op instead of a native call: a replay would not repeat it. Only views and
+allocations may run; the tensors allocated during the capture are kept alive by the graph,
+since the recorded calls hold their addresses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_ALLOCATIONS = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default,
+}
+_capturing: NativeGraph | None = None
+
+
+class GraphCaptureError(RuntimeError):
+    """The forward did something a replay of its native calls would not repeat."""
+
+
+class NativeFunction:
+    """A ctypes function returning an int status (0: done) or nothing (restype None) that a
+    capture records."""
+
+    def __init__(self, name: str, function: Callable[..., int]) -> None:
+        self.name = name
+        self._function = function
+
+    def __call__(self, *args: Any) -> int:
+        if _capturing is not None:
+            _capturing.record(self, args)
+        return self.run(args)
+
+    def run(self, args: tuple[Any, ...]) -> int:
+        """The call itself, never recorded: its status (0 for a function returning nothing)."""
+        status = self._function(*args)
+        return 0 if status is None else int(status)
+
+
+class NativeGraph:
+    def __init__(self) -> None:
+        self._calls: list[tuple[NativeFunction, tuple[Any, ...]]] = []
+        self._tensors: list[torch.Tensor] = []
+
+    @property
+    def num_calls(self) -> int:
+        return len(self._calls)
+
+    def record(self, function: NativeFunction, args: tuple[Any, ...]) -> None:
+        self._calls.append((function, args))
+
+    def keep(self, tensor: torch.Tensor) -> None:
+        self._tensors.append(tensor)
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Inside, native calls are recorded (and run) and torch ops other than views and
+        allocations raise GraphCaptureError."""
+        global _capturing
+        if _capturing is not None:
+            raise RuntimeError("a CPU graph is being captured already")
+        self._calls.clear()
+        _capturing = self
+        try:
+            with _CaptureGuard(self):
+                yield
+        finally:
+            _capturing = None
+
+    def replay(self) -> None:
+        """Repeat the captured calls; RuntimeError where one fails (a kernel's status)."""
+        for function, args in self._calls:
+            if function.run(args):
+                raise RuntimeError(f"native kernel {function.name} failed in a replayed graph")
+
+
+class _CaptureGuard(TorchDispatchMode):
+    def __init__(self, graph: NativeGraph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if not func.is_view and func not in _ALLOCATIONS:
+            raise GraphCaptureError(f"{func} is not a native kernel call")
+        out = func(*args, **(kwargs or {}))
+        if func in _ALLOCATIONS:
+            self.graph.keep(out)
+        return out
