@@ -9,7 +9,8 @@ to the graph being captured; `NativeGraph.replay` repeats those calls in order, 
 reads the same input buffers and writes the same output buffers as the captured forward did.
 
 A capture is refused (`GraphCaptureError`, naming the op) when the forward computes anything
-with a torch op instead of a native call: a replay would not repeat it. Only views and
+with a torch op instead of a native call: a replay would not repeat it. Only views (ops whose
+outputs share an input's memory: a `contiguous` or `reshape` that copies is refused) and
 allocations may run; the tensors allocated during the capture are kept alive by the graph,
 since the recorded calls hold their addresses.
 """
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 _ALLOCATIONS = {
     torch.ops.aten.empty.memory_format,
@@ -108,4 +110,17 @@ class _CaptureGuard(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in _ALLOCATIONS:
             self.graph.keep(out)
+        elif not _aliases(out, args):  # an op that may alias (contiguous, reshape) copied
+            raise GraphCaptureError(f"{func} copied its input (not a native kernel call)")
         return out
+
+
+def _aliases(out: Any, args: tuple[Any, ...]) -> bool:
+    """Whether every tensor of `out` shares its memory with a tensor of `args`."""
+    inputs = {t.untyped_storage().data_ptr() for t in tree_leaves(args) if _is_tensor(t)}
+    outputs = [t for t in tree_leaves(out) if _is_tensor(t)]
+    return all(t.untyped_storage().data_ptr() in inputs for t in outputs)
+
+
+def _is_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor)

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "native_math.h"
 #include "native_pool.h"
@@ -78,12 +79,13 @@ static inline void rotate(const float *src, float *dst, int64_t heads, int64_t s
 
 /* "Rotate half" rotary embedding: q [T, qh * size] and k [T, kh * size] (rows q_stride /
  * k_stride apart) by their tokens' positions, into contiguous q_out / k_out; cos_sin
- * [positions, size]: cos then sin, size / 2 each. */
+ * [positions, size]: cos then sin, size / 2 each. With v (not NULL), its rows [T, v_width]
+ * (v_stride apart) are copied into contiguous v_out too. */
 typedef struct {
     const int64_t *positions;
-    const float *q, *k, *cos_sin;
-    int64_t q_stride, q_heads, k_stride, k_heads, size;
-    float *q_out, *k_out;
+    const float *q, *k, *v, *cos_sin;
+    int64_t q_stride, q_heads, k_stride, k_heads, v_stride, v_width, size;
+    float *q_out, *k_out, *v_out;
 } Rotary;
 
 static void rotate_tokens(const void *job, int64_t first, int64_t end) {
@@ -95,16 +97,21 @@ static void rotate_tokens(const void *job, int64_t first, int64_t end) {
                sin);
         rotate(j->k + t * j->k_stride, j->k_out + t * j->k_heads * size, j->k_heads, size, cos,
                sin);
+        if (j->v != NULL)
+            memcpy(j->v_out + t * j->v_width, j->v + t * j->v_stride, sizeof(float) * j->v_width);
     }
 }
 
 void rotary_embedding(const int64_t *positions, int64_t tokens, const float *q, int64_t q_stride,
                       int64_t q_heads, const float *k, int64_t k_stride, int64_t k_heads,
-                      int64_t size, const float *cos_sin, float *q_out, float *k_out,
+                      const float *v, int64_t v_stride, int64_t v_width, int64_t size,
+                      const float *cos_sin, float *q_out, float *k_out, float *v_out,
                       int threads) {
-    const Rotary job = {positions, q, k, cos_sin, q_stride, q_heads, k_stride, k_heads, size,
-                        q_out, k_out};
-    pool_run(threads, tokens, chunk_rows((q_heads + k_heads) * size), rotate_tokens, &job);
+    const Rotary job = {positions, q,        k,       v,      cos_sin, q_stride, q_heads,
+                        k_stride,  k_heads,  v_stride, v_width, size,   q_out,    k_out,
+                        v_out};
+    const int64_t width = (q_heads + k_heads) * size + (v != NULL ? v_width : 0);
+    pool_run(threads, tokens, chunk_rows(width), rotate_tokens, &job);
 }
 
 typedef struct {

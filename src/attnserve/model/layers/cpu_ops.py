@@ -40,7 +40,8 @@ def cpu_ops_library() -> CpuOps | None:
     library.rms_norm.argtypes = [pointer, size, pointer, size, pointer, real, size, size,
                                  pointer, pointer, threads]  # fmt: skip
     library.rotary_embedding.argtypes = [pointer, size, pointer, size, size, pointer, size, size,
-                                         size, pointer, pointer, pointer, threads]  # fmt: skip
+                                         pointer, size, size, size, pointer, pointer, pointer,
+                                         pointer, threads]  # fmt: skip
     library.silu_and_mul.argtypes = [pointer, size, size, size, pointer, threads]
     names = ("rms_norm", "rotary_embedding", "silu_and_mul")
     for name in names:
@@ -108,16 +109,44 @@ def rotary_embedding(
     head_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`RotaryEmbedding.forward`: new contiguous (q [T, Hq*D], k [T, Hkv*D])."""
-    q, k = _rows(query.flatten(1)), _rows(key.flatten(1))
+    q, k, _ = _rotary(positions, (query, key, None), cos_sin_cache, head_size)
+    return q, k
+
+
+def rotary_embedding_qkv(
+    positions: torch.Tensor,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`RotaryEmbedding.forward_qkv` without head norms: q and k rotated, v copied, all three
+    new contiguous rows, in one call."""
+    q, k, v = _rotary(positions, qkv, cos_sin_cache, head_size)
+    if v is None:
+        raise RuntimeError("the rotary kernel returned no value rows")
+    return q, k, v
+
+
+def _rotary(
+    positions: torch.Tensor,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    q, k = _rows(qkv[0].flatten(1)), _rows(qkv[1].flatten(1))
+    v = None if qkv[2] is None else _rows(qkv[2].flatten(1))
     q_out, k_out = torch.empty(q.shape), torch.empty(k.shape)
+    v_out = None if v is None else torch.empty(v.shape)
     positions = positions.to(torch.int64).contiguous()
     _library().rotary_embedding(
         positions.data_ptr(), q.shape[0], q.data_ptr(), q.stride(0), q.shape[1] // head_size,
-        k.data_ptr(), k.stride(0), k.shape[1] // head_size, head_size,
-        cos_sin_cache.contiguous().data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
+        k.data_ptr(), k.stride(0), k.shape[1] // head_size,
+        None if v is None else v.data_ptr(), 0 if v is None else v.stride(0),
+        0 if v is None else v.shape[1], head_size, cos_sin_cache.contiguous().data_ptr(),
+        q_out.data_ptr(), k_out.data_ptr(), None if v_out is None else v_out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
-    return q_out, k_out
+    return q_out, k_out, v_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

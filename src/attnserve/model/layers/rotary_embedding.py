@@ -105,7 +105,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """An attention layer's q, k, v [T, H*D] (splits of its qkv projection) ready for
         attention: q and k per-head normalised by `head_norms` (Qwen3's q/k norm) when given,
-        then rotated; v contiguous. One fused launch on CUDA, the separate layers elsewhere."""
+        then rotated; v contiguous. One fused launch on CUDA, one native call on the CPU (after
+        the head norms), the separate layers elsewhere."""
         query, key, value = qkv
         weights = None if head_norms is None else (head_norms[0].weight, head_norms[1].weight)
         if use_triton(query) and (weights is None or weights[0].dtype == query.dtype):
@@ -119,6 +120,10 @@ class RotaryEmbedding(nn.Module):
             query, key = (
                 _per_head(norm, x, self.head_size)
                 for norm, x in zip(head_norms, (query, key), strict=True)
+            )
+        if cpu_ops.use_cpu_ops(query) and key.dtype == value.dtype == torch.float32:
+            return cpu_ops.rotary_embedding_qkv(
+                positions, (query, key, value), self.cos_sin_cache, self.head_size
             )
         return (*self.forward(positions, query, key), value.contiguous())
 
