@@ -62,6 +62,20 @@ def test_rotary_embedding_against_the_formula() -> None:
     )
 
 
+def test_rotary_embedding_of_qkv_copies_v_in_the_same_call() -> None:
+    """`forward_qkv` on the CPU: q and k as `forward` rotates them, v's strided split copied to
+    contiguous rows (the attention reads them; no torch copy runs in a decode step)."""
+    rope = RotaryEmbedding(16, 64, 10000.0)
+    qkv = _rand(6, (4 + 2 + 2) * 16, seed=7)
+    q, k, v = qkv.split([64, 32, 32], -1)
+    positions = torch.tensor([5, 0, 2, 9, 63, 4])
+    got = rope.forward_qkv(positions, (q, k, v))
+    assert all(t.is_contiguous() for t in got)
+    assert torch.equal(got[2], v) and got[2].data_ptr() != v.data_ptr()
+    for rotated, expected in zip(got[:2], rope(positions, q, k), strict=True):
+        assert torch.equal(rotated, expected)
+
+
 @pytest.mark.parametrize("inter", [40, 43])  # whole vectors of 8; a scalar tail
 def test_silu_and_mul_against_the_formula(inter: int) -> None:
     x = 4 * _rand(3, 2 * inter, seed=6)

@@ -1,0 +1,94 @@
+"""CPU graphs in the engine (`CPUGraphRunner`): the default model (GGUF kept packed) captures a
+graph per bucket, and its decode steps replayed from them draw the same tokens with the same
+log-probs, bit for bit, as eager steps (a replay makes the same native calls on the same
+values); a model whose forward computes with torch ops captures none and runs eagerly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from attnserve import LLM, SamplingParams
+from attnserve.model.quantization.gguf_cpu import native_library
+
+pytestmark = pytest.mark.skipif(native_library() is None, reason="no AVX2 CPU or C compiler")
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name a colour.",
+    "Write a haiku about the sea.",
+    "Count to five.",
+    "Give me three tips for learning a new language.",
+    "What is 2 + 2?",
+]
+
+
+@pytest.fixture(scope="module")
+def eager_llm() -> Iterator[LLM]:
+    llm = LLM(device="cpu", max_model_len=1024, enforce_eager=True)
+    yield llm
+    llm.shutdown()
+
+
+def _runner(llm: LLM) -> Any:
+    return llm.llm_engine.executor.driver_runner
+
+
+def _decode(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    # different lengths: the batch shrinks 6 -> 1 over the steps (buckets 8, 4, 2 and 1)
+    params = [
+        SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, logprobs=1)
+        for i in range(len(PROMPTS))
+    ]
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    outputs = [o.outputs[0] for o in llm.chat(chats, params, use_tqdm=False)]
+    return [
+        (list(o.token_ids), [lp[t] for t, lp in zip(o.token_ids, o.logprobs, strict=True)])
+        for o in outputs
+    ]
+
+
+def test_the_default_model_captures_every_bucket(default_llm: LLM) -> None:
+    graphs = _runner(default_llm).graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
+    assert all(graph.num_calls > 0 for graph, _ in graphs.graphs.values())
+
+
+def test_replayed_decodes_equal_eager_ones(
+    default_llm: LLM, eager_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    graphs = _runner(default_llm).graphs
+    assert _runner(eager_llm).graphs is None
+    sizes: list[int] = []
+    replay: Callable[..., Any] = graphs.run
+
+    def counted(token_ids: Any, layout: Any, carried: Any = None) -> Any:
+        sizes.append(layout.num_seqs)
+        return replay(token_ids, layout, carried)
+
+    monkeypatch.setattr(graphs, "run", counted)
+    replayed = _decode(default_llm)
+    assert set(sizes) == {1, 2, 3, 4, 5, 6}  # every decode step of the run came from a graph
+    assert replayed == _decode(eager_llm)
+
+
+def test_a_model_computing_with_torch_ops_runs_eagerly(tiny_llama_dir: Path) -> None:
+    """A float32 checkpoint: its embedding and linear layers are torch ops, so no capture."""
+    llm = LLM(model=str(tiny_llama_dir), device="cpu", max_model_len=64)
+    try:
+        assert _runner(llm).graphs is None
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
+
+
+def test_buckets_stop_at_max_num_seqs() -> None:
+    llm = LLM(device="cpu", max_model_len=256, max_num_seqs=3)
+    try:
+        assert _runner(llm).graphs.sizes == [1, 2, 3]
+    finally:
+        llm.shutdown()
