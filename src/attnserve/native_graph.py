@@ -18,6 +18,7 @@ since the recorded calls hold their addresses.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,7 +31,13 @@ _ALLOCATIONS = {
     torch.ops.aten.empty_strided.default,
     torch.ops.aten.empty_like.default,
 }
-_capturing: NativeGraph | None = None
+
+
+class _Capturing(threading.local):
+    graph: NativeGraph | None = None  # the graph this thread is capturing
+
+
+_capturing = _Capturing()
 
 
 class GraphCaptureError(RuntimeError):
@@ -41,13 +48,14 @@ class NativeFunction:
     """A ctypes function returning an int status (0: done) or nothing (restype None) that a
     capture records."""
 
-    def __init__(self, name: str, function: Callable[..., int]) -> None:
+    def __init__(self, name: str, function: Callable[..., int | None]) -> None:
         self.name = name
         self._function = function
 
     def __call__(self, *args: Any) -> int:
-        if _capturing is not None:
-            _capturing.record(self, args)
+        graph = _capturing.graph
+        if graph is not None:
+            graph.record(self, args)
         return self.run(args)
 
     def run(self, args: tuple[Any, ...]) -> int:
@@ -57,6 +65,8 @@ class NativeFunction:
 
 
 class NativeGraph:
+    """One captured forward: its native calls in order, and the tensors they address."""
+
     def __init__(self) -> None:
         self._calls: list[tuple[NativeFunction, tuple[Any, ...]]] = []
         self._tensors: list[torch.Tensor] = []
@@ -75,16 +85,15 @@ class NativeGraph:
     def capture(self) -> Iterator[None]:
         """Inside, native calls are recorded (and run) and torch ops other than views and
         allocations raise GraphCaptureError."""
-        global _capturing
-        if _capturing is not None:
+        if _capturing.graph is not None:
             raise RuntimeError("a CPU graph is being captured already")
         self._calls.clear()
-        _capturing = self
+        _capturing.graph = self
         try:
             with _CaptureGuard(self):
                 yield
         finally:
-            _capturing = None
+            _capturing.graph = None
 
     def replay(self) -> None:
         """Repeat the captured calls; RuntimeError where one fails (a kernel's status)."""

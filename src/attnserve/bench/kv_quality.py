@@ -116,8 +116,11 @@ def _scales(runner: ModelRunner) -> dict[str, float]:
 
 
 def _step(runner: ModelRunner, batch: ScheduledBatch) -> Step:
+    """(final hidden states, logits) as float32 copies on the CPU (a graph's replay writes its
+    output buffer again next step)."""
     hidden = runner.final_hidden_states(batch)
-    return hidden.float().cpu(), runner.model.compute_logits(hidden).cpu()
+    logits = runner.model.compute_logits(hidden)
+    return hidden.to("cpu", torch.float32, copy=True), logits.to("cpu", copy=True)
 
 
 def _run(
