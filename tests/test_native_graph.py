@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from attnserve.model.layers import cpu_ops
-from attnserve.native_graph import GraphCaptureError, NativeFunction, NativeGraph
+from attnserve.native_graph import (
+    GraphCaptureError,
+    NativeFunction,
+    NativeGraph,
+    refuse_in_capture,
+)
 
 native = pytest.mark.skipif(
     cpu_ops.cpu_ops_library() is None, reason="native CPU ops not built here (AVX2, compiler)"
@@ -101,3 +106,10 @@ def test_captures_do_not_nest_and_calls_outside_them_are_not_recorded() -> None:
     function()
     graph.replay()
     assert graph.num_calls == 1 and len(calls) == 4
+
+
+def test_collectives_refuse_inside_a_capture() -> None:
+    """A collective is no native call (and need not show as a torch op): a capture stops at it."""
+    refuse_in_capture("an all-reduce")  # outside a capture: nothing happens
+    with pytest.raises(GraphCaptureError, match="an all-reduce"), NativeGraph().capture():
+        refuse_in_capture("an all-reduce")

@@ -44,6 +44,13 @@ class GraphCaptureError(RuntimeError):
     """The forward did something a replay of its native calls would not repeat."""
 
 
+def refuse_in_capture(what: str) -> None:
+    """GraphCaptureError while this thread captures a CPU graph: for work that is no native
+    call and may not show as a torch op (a collective)."""
+    if _capturing.graph is not None:
+        raise GraphCaptureError(f"{what} cannot be replayed from a CPU graph")
+
+
 class NativeFunction:
     """A ctypes function returning an int status (0: done) or nothing (restype None) that a
     capture records."""

@@ -1,4 +1,5 @@
-"""Collectives of the tensor-parallel group; each is a no-op (or identity) on one rank."""
+"""Collectives of the tensor-parallel group; each is a no-op (or identity) on one rank. A CPU
+graph cannot replay one (it repeats native calls only): inside its capture they refuse."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from attnserve.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     get_tp_cpu_group,
 )
+from attnserve.native_graph import refuse_in_capture
 
 
 def tensor_model_parallel_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of `tensor` over the ranks (in place)."""
     if get_tensor_model_parallel_world_size() == 1:
         return tensor
+    refuse_in_capture("an all-reduce")
     dist.all_reduce(tensor)
     return tensor
 
@@ -26,6 +29,7 @@ def tensor_model_parallel_all_gather(tensor: torch.Tensor, dim: int = -1) -> tor
     world_size = get_tensor_model_parallel_world_size()
     if world_size == 1:
         return tensor
+    refuse_in_capture("an all-gather")
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(parts, tensor)
