@@ -4,16 +4,18 @@ refused by name, since a replay would not repeat it."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from attnserve.model.layers import cpu_ops
-from attnserve.native_graph import (
-    GraphCaptureError,
-    NativeFunction,
-    NativeGraph,
-    refuse_in_capture,
-)
+from attnserve.model.quantization.gguf_blocks import from_blocks
+from attnserve.model.quantization.gguf_cpu import NativeWeight
+from attnserve.native_graph import GraphCaptureError, NativeGraph, refuse_in_capture
+
+Q8_0 = GGMLQuantizationType.Q8_0
 
 native = pytest.mark.skipif(
     cpu_ops.cpu_ops_library() is None, reason="native CPU ops not built here (AVX2, compiler)"
@@ -83,29 +85,45 @@ def test_views_and_allocations_are_allowed() -> None:
     assert viewed.data_ptr() == x.data_ptr() + 16 * x.element_size()
 
 
+@native
 def test_a_failing_call_fails_its_replay() -> None:
-    status = [0]
+    """A kernel's nonzero status stops the replay: an embedding row id gone out of range."""
+    values = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32)
+    table = NativeWeight(from_blocks("Q8_0", quantize(values, Q8_0), (4, 32)))
+    ids = torch.tensor([0, 3])
     graph = NativeGraph()
     with graph.capture():
-        NativeFunction("flaky", lambda: status[0])()
+        rows = table.dequantize_rows(ids)
+    ids[1] = 2
     graph.replay()
-    status[0] = 3
-    with pytest.raises(RuntimeError, match="flaky failed"):
+    assert torch.equal(rows, table.dequantize_rows(torch.tensor([0, 2])))
+    ids[1] = 4
+    with pytest.raises(RuntimeError, match="gguf_dequantize failed"):
         graph.replay()
 
 
+@native
 def test_captures_do_not_nest_and_calls_outside_them_are_not_recorded() -> None:
-    calls: list[int] = []
-    function = NativeFunction("count", lambda: calls.append(1))
+    x, weight = torch.randn(2, 16), torch.ones(16)
     graph = NativeGraph()
-    function()
+    cpu_ops.rms_norm(x, weight, 1e-6)
     with graph.capture():
-        function()
+        out = cpu_ops.rms_norm(x, weight, 1e-6)
         with pytest.raises(RuntimeError, match="already"), NativeGraph().capture():
             pass
-    function()
+    cpu_ops.rms_norm(x, weight, 1e-6)
+    assert graph.num_calls == 1
+    x.mul_(2.0)
     graph.replay()
-    assert graph.num_calls == 1 and len(calls) == 4
+    torch.testing.assert_close(out, _rms_norm(x, weight), atol=2e-6, rtol=2e-6)
+
+
+def test_an_empty_graph_replays_as_nothing() -> None:
+    graph = NativeGraph()
+    with graph.capture():
+        torch.empty(3)
+    graph.replay()
+    assert graph.num_calls == 0
 
 
 def test_collectives_refuse_inside_a_capture() -> None:

@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV = "ATTNSERVE_CACHE_DIR"
 POOL_SOURCE = Path(__file__).with_name("native_pool.c")
-HEADERS = tuple(POOL_SOURCE.with_name(name) for name in ("native_pool.h", "native_math.h"))
+HEADERS = tuple(
+    POOL_SOURCE.with_name(name) for name in ("native_pool.h", "native_math.h", "native_packed.h")
+)
 ISA = ("-mavx2", "-mfma", "-mf16c")
 FLAGS = ("-O3", *ISA, "-ffp-contract=off", "-fopenmp-simd", "-shared", "-fPIC")
 _CAPABLE = ("AVX2", "AVX512")

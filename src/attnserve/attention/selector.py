@@ -53,14 +53,14 @@ def describe_capabilities(caps: BackendCapabilities) -> str:
             ("window", caps.sliding_window),
             ("alibi", caps.alibi),
             ("soft-cap", caps.logits_soft_cap),
-            ("cuda-graphs", caps.cuda_graphs),
+            ("graphs", caps.cuda_graphs),
         ]
         if on
     ]
     return (
         f"{dtypes} on {','.join(caps.devices)}; head sizes {heads}; blocks "
         f"{caps.min_block_size}..{caps.max_block_size}; kv {','.join(caps.kv_cache_dtypes)}; "
-        f"{'+'.join(features) or 'no window/alibi/soft-cap/cuda-graphs'}; priority {caps.priority}"
+        f"{'+'.join(features) or 'no window/alibi/soft-cap/graphs'}; priority {caps.priority}"
     )
 
 

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "native_math.h"
+#include "native_packed.h"
 #include "native_pool.h"
 
 #define HEADS_AT_ONCE 4
@@ -239,4 +240,14 @@ int cpu_paged_attention(const float *q, int64_t q_stride, const float *k, int64_
     const int64_t chunk = num_tokens >= 4 * (int64_t)threads ? num_kv_heads : 1;
     pool_run(threads, num_tokens * num_kv_heads, chunk, attend_pairs, &s);
     return atomic_load(&s.failed) ? -1 : 0;
+}
+
+int cpu_paged_attention_packed(const int64_t *a) {
+    return cpu_paged_attention(
+        SLOT_PTR(const float, a[0]), a[1], SLOT_PTR(const float, a[2]), a[3],
+        SLOT_PTR(const float, a[4]), a[5], SLOT_PTR(float, a[6]), SLOT_PTR(float, a[7]),
+        SLOT_PTR(const int64_t, a[8]), SLOT_PTR(const int64_t, a[9]),
+        SLOT_PTR(const int64_t, a[10]), SLOT_PTR(const int64_t, a[11]), a[12], a[13], a[14],
+        a[15], a[16], a[17], slot_float(a[18]), a[19], slot_float(a[20]),
+        SLOT_PTR(const float, a[21]), SLOT_PTR(float, a[22]), (int)a[23]);
 }

@@ -30,7 +30,7 @@ def cpu_attention_library() -> NativeFunction | None:
         real, size, real, pointer,  # scale, window, soft-cap, ALiBi slopes
         pointer, ctypes.c_int,  # out, threads
     ]  # fmt: skip
-    return NativeFunction("cpu_paged_attention", library.cpu_paged_attention)
+    return NativeFunction(library, "cpu_paged_attention")
 
 
 def _rows(x: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "native_math.h"
+#include "native_packed.h"
 #include "native_pool.h"
 
 #define ROW_FLOATS 16384 /* floats of rows a chunk of pool work takes, about */
@@ -142,4 +143,24 @@ void silu_and_mul(const float *x, int64_t x_stride, int64_t rows, int64_t inter,
                   int threads) {
     const Gate job = {x, x_stride, inter, out};
     pool_run(threads, rows, chunk_rows(inter), gate_rows, &job);
+}
+
+int rms_norm_packed(const int64_t *a) {
+    rms_norm(SLOT_PTR(const float, a[0]), a[1], SLOT_PTR(const float, a[2]), a[3],
+             SLOT_PTR(const float, a[4]), slot_float(a[5]), a[6], a[7], SLOT_PTR(float, a[8]),
+             SLOT_PTR(float, a[9]), (int)a[10]);
+    return 0;
+}
+
+int rotary_embedding_packed(const int64_t *a) {
+    rotary_embedding(SLOT_PTR(const int64_t, a[0]), a[1], SLOT_PTR(const float, a[2]), a[3], a[4],
+                     SLOT_PTR(const float, a[5]), a[6], a[7], SLOT_PTR(const float, a[8]), a[9],
+                     a[10], a[11], SLOT_PTR(const float, a[12]), SLOT_PTR(float, a[13]),
+                     SLOT_PTR(float, a[14]), SLOT_PTR(float, a[15]), (int)a[16]);
+    return 0;
+}
+
+int silu_and_mul_packed(const int64_t *a) {
+    silu_and_mul(SLOT_PTR(const float, a[0]), a[1], a[2], a[3], SLOT_PTR(float, a[4]), (int)a[5]);
+    return 0;
 }

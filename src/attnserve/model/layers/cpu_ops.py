@@ -46,7 +46,7 @@ def cpu_ops_library() -> CpuOps | None:
     names = ("rms_norm", "rotary_embedding", "silu_and_mul")
     for name in names:
         getattr(library, name).restype = None
-    return CpuOps(*(NativeFunction(name, getattr(library, name)) for name in names))
+    return CpuOps(*(NativeFunction(library, name) for name in names))
 
 
 def use_cpu_ops(x: torch.Tensor) -> bool:

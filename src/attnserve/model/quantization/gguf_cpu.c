@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "native_packed.h"
 #include "native_pool.h"
 
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
@@ -245,4 +246,16 @@ int gguf_dequantize(int type, const uint8_t *codes, const uint16_t *d, const uin
     const Dequantization job = {{type, codes, d, c, R, K / BLOCK}, row_ids, out};
     pool_run(threads, R, chunk_rows(K, 1), dequantize_rows, &job);
     return 0;
+}
+
+int gguf_mm_packed(const int64_t *a) {
+    return gguf_mm((int)a[0], SLOT_PTR(const uint8_t, a[1]), SLOT_PTR(const uint16_t, a[2]),
+                   SLOT_PTR(const uint16_t, a[3]), a[4], a[5], SLOT_PTR(const float, a[6]), a[7],
+                   SLOT_PTR(float, a[8]), (int)a[9]);
+}
+
+int gguf_dequantize_packed(const int64_t *a) {
+    return gguf_dequantize((int)a[0], SLOT_PTR(const uint8_t, a[1]), SLOT_PTR(const uint16_t, a[2]),
+                           SLOT_PTR(const uint16_t, a[3]), a[4], a[5],
+                           SLOT_PTR(const int64_t, a[6]), a[7], SLOT_PTR(float, a[8]), (int)a[9]);
 }

@@ -39,8 +39,7 @@ def native_library() -> GGUFKernels | None:
     library.gguf_mm.argtypes = [*weight, size, size, pointer, size, pointer, threads]
     library.gguf_dequantize.argtypes = [*weight, size, size, pointer, size, pointer, threads]
     return GGUFKernels(
-        NativeFunction("gguf_mm", library.gguf_mm),
-        NativeFunction("gguf_dequantize", library.gguf_dequantize),
+        NativeFunction(library, "gguf_mm"), NativeFunction(library, "gguf_dequantize")
     )
 
 
