@@ -1,7 +1,8 @@
 """CPU graphs in the engine (`CPUGraphRunner`): the default model (GGUF kept packed) captures a
-graph per bucket, and its decode steps replayed from them draw the same tokens with the same
-log-probs, bit for bit, as eager steps (a replay makes the same native calls on the same
-values); a model whose forward computes with torch ops captures none and runs eagerly."""
+graph per bucket on the bucket's first step, and its decode steps, captured and replayed, draw
+the same tokens with the same log-probs, bit for bit, as eager steps (a replay makes the same
+native calls on the same values); a model whose forward computes with torch ops captures none
+and runs eagerly."""
 
 from __future__ import annotations
 
@@ -51,12 +52,6 @@ def _decode(llm: LLM) -> list[tuple[list[int], list[float]]]:
     ]
 
 
-def test_the_default_model_captures_every_bucket(default_llm: LLM) -> None:
-    graphs = _runner(default_llm).graphs
-    assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
-    assert all(graph.num_calls > 0 for graph, _ in graphs.graphs.values())
-
-
 def test_replayed_decodes_equal_eager_ones(
     default_llm: LLM, eager_llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -72,16 +67,25 @@ def test_replayed_decodes_equal_eager_ones(
     monkeypatch.setattr(graphs, "run", counted)
     replayed = _decode(default_llm)
     assert set(sizes) == {1, 2, 3, 4, 5, 6}  # every decode step of the run came from a graph
+    assert graphs.sizes == sorted(graphs.graphs) == [1, 2, 4, 8]  # each bucket captured
+    assert all(graph.num_calls > 0 for graph, _ in graphs.graphs.values())
     assert replayed == _decode(eager_llm)
+    assert _decode(default_llm) == replayed  # replays only, this time
 
 
 def test_a_model_computing_with_torch_ops_runs_eagerly(tiny_llama_dir: Path) -> None:
-    """A float32 checkpoint: its embedding and linear layers are torch ops, so no capture."""
+    """A float32 checkpoint: its embedding and linear layers are torch ops, so the first
+    decode step's capture is refused, reruns eagerly, and no bucket is left."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+    eager = LLM(model=str(tiny_llama_dir), device="cpu", max_model_len=64, enforce_eager=True)
+    expected = eager.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+    eager.shutdown()
     llm = LLM(model=str(tiny_llama_dir), device="cpu", max_model_len=64)
     try:
-        assert _runner(llm).graphs is None
-        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 4
+        out = llm.generate([[1, 2, 3]], params, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == expected
+        graphs = _runner(llm).graphs
+        assert graphs.graphs == {} and graphs.max_num_seqs == 0
     finally:
         llm.shutdown()
 

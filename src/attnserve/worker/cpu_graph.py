@@ -3,20 +3,21 @@ one per batch-size bucket, as `CUDAGraphRunner` replays CUDA graphs.
 
 At a few sequences a CPU decode step is mostly the Python around its native kernels (module
 calls, allocations, argument checks: ~270 calls for the default model's 30 layers); a replay
-makes only the kernel calls. Buckets 1, 2, 4 and 8 (up to `max_num_seqs`) are captured, the
-same padded layouts, static inputs and persistent metadata buffers as on CUDA. A forward that
-computes with any torch op (float weights, a bias add, a dense embedding) cannot be captured:
-from the first bucket refused on, steps run eagerly, as with `enforce_eager`.
+makes only the kernel calls. Buckets are 1, 2, 4 and 8 (up to `max_num_seqs`), with the same
+padded layouts, static inputs and persistent metadata buffers as on CUDA. Nothing is captured at
+start-up: a bucket's first step is its capture (the capture runs that step's forward on its own
+inputs), later steps replay it. A forward that computes with any torch op (float weights, a
+bias add, a dense embedding) cannot be captured: that step reruns eagerly, and from that bucket
+up steps run eagerly, as with `enforce_eager`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
-from attnserve.attention import set_forward_context
+from attnserve.attention import StepMetadata, set_forward_context
 from attnserve.native_graph import GraphCaptureError, NativeGraph
 from attnserve.worker.cuda_graph import CUDAGraphRunner
 
@@ -27,27 +28,21 @@ MAX_GRAPH_SEQS = 8  # beyond, the packed layers hand batches to the BLAS (a torc
 
 class CPUGraphRunner(CUDAGraphRunner):
     def capture(self) -> None:
-        """Capture the buckets in increasing size, up to the first one refused."""
-        started = time.perf_counter()
-        for size in self.sizes:
-            try:
-                self._capture_native(size)
-            except GraphCaptureError as error:
-                logger.info("CPU graphs stop below %d sequences: %s", size, error)
-                break
-        self.sizes = list(self.graphs)
-        if self.sizes:
-            logger.info(
-                "captured %d CPU graphs (decode batches up to %d) in %.2f s",
-                len(self.sizes),
-                self.max_num_seqs,
-                time.perf_counter() - started,
-            )
+        """Nothing before the first steps: each bucket is captured by its first step."""
 
-    @torch.inference_mode()
-    def _capture_native(self, size: int) -> None:
-        graph = NativeGraph()
+    def _replayed(self, size: int, metadata: StepMetadata) -> torch.Tensor:
+        if size in self.graphs:
+            return super()._replayed(size, metadata)
         ids, positions = self.input_ids[:size], self.positions[:size]
-        with set_forward_context(self._dummy_metadata(size)), graph.capture():
-            hidden = self.model(ids, positions)
+        graph = NativeGraph()
+        try:
+            with set_forward_context(metadata), graph.capture():
+                hidden: torch.Tensor = self.model(ids, positions)
+        except GraphCaptureError as error:
+            logger.info("CPU graphs stop below %d sequences: %s", size, error)
+            self.sizes = [s for s in self.sizes if s < size]
+            with set_forward_context(metadata):  # the same writes again, then the rest
+                return self.model(ids, positions)
         self.graphs[size] = (graph, hidden)
+        logger.debug("captured a CPU graph of %d sequences: %d calls", size, graph.num_calls)
+        return hidden

@@ -70,7 +70,8 @@ class CUDAGraphRunner:
 
     @property
     def max_num_seqs(self) -> int:
-        return self.sizes[-1]
+        """The largest bucket (0 when there is none)."""
+        return self.sizes[-1] if self.sizes else 0
 
     def capture(self) -> None:
         """Capture every bucket. The dummy steps write only block 0 (slot -1 elsewhere)."""
@@ -116,7 +117,7 @@ class CUDAGraphRunner:
         num_seqs = layout.num_seqs
         size = next(s for s in self.sizes if s >= num_seqs)
         padded = pad_for_cuda_graph(layout, size)
-        build_graph_metadata(self.builders, padded)
+        metadata = build_graph_metadata(self.builders, padded)
         host = torch.zeros(2, size, dtype=torch.int64)
         host[0, :num_seqs] = token_ids
         host[1] = padded.token_pos
@@ -124,6 +125,10 @@ class CUDAGraphRunner:
         self.positions[:size].copy_(host[1], non_blocking=True)
         if carried is not None:
             self.input_ids[carried[0]] = carried[1]
+        return self._replayed(size, metadata)[:num_seqs]
+
+    def _replayed(self, size: int, metadata: StepMetadata) -> torch.Tensor:
+        """The bucket's captured output after replaying its graph on the loaded inputs."""
         graph, hidden = self.graphs[size]
         graph.replay()
-        return hidden[:num_seqs]
+        return hidden
