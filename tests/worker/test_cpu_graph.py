@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from attnserve import LLM, SamplingParams
 from attnserve.model.quantization.gguf_cpu import native_library
@@ -96,3 +97,16 @@ def test_buckets_stop_at_max_num_seqs() -> None:
         assert _runner(llm).graphs.sizes == [1, 2, 3]
     finally:
         llm.shutdown()
+
+
+def test_a_new_thread_count_captures_the_graphs_again(default_llm: LLM) -> None:
+    graphs = _runner(default_llm).graphs
+    before = _decode(default_llm)
+    threads = torch.get_num_threads()
+    captured = dict(graphs.graphs)
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        assert _decode(default_llm) == before  # the kernels' results do not depend on threads
+        assert all(graphs.graphs[size][0] is not captured[size][0] for size in captured)
+    finally:
+        torch.set_num_threads(threads)

@@ -8,7 +8,8 @@ padded layouts, static inputs and persistent metadata buffers as on CUDA. Nothin
 start-up: a bucket's first step is its capture (the capture runs that step's forward on its own
 inputs), later steps replay it. A forward that computes with any torch op (float weights, a
 bias add, a dense embedding) cannot be captured: that step reruns eagerly, and from that bucket
-up steps run eagerly, as with `enforce_eager`.
+up steps run eagerly, as with `enforce_eager`. The kernels' calls pass torch's thread count: when
+it changes, the graphs are captured again.
 """
 
 from __future__ import annotations
@@ -27,10 +28,15 @@ MAX_GRAPH_SEQS = 8  # beyond, the packed layers hand batches to the BLAS (a torc
 
 
 class CPUGraphRunner(CUDAGraphRunner):
+    _threads = 0  # torch's thread count when the graphs were captured (the kernels take it)
+
     def capture(self) -> None:
         """Nothing before the first steps: each bucket is captured by its first step."""
 
     def _replayed(self, size: int, metadata: StepMetadata) -> torch.Tensor:
+        if torch.get_num_threads() != self._threads:  # captured calls pass the old count
+            self.graphs.clear()
+            self._threads = torch.get_num_threads()
         if size in self.graphs:
             return super()._replayed(size, metadata)
         ids, positions = self.input_ids[:size], self.positions[:size]
