@@ -9,8 +9,9 @@ is a matmul; everything else is "other". On the host an op's time is its CPU sel
 by the profiler's op tree. On a GPU the time is each kernel's, placed by the ranges and ops open
 on the launching thread when its launch call ran (read from the profile's Chrome trace, which
 links every kernel to its launch, whichever library launched it); run the engine eagerly, since
-CUDA graphs hide their kernels. Host overhead = wall time per step, timed over as many steps
-without the profiler, minus that busy time (0 when the profiler's figures exceed it).
+CUDA graphs hide their kernels (and CPU graphs their native calls). Host overhead = wall time per
+step, timed over as many steps without the profiler, minus that busy time (0 when the
+profiler's figures exceed it).
 """
 
 from __future__ import annotations

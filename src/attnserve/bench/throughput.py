@@ -8,7 +8,7 @@ tokens per engine step of the timed run (about the sequences a step runs: the ca
 KV pressure) and its preemptions; the workload's bound from the model's shape
 at the copy bandwidth and matmul rate measured first in the same run (bench/bound.py) and the
 fraction of it reached; the step-time breakdown of `--profile-steps` profiled decode steps
-(bench/breakdown.py; on a GPU the engine is then rebuilt with `enforce_eager`, since CUDA graphs
+(bench/breakdown.py; the engine is then rebuilt with `enforce_eager`, since CUDA and CPU graphs
 hide kernels). Optional: HF transformers `generate` on the same weights (static batches); with
 `--shared-prefix`, the same engine with prefix caching off; `--batch-sizes 16,64,256`, the
 workload again with that many requests (fresh prompts, same length distribution, each point
@@ -133,7 +133,7 @@ def _sweep(
 
 
 def _eager_engine(engine_args: EngineArgs, workload: Workload) -> LLM:
-    """A warmed-up engine without CUDA graphs (they hide kernels from the profiler)."""
+    """A warmed-up engine without CUDA or CPU graphs (they hide kernels from the profiler)."""
     progress("rebuilding the engine with enforce_eager for the profile")
     gc.collect()
     torch.cuda.empty_cache()
@@ -267,7 +267,7 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
         result["ratio_to_hf"] = result["output_tokens_per_s"] / result["hf_output_tokens_per_s"]
     if not args.profile_steps:
         return result, None
-    if device.type == "cuda" and not engine_args.enforce_eager:
+    if not engine_args.enforce_eager:
         del llm
         llm = _eager_engine(engine_args, workload)
     progress(f"profiling {args.profile_steps} decode steps")
