@@ -11,6 +11,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from attnserve.model.layers import cpu_ops
+from attnserve.model.layers.layernorm import RMSNorm
+from attnserve.model.layers.rotary_embedding import RotaryEmbedding
 from attnserve.model.quantization.gguf_blocks import from_blocks
 from attnserve.model.quantization.gguf_cpu import NativeWeight
 from attnserve.native_graph import GraphCaptureError, NativeGraph, refuse_in_capture
@@ -131,3 +133,21 @@ def test_collectives_refuse_inside_a_capture() -> None:
     refuse_in_capture("an all-reduce")  # outside a capture: nothing happens
     with pytest.raises(GraphCaptureError, match="an all-reduce"), NativeGraph().capture():
         refuse_in_capture("an all-reduce")
+
+
+@native
+def test_a_qwen3_attention_input_step_captures_at_any_batch() -> None:
+    """q/k head norms, rotary and v's copy of several tokens: native calls only (no copy of the
+    strided qkv split), so a decode step of Qwen3 layers can be replayed at batches above 1."""
+    rope = RotaryEmbedding(16, 64, 10000.0)
+    norms = (RMSNorm(16, 1e-6), RMSNorm(16, 1e-6))
+    qkv = torch.randn(3, 4 * 16 + 2 * 2 * 16)
+    positions = torch.tensor([4, 9, 1])
+    graph = NativeGraph()
+    with torch.inference_mode():
+        with graph.capture():
+            captured = rope.forward_qkv(positions, qkv.split([64, 32, 32], -1), norms)
+        qkv.copy_(torch.randn(3, 128))
+        graph.replay()
+        expected = rope.forward_qkv(positions, qkv.split([64, 32, 32], -1), norms)
+    assert all(torch.equal(a, b) for a, b in zip(captured, expected, strict=True))

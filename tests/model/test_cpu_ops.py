@@ -43,6 +43,17 @@ def test_rms_norm_of_a_strided_split() -> None:
     torch.testing.assert_close(cpu_ops.rms_norm(part, weight, 1e-6), expected, **TOL)
 
 
+def test_rms_norm_per_head_of_strided_token_rows() -> None:
+    """Qwen3's q/k norm: heads [T, H, D] of a qkv split (tokens a qkv row apart), no copy."""
+    norm = RMSNorm(16, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * _rand(16, seed=8))
+    qkv = _rand(5, 4 * 16 + 2 * 32, seed=9)
+    heads = qkv[:, :64].reshape(5, 4, 16)
+    assert heads.data_ptr() == qkv.data_ptr()  # a view: the kernel reads it in place
+    torch.testing.assert_close(norm(heads), norm._norm(heads.contiguous()), **TOL)
+
+
 def test_rotary_embedding_against_the_formula() -> None:
     rope = RotaryEmbedding(16, 64, 10000.0)
     qkv = _rand(6, (4 + 2 + 2) * 16, seed=5)

@@ -19,10 +19,12 @@
 static int64_t chunk_rows(int64_t width) { return width >= ROW_FLOATS ? 1 : ROW_FLOATS / width; }
 
 /* out = weight * x * 1/sqrt(mean(x^2) + eps), per row of n; with `residual` (not NULL), x is
- * first replaced by x + residual, which is also written to `summed`. */
+ * first replaced by x + residual, which is also written to `summed`. x's rows come in groups of
+ * `group` consecutive rows of n (a token's heads, Qwen3's q/k norm), groups x_stride apart
+ * (group 1: rows x_stride apart); residual and the outputs are rows as usual. */
 typedef struct {
     const float *x, *residual, *weight;
-    int64_t x_stride, residual_stride, n;
+    int64_t x_stride, group, residual_stride, n;
     float eps;
     float *out, *summed;
 } Norm;
@@ -34,7 +36,7 @@ static void norm_rows(const void *job, int64_t first, int64_t end) {
     const float eps = j->eps;
     float *out = j->out, *summed = j->summed;
     for (int64_t r = first; r < end; r++) {
-        const float *xr = x + r * x_stride;
+        const float *xr = x + r / j->group * x_stride + r % j->group * n;
         float *o = out + r * n;
         float squares = 0.0f;
         if (residual != NULL) {
@@ -56,10 +58,10 @@ static void norm_rows(const void *job, int64_t first, int64_t end) {
     }
 }
 
-void rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t residual_stride,
-              const float *weight, float eps, int64_t rows, int64_t n, float *out,
-              float *summed, int threads) {
-    const Norm job = {x, residual, weight, x_stride, residual_stride, n, eps, out, summed};
+void rms_norm(const float *x, int64_t x_stride, int64_t group, const float *residual,
+              int64_t residual_stride, const float *weight, float eps, int64_t rows, int64_t n,
+              float *out, float *summed, int threads) {
+    const Norm job = {x, residual, weight, x_stride, group, residual_stride, n, eps, out, summed};
     pool_run(threads, rows, chunk_rows(n), norm_rows, &job);
 }
 
@@ -146,9 +148,9 @@ void silu_and_mul(const float *x, int64_t x_stride, int64_t rows, int64_t inter,
 }
 
 int rms_norm_packed(const int64_t *a) {
-    rms_norm(SLOT_PTR(const float, a[0]), a[1], SLOT_PTR(const float, a[2]), a[3],
-             SLOT_PTR(const float, a[4]), slot_float(a[5]), a[6], a[7], SLOT_PTR(float, a[8]),
-             SLOT_PTR(float, a[9]), (int)a[10]);
+    rms_norm(SLOT_PTR(const float, a[0]), a[1], a[2], SLOT_PTR(const float, a[3]), a[4],
+             SLOT_PTR(const float, a[5]), slot_float(a[6]), a[7], a[8], SLOT_PTR(float, a[9]),
+             SLOT_PTR(float, a[10]), (int)a[11]);
     return 0;
 }
 

@@ -37,7 +37,7 @@ def cpu_ops_library() -> CpuOps | None:
         return None
     pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     threads = ctypes.c_int
-    library.rms_norm.argtypes = [pointer, size, pointer, size, pointer, real, size, size,
+    library.rms_norm.argtypes = [pointer, size, size, pointer, size, pointer, real, size, size,
                                  pointer, pointer, threads]  # fmt: skip
     library.rotary_embedding.argtypes = [pointer, size, pointer, size, size, pointer, size, size,
                                          pointer, size, size, size, pointer, pointer, pointer,
@@ -73,17 +73,32 @@ def _library() -> CpuOps:
     return library
 
 
+def _row_groups(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(source, group, stride): `x`'s rows of its last dimension as groups of `group` adjacent
+    rows, groups `stride` floats apart. Heads [T, H, D] of strided token rows (Qwen3's q/k, a
+    split of the qkv output) are groups of H with no copy; anything else is rows (group 1)."""
+    if x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x, x.shape[1], x.stride(0)
+    rows = _rows(x)
+    return rows, 1, rows.stride(0)
+
+
 def _launch_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = _rows(x)
-    out = torch.empty(rows.shape, dtype=torch.float32)
-    summed = out if residual is None else torch.empty(rows.shape, dtype=torch.float32)
-    residual_rows = rows if residual is None else _rows(residual)
+    if residual is None:
+        source, group, stride = _row_groups(x)
+    else:
+        source = _rows(x)
+        group, stride = 1, source.stride(0)
+    shape = (x.numel() // x.shape[-1], x.shape[-1])
+    out = torch.empty(shape, dtype=torch.float32)
+    summed = out if residual is None else torch.empty(shape, dtype=torch.float32)
+    residual_rows = source if residual is None else _rows(residual)
     _library().rms_norm(
-        rows.data_ptr(), rows.stride(0),
+        source.data_ptr(), stride, group,
         None if residual is None else residual_rows.data_ptr(), residual_rows.stride(0),
-        weight.contiguous().data_ptr(), eps, rows.shape[0], rows.shape[1], out.data_ptr(),
+        weight.contiguous().data_ptr(), eps, shape[0], shape[1], out.data_ptr(),
         summed.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return _shaped(out, x.shape), _shaped(summed, x.shape)
