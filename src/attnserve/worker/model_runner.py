@@ -111,7 +111,7 @@ class ModelRunner:
         max_blocks = -(-self.model_config.max_model_len // self.cache_config.block_size)
         runner = kind(self.model, self.builders, max_num_seqs, max_blocks, self.device)
         runner.capture()
-        return runner if runner.sizes else None
+        return runner
 
     def _calibrate_kv_scales(self, max_num_batched_tokens: int) -> None:
         """An fp8 cache's scales, from one prefill of random tokens (`calibration_batch`), before
