@@ -215,7 +215,8 @@ def _storage(meta: object) -> dict[str, int]:
     return {name: value.data_ptr() for name, value in fields if isinstance(value, torch.Tensor)}
 
 
-@pytest.mark.parametrize("case", CASES[1::9] + FP8_CASES[4:], ids=str)
+# bf16 (CASES[1::9]), float32 (CASES[0::18]: CPU_NATIVE's only dtype) and an fp8 cache
+@pytest.mark.parametrize("case", CASES[1::9] + CASES[0::18] + FP8_CASES[4:], ids=str)
 def test_cuda_graph_metadata_decodes_match_reference(
     backend_on_device: tuple[type[AttentionBackend], str], case: Case
 ) -> None:
