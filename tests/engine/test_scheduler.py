@@ -12,7 +12,7 @@ from attnserve.core import SampleOutput
 from attnserve.engine.block_allocator import BlockAllocator, chain_hash
 from attnserve.engine.block_table import BlockTable
 from attnserve.engine.scheduler import ScheduledSequence, Scheduler
-from attnserve.engine.sequence import Sequence
+from attnserve.engine.sequence import Sequence, SequenceStatus
 from attnserve.engine.step_inputs import build_batch
 from attnserve.sampling_params import SamplingParams
 
@@ -54,6 +54,7 @@ def _add(
 
 def _step(s: Scheduler) -> list[ScheduledSequence]:
     out = s.schedule()
+    assert all(item.seq.status is SequenceStatus.RUNNING for item in out.scheduled)
     results = [
         SampleOutput([7] * (1 + item.seq.num_forks_pending)) if item.samples else None
         for item in out.scheduled
@@ -78,6 +79,46 @@ def test_long_prompt_is_chunked_and_decodes_go_first() -> None:
         assert sum(item.num_new_tokens for item in scheduled) <= 16
     assert [item.num_new_tokens for item in steps[0] if item.seq is long] == [15]
     assert long.num_computed_tokens == 40 and len(long.output_token_ids) == 1
+
+
+def test_decodes_take_their_token_before_an_older_prompt_chunk() -> None:
+    s = _scheduler(tokens=16)
+    decoding = _add(s, "decoding", 3)
+    _step(s)
+    prompt = _add(s, "prompt", 40)
+    _step(s)  # the decode's token, then the prompt's first chunk of 15
+    s.running.reverse()  # the prompt first: the policy must not depend on the running order
+    scheduled = {item.seq.request_id: item.num_new_tokens for item in _step(s)}
+    assert scheduled == {"decoding": 1, "prompt": 15}
+    assert decoding.num_output_tokens == 3 and prompt.num_computed_tokens == 30
+
+
+def test_a_long_prompt_advances_every_step_beside_decodes() -> None:
+    s = _scheduler(seqs=8, tokens=8)
+    decoders = [_add(s, f"d{i}", 2, max_tokens=20) for i in range(3)]
+    _step(s)
+    long = _add(s, "long", 40)
+    for step in range(8):
+        scheduled = {item.seq.request_id: item.num_new_tokens for item in _step(s)}
+        assert scheduled == {"d0": 1, "d1": 1, "d2": 1, "long": 5}, step
+    assert long.num_computed_tokens == 40 and long.num_output_tokens == 1
+    assert all(d.num_output_tokens == 9 for d in decoders)
+
+
+def test_a_prompt_chunk_waits_instead_of_preempting_this_steps_decode() -> None:
+    s = _scheduler(blocks=5, tokens=8)  # blocks of 4 tokens
+    decoding = _add(s, "decoding", 4, max_tokens=12)
+    _step(s)
+    prompt = _add(s, "prompt", 14, max_tokens=2)
+    _step(s)  # the decode's token (a second block), the prompt's first 7 tokens (2 blocks)
+    assert prompt.num_computed_tokens == 7 and s.allocator.num_free_blocks == 1
+    scheduled = [item.seq for item in _step(s)]  # the next 7 would need 2 blocks: 1 is free
+    assert scheduled == [decoding] and s.num_preemptions == 0
+    assert prompt.status is SequenceStatus.RUNNING and len(prompt.block_table.blocks) == 2
+    while _unfinished(s):
+        _step(s)
+    assert decoding.output_token_ids == [7] * 12 and prompt.output_token_ids == [7] * 2
+    assert s.allocator.num_free_blocks == 5
 
 
 def test_batch_puts_prefills_before_decodes() -> None:

@@ -1,6 +1,7 @@
 """The profile run: its batch fills the scheduler's limits, and running it touches neither the
 real KV cache nor what the engine generates afterwards (the CUDA memory measurement around it
-runs on the GPU only)."""
+runs on the GPU only). The warm-up batches: the longest prompt a step holds, fresh and after a
+cached block, and running them on the real cache at start-up changes nothing generated later."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from attnserve import LLM, SamplingParams
-from attnserve.attention import bind_kv_caches
-from attnserve.worker.profile_run import PROFILE_SAMPLING, profile_batch
+from attnserve.attention import bind_kv_caches, build_step_layout
+from attnserve.worker.profile_run import PROFILE_SAMPLING, profile_batch, warm_up_batches
 
 
 @pytest.mark.parametrize(
@@ -61,3 +62,34 @@ def test_profile_run_leaves_cache_and_outputs_alone(tiny_llama_dir: Path) -> Non
     bind_kv_caches(runner.model, real.kv_caches)
     after = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "max_model_len", "length"), [(8192, 40960, 8192), (8192, 100, 96), (3, 64, 3)]
+)
+def test_warm_up_batches_hold_the_longest_prompt_a_step_can(
+    max_tokens: int, max_model_len: int, length: int
+) -> None:
+    fresh, chunk = warm_up_batches(max_tokens, max_model_len, block_size=4)
+    for batch, context in ((fresh, 0), (chunk, 4)):
+        (seq,) = batch.seqs
+        assert len(seq.token_ids) == length and seq.context_len == context
+        assert seq.block_table == [0] * -(-(context + length) // 4)
+        assert seq.sampling is not None and seq.sampling.temperature == 0
+        layout = build_step_layout([seq.block_table], [context], [length], 4)
+        assert layout.num_prefills == 1  # a valid prompt step, prefill path
+    assert warm_up_batches(8192, 5, block_size=4) == []  # no prompt of 2+ tokens fits
+
+
+def test_warm_up_on_the_real_cache_changes_nothing_generated_after(tiny_llama_dir: Path) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8], [5, 9, 2, 7, 1, 4, 4, 6, 2]]
+    reference = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64)
+    runner = llm.llm_engine.executor.driver_runner
+    for batch in warm_up_batches(40, 64, runner.cache_config.block_size):  # as on CUDA
+        runner.execute(batch)
+    assert any(cache[0].abs().sum() > 0 for cache in runner.cache_engine.kv_caches)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -2,7 +2,8 @@
 goes, with baselines measured in the same run.
 
 Workloads: N requests of random token ids with fixed input/output lengths, or lengths uniform in
-[min, max] (nano-vllm's offline benchmark: 256 requests, 100..1024, seed 0), `ignore_eos`, all
+[min, max] (nano-vllm's offline benchmark: 256 requests, 100..1024, seed 0), or a named kind
+(`--workload`: standard, chat, long, prefix, short; bench/workloads.py), `ignore_eos`, all
 submitted at once, after one warm-up. Also reported: the KV cache's size in tokens, the output
 tokens per engine step of the timed run (about the sequences a step runs: the cache's hold under
 KV pressure) and its preemptions; the workload's bound from the model's shape
@@ -44,6 +45,7 @@ from attnserve.bench.common import (
     write_json,
 )
 from attnserve.bench.plot import plot_throughput, require_matplotlib
+from attnserve.bench.workloads import KINDS, draw_workload, uniform_workload
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.entrypoints.llm import LLM
 from attnserve.structured_outputs import StructuredOutputsParams
@@ -54,19 +56,18 @@ BOUND_RULE = "all requests at once; a step takes max(bytes / copy rate, FLOPs / 
 def make_workload(
     args: argparse.Namespace, vocab_size: int, num_prompts: int | None = None, seed: int = 0
 ) -> Workload:
-    """Random prompts (a shared prefix first, when asked) and output lengths, seeded by
-    `args.seed` + `seed`."""
-    rng = random.Random(args.seed + seed)
-
-    def length(fixed: int | None) -> int:
-        return fixed if fixed is not None else rng.randint(args.min_len, args.max_len)
-
-    prefix = [rng.randrange(vocab_size) for _ in range(args.shared_prefix)]
-    prompts, outputs = [], []
-    for _ in range(num_prompts or args.num_prompts):
-        prompts.append(prefix + [rng.randrange(vocab_size) for _ in range(length(args.input_len))])
-        outputs.append(length(args.output_len))
-    return Workload(prompts, outputs)
+    """The `--workload` kind, or random prompts (a shared prefix first, when asked) and output
+    lengths from the length flags, seeded by `args.seed` + `seed`."""
+    if getattr(args, "workload", None) is not None and num_prompts is None:
+        return draw_workload(args.workload, vocab_size)
+    return uniform_workload(
+        num_prompts or args.num_prompts,
+        (args.min_len, args.max_len),
+        vocab_size,
+        prefix=args.shared_prefix,
+        seed=args.seed + seed,
+        fixed=(args.input_len, args.output_len),
+    )
 
 
 def run_hf(llm: LLM, workload: Workload, batch_size: int) -> float:
@@ -197,6 +198,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if not 1 <= args.min_len <= args.max_len:
         raise ValueError(f"need 1 <= --min-len <= --max-len, got {args.min_len}, {args.max_len}")
+    if args.workload is not None and args.batch_sizes:
+        raise ValueError("--batch-sizes sweeps the length flags' workload, not a --workload kind")
     if args.profile_steps < 0:
         raise ValueError(f"--profile-steps must be >= 0, got {args.profile_steps}")
     if args.plot and not (args.profile_steps or args.batch_sizes):
@@ -283,6 +286,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-len", type=int, default=100, help="random lengths from here")
     parser.add_argument("--max-len", type=int, default=1024, help="random lengths up to here")
     parser.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt shares")
+    parser.add_argument(
+        "--workload",
+        choices=list(KINDS),
+        default=None,
+        help="a named workload kind (bench/workloads.py) in place of --num-prompts, the "
+        "length flags and --shared-prefix",
+    )
     parser.add_argument("--hf-baseline", action="store_true", help="also time HF generate")
     parser.add_argument("--hf-num-prompts", type=int, default=None, help="HF's share of prompts")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="HF batch size")

@@ -10,6 +10,7 @@ with `data_parallel_size` > 1). Each `step()` takes one core step's outputs.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -75,6 +76,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor()
         self._lock = threading.Lock()  # the output processor, for callers on several threads
         where = "in its own process" if core_process else "in this process"
+        # What start-up built (model, engine, tokenizer, imported libraries: ~10^6 objects)
+        # lives as long as the engine; out of the collector's sight, a full collection during
+        # a run costs milliseconds instead of 0.1-0.4 s.
+        gc.freeze()
         logger.info("engine ready in %.1f s (core %s)", time.perf_counter() - started, where)
 
     @classmethod

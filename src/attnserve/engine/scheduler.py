@@ -1,14 +1,17 @@
 """`Scheduler`: continuous batching with chunked prefill, prefix caching and preemption.
 
 The policy, once per step, within `max_num_seqs` sequences and `max_num_batched_tokens` tokens:
-1. Running sequences first, oldest first: a decoding sequence takes one token, a sequence still
-   in its prompt takes as much of the rest of it as the token budget allows. So decodes are never
-   starved by new prompts. When a running sequence needs a block and none is free, the newest
-   running sequence is preempted: by recompute (its blocks freed, its tokens prefilled again
-   later) or, with `preemption_mode="swap"` and room in the host swap space, by swapping its
-   blocks out to host memory.
-2. Then swapped-out sequences are swapped back in, oldest first, while blocks allow.
-3. Then waiting sequences, first come first served, while the budget and free blocks last. A
+1. Running decodes first, oldest first, one token each: a decode never waits behind a prompt.
+2. Then running sequences still in their prompt, oldest first, each taking as much of the rest
+   of it as the budget left allows (so the oldest prompt always advances while any budget is
+   left, and new prompts are not admitted while the budget is spent: none starves). When a running
+   sequence needs a block and none is free, the newest running sequence not yet given tokens
+   this step is preempted: by recompute (its blocks freed, its tokens prefilled again later) or,
+   with `preemption_mode="swap"` and room in the host swap space, by swapping its blocks out to
+   host memory. A decode with no such sequence left preempts itself; a prompt chunk waits for
+   the next step instead.
+3. Then swapped-out sequences are swapped back in, oldest first, while blocks allow.
+4. Then waiting sequences, first come first served, while the budget and free blocks last. A
    new sequence first takes the cached blocks of its longest cached prefix (prefix caching) and
    computes only the rest (unless it asks for prompt log-probabilities, which need every prompt
    token computed); a long prompt is split into chunks across steps (chunked prefill).
@@ -105,13 +108,18 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
-        for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or budget == 0:
-                continue
-            chunk = min(seq.num_uncomputed_tokens, budget)
-            if self._make_room(seq, chunk, out):
-                out.scheduled.append(ScheduledSequence(seq, chunk))
-                budget -= chunk
+        for decodes in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                if (seq.num_uncomputed_tokens == 1) is not decodes:
+                    continue
+                chunk = min(seq.num_uncomputed_tokens, budget)
+                if self._make_room(seq, chunk, out):
+                    out.scheduled.append(ScheduledSequence(seq, chunk))
+                    budget -= chunk
         if self.num_preemptions == preemptions_before:
             budget = self._swap_in(out, budget)
         if self.num_preemptions == preemptions_before and not self.swapped:
@@ -161,23 +169,35 @@ class Scheduler:
         out.scheduled.append(ScheduledSequence(seq, chunk))
 
     def _make_room(self, seq: Sequence, chunk: int, out: SchedulerOutput) -> bool:
-        """Make `seq`'s next `chunk` tokens writable, preempting newer sequences if needed.
-        False when `seq` itself had to go."""
+        """Make `seq`'s next `chunk` tokens writable, preempting the newest running sequences
+        not scheduled yet this step if needed (the policy in the module docstring). False when
+        `seq` does not run this step."""
         start = seq.num_computed_tokens
         while True:
             try:
                 out.copies += seq.block_table.prepare_write(start, start + chunk)
                 return True
             except OutOfBlocksError:
-                victim = self.running[-1]
-                if victim is seq and len(self.running) == 1:
+                if len(self.running) == 1:
                     logger.warning("request %s outgrew the whole KV cache", seq.request_id)
                     self.finish(seq, "length")
                     out.finished.append(seq)
                     return False
+                victim = self._victim(seq, out)
+                if victim is None:  # a prompt chunk behind this step's decodes: next step
+                    return False
                 self._preempt(victim, out)
                 if victim is seq:
                     return False
+
+    def _victim(self, seq: Sequence, out: SchedulerOutput) -> Sequence | None:
+        """The newest running sequence without tokens this step; else `seq` itself if it
+        decodes (or nothing else runs this step), else None."""
+        scheduled = {id(item.seq) for item in out.scheduled}
+        for candidate in reversed(self.running):
+            if candidate is not seq and id(candidate) not in scheduled:
+                return candidate
+        return seq if seq.num_uncomputed_tokens == 1 or not scheduled else None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -3,7 +3,9 @@
 It loads the model, selects one attention backend for the specs of the model's attention layers
 and binds it, makes one metadata builder per spec, sizes the KV cache (on CUDA, after a profile
 run of the largest possible step measures its activation memory) and binds it; an fp8 cache's
-scales are then calibrated on a prefill of random tokens (`kv_calibration`). Each step it
+scales are then calibrated on a prefill of random tokens (`kv_calibration`), and on CUDA the
+longest prompts a step can hold run once (`warm_up_batches`: what their kernels compile on first
+use compiles at start-up). Each step it
 computes the step's `StepLayout` once (the model's positions come from it) and hands it to the
 builders for the attention metadata. It never looks at the metadata or the cache layout itself.
 Unless `enforce_eager`, decode-only steps replay captured graphs when the backend declares
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from itertools import accumulate, chain
 
@@ -53,7 +56,7 @@ from attnserve.worker.cache_engine import (
 from attnserve.worker.cpu_graph import MAX_GRAPH_SEQS, CPUGraphRunner
 from attnserve.worker.cuda_graph import CUDAGraphRunner
 from attnserve.worker.kv_calibration import calibration_batch
-from attnserve.worker.profile_run import profile_batch
+from attnserve.worker.profile_run import profile_batch, warm_up_batches
 from attnserve.worker.step_future import StepFuture
 
 logger = logging.getLogger(__name__)
@@ -89,6 +92,7 @@ class ModelRunner:
         self.cache_engine = self._allocate_kv_cache(activation_bytes)
         bind_kv_caches(self.model, self.cache_engine.kv_caches)
         self._calibrate_kv_scales(max_num_batched_tokens)
+        self._warm_up(max_num_batched_tokens)
         self.graphs = None if enforce_eager else self._capture_graphs(max_num_seqs)
 
     @property
@@ -127,6 +131,19 @@ class ModelRunner:
         )
         with calibrating_kv_scales(self.model):
             self.execute(batch)
+
+    def _warm_up(self, max_num_batched_tokens: int) -> None:
+        """On CUDA, run the longest prompts a step can hold (`warm_up_batches`), so what their
+        kernels compile on first use compiles now; the last step's draws are dropped."""
+        if self.device.type != "cuda":
+            return
+        started = time.perf_counter()
+        for batch in warm_up_batches(
+            max_num_batched_tokens, self.model_config.max_model_len, self.cache_config.block_size
+        ):
+            self.execute(batch)
+        self._last_tokens = None
+        logger.info("warm-up of long prompts: %.1f s", time.perf_counter() - started)
 
     def profile_run(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Run the largest step the scheduler may send (`profile_batch`) against a one-block KV

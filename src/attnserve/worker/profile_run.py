@@ -9,6 +9,11 @@ costliest path over `max_num_seqs` rows of logits. The first sequence continues 
 (up to one block of cached context), so the step takes that attention path too and whatever it
 compiles on first use is ready before the first request. Every block-table entry is block 0: the
 writes and reads stay inside the one-block cache, and the outputs are garbage nobody reads.
+
+The warm-up batches are the longest prompt one step can hold, once from its start and once
+continuing a chunk after one cached block: kernels that take other tiles or code paths for long
+prompts (and compile on first use) compile at start-up, not inside the first long request. They
+also write only block 0, of the real cache: a block is written by its owner before it is read.
 """
 
 from __future__ import annotations
@@ -48,3 +53,26 @@ def profile_batch(
             )
         )
     return ScheduledBatch(seqs)
+
+
+def warm_up_batches(
+    max_num_batched_tokens: int, max_model_len: int, block_size: int
+) -> list[ScheduledBatch]:
+    """The warm-up batches (see the module docstring): one sequence each, greedy."""
+    length = min(max_num_batched_tokens, max_model_len - block_size)
+    if length < 2:  # no long prompt fits: nothing beyond what the profile run compiles
+        return []
+    greedy = SamplingParams(temperature=0.0)
+    return [
+        ScheduledBatch(
+            [
+                SequenceInput(
+                    token_ids=[0] * length,
+                    context_len=context,
+                    block_table=[0] * -(-(context + length) // block_size),
+                    sampling=greedy,
+                )
+            ]
+        )
+        for context in (0, block_size)
+    ]
