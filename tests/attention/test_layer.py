@@ -1,13 +1,27 @@
 """`Attention`: its spec comes from its arguments and the defaults it is built under, a backend
-handed to it is checked against that spec, and the model runner's helpers collect and bind."""
+handed to it is checked against that spec, the model runner's helpers collect and bind, and a
+split at attention takes every layer's call."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from attnserve.attention import Attention, attention_specs, bind_attention_backend
+from attnserve import LLM
+from attnserve.attention import (
+    Attention,
+    attention_layers,
+    attention_specs,
+    bind_attention_backend,
+    build_metadata,
+    build_step_layout,
+    set_forward_context,
+    splitting_at_attention,
+)
 from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
 
 
@@ -40,3 +54,35 @@ def test_specs_are_distinct_in_order_and_binding_reaches_every_layer() -> None:
     assert [s.sliding_window for s in specs] == [None, 4]
     bind_attention_backend(model, TorchSDPABackend)
     assert all(layer.backend is TorchSDPABackend for layer in model)  # type: ignore[union-attr]
+
+
+def test_a_split_at_attention_takes_every_layers_call_in_order(tiny_llama_dir: Path) -> None:
+    """What the piecewise graph runner relies on: under `splitting_at_attention` each attention
+    layer hands its inputs to the split, in module order, and runs no operator (no cache write);
+    a split that runs the operator itself gives the plain forward's output."""
+    llm = LLM(str(tiny_llama_dir), device="cpu")
+    runner = llm.llm_engine.executor.driver_runner
+    layout = build_step_layout([[1]], [0], [5], runner.cache_config.block_size)
+    metadata = build_metadata(runner.builders, layout)
+    ids, positions = torch.tensor([3, 1, 4, 1, 5]), layout.token_pos
+    with torch.inference_mode(), set_forward_context(metadata):
+        before = [cache.clone() for cache in runner.cache_engine.kv_caches]
+        seen: list[nn.Module] = []
+
+        def zeros(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+            seen.append(layer)
+            return torch.zeros_like(q)
+
+        with splitting_at_attention(zeros):
+            runner.model(ids, positions)
+        assert seen == attention_layers(runner.model)
+        after = runner.cache_engine.kv_caches
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        reference = runner.model(ids, positions)
+
+        def operator(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+            return layer.impl.forward(q, k, v, layer.kv_cache, metadata[layer.spec])
+
+        with splitting_at_attention(operator):
+            split = runner.model(ids, positions)
+    assert torch.equal(split, reference)

@@ -1,5 +1,6 @@
-"""`EngineArgs.with_offline_defaults`: vLLM's larger offline step limits on GPUs of 70 GiB or
-more, given limits kept, nothing changed elsewhere; `create_engine_config` fills the rest."""
+"""`EngineArgs.with_offline_defaults` / `with_server_defaults`: vLLM's larger offline and online
+step limits on GPUs of 70 GiB or more, given limits kept, nothing changed elsewhere;
+`create_engine_config` fills the rest."""
 
 from __future__ import annotations
 
@@ -33,3 +34,14 @@ def test_small_gpu_and_cpu_keep_the_defaults(monkeypatch: pytest.MonkeyPatch) ->
     _on_gpu(monkeypatch, 40)
     args = EngineArgs(model="llama-tiny").with_offline_defaults()
     assert (args.max_num_seqs, args.max_num_batched_tokens) == (None, None)
+
+
+def test_large_gpu_server_takes_vllms_online_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    _on_gpu(monkeypatch, 141)
+    args = EngineArgs(model="llama-tiny").with_server_defaults()
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (1024, 8192)
+    given = EngineArgs(model="llama-tiny", max_num_batched_tokens=2048).with_server_defaults()
+    assert (given.max_num_seqs, given.max_num_batched_tokens) == (1024, 2048)
+    _on_gpu(monkeypatch, 40)
+    small = EngineArgs(model="llama-tiny").with_server_defaults()
+    assert (small.max_num_seqs, small.max_num_batched_tokens) == (None, None)

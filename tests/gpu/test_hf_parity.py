@@ -145,3 +145,33 @@ def test_bf16_tokens_part_from_hf_only_at_rounding_ties(
         steps = abs(gap) / bf16_spacing(float(logits[theirs[step]]))
         partings.append(f"prompt {index} at token {step}: HF gap {gap:.4g} = {steps:.2f} steps")
         assert steps <= BF16_MAX_STEPS, "; ".join(partings)
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_fp32_piecewise_replays_of_prompt_steps_give_hfs_tokens(
+    backend: str, hf_reference: Callable[[str], Reference], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps that carry prompts (here chunks of 256 tokens beside decodes) from the piecewise
+    graphs of their token count, attention eager between the pieces."""
+    _skip_unless_servable(backend, "float32")
+    if not get_backend_cls(backend).capabilities.cuda_graphs:
+        pytest.skip(f"{backend} captures no CUDA graphs: it runs eagerly either way")
+    reference = hf_reference("float32")
+    settings = ENGINE | {"max_num_batched_tokens": 256}
+    llm = LLM(MODEL, dtype="float32", attention_backend=backend, **settings)
+    pieces = llm.llm_engine.executor.driver_runner.piecewise_graphs
+    assert pieces is not None and pieces.max_num_tokens == 256
+    sizes: list[int] = []
+    run = pieces.run
+
+    def counted(token_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        sizes.append(len(token_ids))
+        return run(token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(pieces, "run", counted)
+    try:
+        tokens = engine_tokens(llm, reference.prompts)
+    finally:
+        llm.shutdown()
+    assert len(sizes) >= 3 and sizes[0] == 256  # the prompts' 687 tokens take three steps
+    assert tokens == reference.tokens

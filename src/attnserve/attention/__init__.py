@@ -10,12 +10,14 @@ from attnserve.attention.backends.abstract import (
 )
 from attnserve.attention.backends.layout import StepLayout, build_step_layout, pad_for_cuda_graph
 from attnserve.attention.forward_context import (
+    AttentionSplit,
     Builders,
     StepMetadata,
     build_graph_metadata,
     build_metadata,
     metadata_builders,
     set_forward_context,
+    splitting_at_attention,
 )
 from attnserve.attention.kv_scales import KVCacheScales
 from attnserve.attention.layer import (
@@ -36,6 +38,7 @@ __all__ = [
     "AttentionMetadata",
     "AttentionMetadataBuilder",
     "AttentionSpec",
+    "AttentionSplit",
     "BackendCapabilities",
     "Builders",
     "KVCacheScales",
@@ -57,4 +60,5 @@ __all__ = [
     "pad_for_cuda_graph",
     "register_backend",
     "set_forward_context",
+    "splitting_at_attention",
 ]

@@ -5,11 +5,15 @@ The model runner makes one metadata builder per distinct `AttentionSpec` of the 
 (`build_metadata`, or `build_graph_metadata` for a padded CUDA-graph step) and sets it here
 around the model's forward, so models pass only hidden states, never backend inputs; each layer
 takes the metadata of its own spec. The conformance harness builds through the same functions.
+
+A graph runner that captures a forward piecewise, around its attention calls, sets an
+`AttentionSplit` here instead (`splitting_at_attention`): each attention layer then hands its
+query, key and value to the split, which returns the layer's output, and runs no operator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,6 +29,8 @@ from attnserve.attention.backends.layout import StepLayout
 
 StepMetadata = Mapping[AttentionSpec, AttentionMetadata]
 Builders = Mapping[AttentionSpec, AttentionMetadataBuilder[Any]]
+# (the attention layer, its query, key, value) -> the layer's output
+AttentionSplit = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def metadata_builders(
@@ -68,3 +74,22 @@ def get_attn_metadata(spec: AttentionSpec) -> AttentionMetadata:
     if metadata is None:
         raise RuntimeError(f"the forward context has no metadata for {spec}")
     return metadata
+
+
+_split: AttentionSplit | None = None
+
+
+@contextmanager
+def splitting_at_attention(split: AttentionSplit) -> Iterator[None]:
+    """Inside the block, every attention layer's call is `split(layer, query, key, value)`."""
+    global _split
+    previous, _split = _split, split
+    try:
+        yield
+    finally:
+        _split = previous
+
+
+def attention_split() -> AttentionSplit | None:
+    """The split set by `splitting_at_attention`, if any."""
+    return _split

@@ -6,7 +6,8 @@ The model runner collects the model's specs (`attention_specs`), selects one bac
 and binds it (`bind_attention_backend`), which checks that the backend serves each layer's spec
 and builds that backend's operator; a layer built on its own may be handed a backend instead.
 At forward time the layer passes the operator its bound KV cache and its spec's metadata from
-the forward context. A layer with an fp8 cache owns its cache's scales (`KVCacheScales`, on the
+the forward context (or, while a graph runner splits a capture at attention, hands its inputs
+to that split). A layer with an fp8 cache owns its cache's scales (`KVCacheScales`, on the
 device it is built on), hands them to its operator, and while they calibrate
 (`calibrating_kv_scales`) observes the keys and values it passes on.
 """
@@ -24,7 +25,7 @@ from attnserve.attention.backends.abstract import (
     AttentionMetadata,
     AttentionSpec,
 )
-from attnserve.attention.forward_context import get_attn_metadata
+from attnserve.attention.forward_context import attention_split, get_attn_metadata
 from attnserve.attention.kv_scales import KVCacheScales, calibrating
 from attnserve.profiling import ATTENTION_RANGE, marked
 
@@ -102,6 +103,9 @@ class Attention(nn.Module):
             raise RuntimeError("no attention backend bound to this layer (bind_attention_backend)")
         if self.kv_cache.numel() == 0:
             raise RuntimeError("no KV cache bound to this attention layer (bind_kv_caches)")
+        split = attention_split()
+        if split is not None:
+            return split(self, query, key, value)
         metadata = attn_metadata if attn_metadata is not None else get_attn_metadata(self.spec)
         if self.kv_scales is not None and self.kv_scales.calibrating:
             self.kv_scales.observe(key, value)

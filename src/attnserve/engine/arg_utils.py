@@ -35,6 +35,7 @@ DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 LARGE_GPU_GIB = 70
 LARGE_GPU_OFFLINE_LIMITS = (1024, 16384)  # max_num_seqs, max_num_batched_tokens
+LARGE_GPU_SERVER_LIMITS = (1024, 8192)
 
 
 def _arg(default: Any, help_text: str) -> Any:
@@ -82,13 +83,14 @@ class EngineArgs:
     )
     max_num_seqs: int | None = _arg(
         None,
-        f"most sequences in one step (default {DEFAULT_MAX_NUM_SEQS}; offline runs on a GPU of "
-        f"{LARGE_GPU_GIB} GiB or more: {LARGE_GPU_OFFLINE_LIMITS[0]}, as vLLM)",
+        f"most sequences in one step (default {DEFAULT_MAX_NUM_SEQS}; offline runs and the "
+        f"server on a GPU of {LARGE_GPU_GIB} GiB or more: {LARGE_GPU_OFFLINE_LIMITS[0]}, as vLLM)",
     )
     max_num_batched_tokens: int | None = _arg(
         None,
-        f"most new tokens in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; offline runs on "
-        f"a GPU of {LARGE_GPU_GIB} GiB or more: {LARGE_GPU_OFFLINE_LIMITS[1]}, as vLLM)",
+        f"most new tokens in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; on a GPU of "
+        f"{LARGE_GPU_GIB} GiB or more: {LARGE_GPU_OFFLINE_LIMITS[1]} offline, "
+        f"{LARGE_GPU_SERVER_LIMITS[1]} for the server, as vLLM)",
     )
     enable_prefix_caching: bool = _arg(
         True, "reuse the cached KV blocks of prompt prefixes seen before"
@@ -138,12 +140,21 @@ class EngineArgs:
         """These arguments for an offline run (`LLM`): on a GPU of LARGE_GPU_GIB or more, the
         step limits not given are vLLM's offline ones there (more sequences and tokens a step
         than a server's, whose latency they would cost)."""
+        return self._with_large_gpu_limits(LARGE_GPU_OFFLINE_LIMITS)
+
+    def with_server_defaults(self) -> EngineArgs:
+        """These arguments for the server (`attnserve serve`): on a GPU of LARGE_GPU_GIB or
+        more, the step limits not given are vLLM's online ones there (as many sequences as
+        offline, half the tokens a step: a step that carries prompt chunks stays short)."""
+        return self._with_large_gpu_limits(LARGE_GPU_SERVER_LIMITS)
+
+    def _with_large_gpu_limits(self, limits: tuple[int, int]) -> EngineArgs:
         device = self.resolved_device()
         if device.type != "cuda":
             return self
         if torch.cuda.get_device_properties(device).total_memory < LARGE_GPU_GIB * 2**30:
             return self
-        seqs, tokens = LARGE_GPU_OFFLINE_LIMITS
+        seqs, tokens = limits
         return dataclasses.replace(
             self,
             max_num_seqs=_given_or(self.max_num_seqs, seqs),

@@ -10,9 +10,11 @@ computes the step's `StepLayout` once (the model's positions come from it) and h
 builders for the attention metadata. It never looks at the metadata or the cache layout itself.
 Unless `enforce_eager`, decode-only steps replay captured graphs when the backend declares
 support for them: CUDA graphs (`CUDAGraphRunner`), and on the CPU graphs of native kernel calls
-for steps of up to 8 sequences (`CPUGraphRunner`). `execute_async` returns without waiting for the
-step's draws (a `StepFuture`); the next step may take tokens still on the device from them
-(`ScheduledBatch.carried_tokens`).
+for steps of up to 8 sequences (`CPUGraphRunner`); on CUDA, steps that carry prompt tokens then
+replay the piecewise graphs of their token count (`PiecewiseGraphRunner`: the model between its
+attention calls; attention runs eagerly) up to 2,048 tokens. `execute_async` returns without
+waiting for the step's draws (a `StepFuture`); the next step may take tokens still on the device
+from them (`ScheduledBatch.carried_tokens`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from attnserve.worker.cache_engine import (
 from attnserve.worker.cpu_graph import MAX_GRAPH_SEQS, CPUGraphRunner
 from attnserve.worker.cuda_graph import CUDAGraphRunner
 from attnserve.worker.kv_calibration import calibration_batch
+from attnserve.worker.piecewise_graph import PiecewiseGraphRunner
 from attnserve.worker.profile_run import profile_batch, warm_up_batches
 from attnserve.worker.step_future import StepFuture
 
@@ -88,12 +91,16 @@ class ModelRunner:
         self.sampler = Sampler()
         self._last_tokens: torch.Tensor | None = None  # the last step's first draw per row
         self.graphs: CUDAGraphRunner | None = None
+        self.piecewise_graphs: PiecewiseGraphRunner | None = None
         activation_bytes = self._peak_activation_bytes(max_num_seqs, max_num_batched_tokens)
         self.cache_engine = self._allocate_kv_cache(activation_bytes)
         bind_kv_caches(self.model, self.cache_engine.kv_caches)
         self._calibrate_kv_scales(max_num_batched_tokens)
         self._warm_up(max_num_batched_tokens)
         self.graphs = None if enforce_eager else self._capture_graphs(max_num_seqs)
+        self.piecewise_graphs = (
+            None if self.graphs is None else self._capture_piecewise(max_num_batched_tokens)
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -115,6 +122,19 @@ class ModelRunner:
         max_blocks = -(-self.model_config.max_model_len // self.cache_config.block_size)
         runner = kind(self.model, self.builders, max_num_seqs, max_blocks, self.device)
         runner.capture()
+        return runner
+
+    def _capture_piecewise(self, max_num_batched_tokens: int) -> PiecewiseGraphRunner | None:
+        """On CUDA, the piecewise graphs of steps that carry prompt tokens."""
+        if self.device.type != "cuda":
+            return None
+        runner = PiecewiseGraphRunner(self.model, max_num_batched_tokens, self.device)
+        try:
+            runner.capture()
+        except RuntimeError as error:  # a model whose forward cannot be captured: run eagerly
+            torch.cuda.synchronize(self.device)
+            logger.warning("no piecewise CUDA graphs (steps with prompts run eagerly): %s", error)
+            return None
         return runner
 
     def _calibrate_kv_scales(self, max_num_batched_tokens: int) -> None:
@@ -341,9 +361,10 @@ class ModelRunner:
 
     def _forward(self, batch: ScheduledBatch, layout: StepLayout) -> torch.Tensor:
         """Final hidden states of the step's new tokens (sequence i's at query_start_loc[i] ..
-        query_start_loc[i + 1] - 1), from a graph when one fits."""
+        query_start_loc[i + 1] - 1), from graphs when they fit: a decode step's whole graph,
+        or a step with prompts from the piecewise graphs of its token count."""
         token_ids = self._token_ids(batch, int(layout.query_start_loc[-1]))
-        graphs = self.graphs
+        graphs, pieces = self.graphs, self.piecewise_graphs
         if (
             graphs is not None
             and layout.num_prefills == 0
@@ -353,13 +374,17 @@ class ModelRunner:
             if batch.carried_tokens:
                 carried = self._carried(batch, range(layout.num_seqs))
             return graphs.run(token_ids, layout, carried)
+        last_token = (layout.query_start_loc[1:] - 1).tolist() if batch.carried_tokens else []
+        metadata = build_metadata(self.builders, layout)
+        if pieces is not None and len(token_ids) <= pieces.max_num_tokens:
+            carried = self._carried(batch, last_token) if batch.carried_tokens else None
+            return pieces.run(token_ids, layout.token_pos, metadata, carried)
         input_ids = to_device(token_ids, self.device)
         positions = to_device(layout.token_pos, self.device)
         if batch.carried_tokens:
-            last_token = (layout.query_start_loc[1:] - 1).tolist()
             index, values = self._carried(batch, last_token)
             input_ids[index] = values
-        with set_forward_context(build_metadata(self.builders, layout)):
+        with set_forward_context(metadata):
             hidden: torch.Tensor = self.model(input_ids, positions)
         return hidden
 

@@ -202,7 +202,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = EngineArgs.from_cli_args(args).with_server_defaults()
     tool_call_parser = auto_tool_call_parser(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not _is_loopback(args.host) and not api_key:
