@@ -94,3 +94,46 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ValueError, match="matplotlib") as error:
         require_matplotlib()
     assert str(error.value) == INSTALL_HINT
+
+
+def _dummy_over_the_default_vocabulary(path: Path) -> Path:
+    """A config-only HF directory (dummy weights) whose vocabulary is the default model's."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, eos_token_id=2, architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    config.save_pretrained(path)
+    return path
+
+
+def test_throughput_json_schema_on_a_dummy_model_takes_a_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attnserve.model.default_model import default_model_dir
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "string"}}}))
+    model = _dummy_over_the_default_vocabulary(tmp_path / "dummy")
+    base = ["bench", "throughput", "--model", str(model), "--load-format", "dummy"]
+    base += ["--device", "cpu", "--kv-cache-memory-bytes", str(32 << 20), "--profile-steps", "0"]
+    base += ["--num-prompts", "2", "--min-len", "4", "--max-len", "8"]
+    base += ["--json-schema", str(schema)]
+    assert main(base) == 2
+    assert "give one" in capsys.readouterr().err  # no tokenizer: the error names the option
+    out = tmp_path / "out.json"
+    assert main([*base, "--tokenizer", str(default_model_dir()), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["json_schema_output_tokens"] > 0 and "json_schema_cost" in report
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from attnserve.model.default_model import default_model_dir
+
+    tokenizer = ["--tokenizer", str(default_model_dir())]
+    assert main(["bench", "throughput", *TINY, *tokenizer, "--num-prompts", "1"]) == 2
+    assert "49152 tokens, more than the 512" in capsys.readouterr().err

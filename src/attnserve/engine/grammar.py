@@ -140,7 +140,11 @@ def grammar_cache(model_config: ModelConfig, tokenizer: Any = None) -> GrammarCa
         cache = _caches.get(key)
         if cache is None:
             if model_config.tokenizer is None:
-                raise ValueError("structured outputs need the model's tokenizer; it has none")
+                raise ValueError(
+                    "structured outputs need the model's tokenizer; it has none (dummy "
+                    "weights): give one (`tokenizer=`, `--tokenizer`: an HF tokenizer directory "
+                    "or a .gguf file whose vocabulary fits in the model's)"
+                )
             load_xgrammar()  # the missing package named before the tokenizer is loaded
             if tokenizer is None:
                 tokenizer = load_tokenizer(model_config)

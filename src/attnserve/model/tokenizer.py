@@ -24,7 +24,9 @@ def load_gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
-    """The model's tokenizer; ValueError when it has none (dummy weights: prompts are ids)."""
+    """The model's tokenizer; ValueError when it has none (dummy weights: prompts are ids) or
+    when it has more tokens than the model's vocabulary (a tokenizer given for a dummy preset
+    may be any whose vocabulary fits)."""
     from transformers import AutoTokenizer
 
     if config.tokenizer is None:
@@ -33,8 +35,12 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
             "or give a tokenizer path"
         )
     if config.tokenizer.endswith(".gguf"):
-        return load_gguf_tokenizer(config.tokenizer)
-    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-        config.tokenizer, local_files_only=True
-    )
+        tokenizer = load_gguf_tokenizer(config.tokenizer)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(
+            f"tokenizer {config.tokenizer!r} has {len(tokenizer)} tokens, more than the "
+            f"{config.vocab_size} of model {config.model!r}'s vocabulary"
+        )
     return tokenizer
