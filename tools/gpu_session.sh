@@ -12,6 +12,10 @@
 #   kernels      `attnserve bench kernels` (every backend that fits)
 #   throughput   `attnserve bench throughput`, the standard offline workload on Qwen3-0.6B's
 #                shape (dummy weights, 256 requests, 100..1024 tokens in and out)
+#   kinds        the workload kinds whose steps carry prompts beside decodes, through the step
+#                timeline (tools/step_timeline.py, one run each, fresh Triton cache): Qwen3-0.6B's
+#                chat-like mix and Llama-3-8B's long prompts. Run it before and after every
+#                kernel or scheduler change; JSON: kinds_chat, kinds_long (KINDS_TIMEOUT 200 s)
 #   fp8kv        the fp8 KV cache against the bf16 one (issue 22): the fp8 GPU tests (TRITON's fp8
 #                conformance cases, the Triton kernel tests, scale calibration, kv-quality), bench
 #                kernels --backends TRITON for both caches, the standard throughput workload for
@@ -127,14 +131,26 @@ fp8kv() {  # each step under its own limit; the phase fails if any step does
     return "$rc"
 }
 
-export -f env_report conformance fp8kv
+kinds() {  # each kind in a process of its own, its Triton cache empty (as on a fresh machine)
+    local rc=0 preset kind
+    for pair in qwen3-0.6b:chat llama-3-8b:long; do
+        preset=${pair%%:*} kind=${pair##*:}
+        echo "-- $preset $kind"
+        TRITON_CACHE_DIR=$(mktemp -d) timeout 95 python3 tools/step_timeline.py "$preset" \
+            --workload "$kind" --runs 1 --profile-prompt-steps 0 --json "$OUT/kinds_$kind.json" \
+            || { echo "-- failed: rc=$?"; rc=1; }
+    done
+    return "$rc"
+}
+
+export -f env_report conformance fp8kv kinds
 
 phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(conformance gpu kernels throughput)
 for name in "${phases[@]}"; do
     case $name in
-        env | conformance | gpu | kernels | throughput | fp8kv | serve) ;;
-        *) echo "unknown phase $name (env, conformance, gpu, kernels, throughput, fp8kv, serve)" >&2 && exit 2 ;;
+        env | conformance | gpu | kernels | throughput | kinds | fp8kv | serve) ;;
+        *) echo "unknown phase $name (env, conformance, gpu, kernels, throughput, kinds, fp8kv, serve)" >&2 && exit 2 ;;
     esac
 done
 : >"$OUT/summary.txt"
@@ -157,6 +173,7 @@ for name in "${phases[@]}"; do
                 throughput --model qwen3-0.6b --load-format dummy --num-prompts 256 \
                 --min-len 100 --max-len 1024 --json "$OUT/throughput.json" ${THROUGHPUT_ARGS:-}
             ;;
+        kinds) phase kinds "${KINDS_TIMEOUT:-200}" kinds ;;
         fp8kv) phase fp8kv "${FP8KV_TIMEOUT:-540}" fp8kv ;;
         serve)
             # shellcheck disable=SC2086  # SERVE_ARGS is a list of words
