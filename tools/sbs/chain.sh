@@ -10,7 +10,7 @@
 #   workloads      tools/sbs/workloads.py for every preset used below, into /tmp/wl
 #   a-dense        attnserve: Qwen3-0.6B (standard + latency; fp8 KV), Llama-3-8B (standard +
 #                  latency; fp8 weights)
-#   a-kinds        attnserve: Qwen3-0.6B on the other workload kinds (long, prefix, short)
+#   a-kinds        attnserve: Qwen3-0.6B on the other workload kinds (chat, long, prefix, short)
 #   a-fp8kv        the fp8-KV checks: TRITON's fp8 conformance and calibration tests on cuda,
 #                  `bench throughput` under KV pressure (a tenth of what the batch needs) with
 #                  either cache, `bench kv-quality`
@@ -56,7 +56,7 @@ for step in "$@"; do
         drive 60 a-qwen3-0.6b-fp8kv attnserve qwen3-0.6b --kv-cache-dtype fp8
         drive 90 a-llama-3-8b attnserve llama-3-8b --latency
         drive 80 a-llama-3-8b-fp8 attnserve llama-3-8b --quantization fp8 ;;
-    a-kinds) drive 120 a-qwen3-0.6b-kinds attnserve qwen3-0.6b --kinds long,prefix,short ;;
+    a-kinds) drive 150 a-qwen3-0.6b-kinds attnserve qwen3-0.6b --kinds chat,long,prefix,short ;;
     a-fp8kv)
         s=$SECONDS
         timeout 70 env PYTHONPATH=$A_PATH python3 -m pytest -o addopts= -q -p no:cacheprovider \
@@ -90,7 +90,7 @@ for step in "$@"; do
     v-llama-3-8b-fp8) drive 240 v-llama-3-8b-fp8 vllm llama-3-8b --quantization fp8 ;;
     v-qwen3-0.6b-fp8kv) drive 200 v-qwen3-0.6b-fp8kv vllm qwen3-0.6b --kv-cache-dtype fp8 ;;
     v-qwen3-0.6b-kinds)
-        drive 260 v-qwen3-0.6b-kinds vllm qwen3-0.6b --kinds standard,long,prefix,short --latency ;;
+        drive 260 v-qwen3-0.6b-kinds vllm qwen3-0.6b --kinds standard,chat,long,prefix,short --latency ;;
     v-qwen3-0.6b-pressure) drive 200 v-qwen3-0.6b-pressure vllm qwen3-0.6b $QWEN_PRESSURE ;;
     moe-kernel)
         s=$SECONDS
