@@ -50,6 +50,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # time.monotonic() when the engine core handed over the step of this output's (first) new
+    # tokens; None where not known
+    core_timestamp: float | None = None
 
     @staticmethod
     def merged(outputs: Sequence[RequestOutput]) -> RequestOutput:
@@ -68,4 +71,5 @@ class RequestOutput:
             outputs=[CompletionOutput.joined(parts[index]) for index in sorted(parts)],
             finished=last.finished,
             prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None),
+            core_timestamp=first.core_timestamp,
         )

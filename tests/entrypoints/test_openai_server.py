@@ -204,6 +204,10 @@ def test_metrics_count_a_request(client: openai.OpenAI, server: ServerProcess) -
     assert grew("attnserve:prompt_tokens_total") == 4
     assert grew("attnserve:time_to_first_token_seconds_count") == 1
     assert grew("attnserve:time_per_output_token_seconds_count") == 4
+    # the front end's share of the first token: measured, and inside the request's TTFT
+    assert grew("attnserve:first_token_frontend_delay_seconds_count") == 1
+    delay = grew("attnserve:first_token_frontend_delay_seconds_sum")
+    assert 0 < delay <= grew("attnserve:time_to_first_token_seconds_sum")
     assert grew('attnserve:request_success_total{finished_reason="length"}') == 1
     assert after["attnserve:kv_cache_usage_perc"] == 0
     assert after["attnserve:prefix_cache_hit_rate"] >= 0
@@ -366,3 +370,6 @@ def test_bench_serve_reports_what_the_server_counted(
     assert summary["mean_tpot_ms"] > 0 and summary["mean_itl_ms"] > 0
     assert summary["output_throughput"] == pytest.approx(30 / summary["duration_s"])
     assert "Output token throughput" in format_report(summary)
+    # the server's own share of the first tokens, from its /metrics around the run
+    assert 0 < summary["mean_frontend_delay_ms"] <= summary["mean_ttft_ms"]
+    assert "front-end delay" in format_report(summary)

@@ -6,7 +6,10 @@ length or spread uniformly by `--range-ratio`; each asks for exactly `--output-l
 (greedy, `ignore_eos`), streamed. Requests arrive as a Poisson process at `--request-rate`
 per second (`inf`: all at once), at most `--max-concurrency` in flight. Per request: time to
 first token (TTFT), time per output token after the first (TPOT), the gaps between streamed
-tokens (ITL) and end-to-end latency (E2EL); reported as mean / median / p99 in ms.
+tokens (ITL) and end-to-end latency (E2EL); reported as mean / median / p99 in ms. From an
+attnserve server's `/metrics`, read before and after the run: the mean front-end delay of the
+first tokens (from the engine core handing over the step that drew a request's first token to
+the server handing it to the response; the rest of the TTFT is the core's).
 
 `--launch "SERVE ARGS"` starts `attnserve serve SERVE ARGS` itself (a free loopback port; warmed
 by a few short requests first) and stops it after the run; `--compare-generate` then runs the same
@@ -155,6 +158,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if model is None:
         async with httpx.AsyncClient(base_url=args.base_url, headers=headers) as http:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
+    delay_before = await frontend_delay(args.base_url, headers)
     gate = asyncio.Semaphore(args.max_concurrency or len(requests))
     rng = random.Random(args.seed + 1)
 
@@ -173,8 +177,35 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - started
     summary = summarize(results, duration)
+    delay_after = await frontend_delay(args.base_url, headers)
+    if delay_before is not None and delay_after is not None and delay_after[1] > delay_before[1]:
+        seconds, count = delay_after[0] - delay_before[0], delay_after[1] - delay_before[1]
+        summary["mean_frontend_delay_ms"] = seconds / count * 1000
     summary.update(model=model, config={k: v for k, v in vars(args).items() if k != "handler"})
     return summary
+
+
+FRONTEND_DELAY = "attnserve:first_token_frontend_delay_seconds"
+
+
+async def frontend_delay(base_url: str, headers: dict[str, str]) -> tuple[float, float] | None:
+    """(sum of seconds, count) of the server's first-token front-end delay histogram so far, from
+    its `/metrics`; None where it has none (another server, or no prometheus-client here)."""
+    import httpx
+
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        return None
+    async with httpx.AsyncClient(base_url=base_url, headers=headers) as http:
+        response = await http.get("/metrics")
+    if response.status_code != 200:
+        return None
+    for family in text_string_to_metric_families(response.text):
+        if family.name == FRONTEND_DELAY:
+            values = {sample.name: sample.value for sample in family.samples}
+            return values[FRONTEND_DELAY + "_sum"], values[FRONTEND_DELAY + "_count"]
+    return None
 
 
 def _stats(name: str, values: list[float]) -> dict[str, float]:
@@ -226,6 +257,9 @@ def format_report(summary: dict[str, Any]) -> str:
         for stat in ("mean", "median", "p99"):
             value = summary[f"{stat}_{name}_ms"]
             lines.append(f"{f'{stat.title()} {name.upper()} (ms):':<40}{value:>10.2f}")
+    if "mean_frontend_delay_ms" in summary:
+        delay = summary["mean_frontend_delay_ms"]
+        lines.append(f"{'Mean front-end delay, first token (ms):':<40}{delay:>10.2f}")
     lines.extend(f"error: {e}" for e in summary["errors"])
     return "\n".join([*lines, "=" * 50])
 

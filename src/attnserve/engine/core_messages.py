@@ -68,6 +68,9 @@ class EngineCoreOutputs:
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     finished_requests: list[str] = field(default_factory=list)
+    # time.monotonic() when the core handed the step over (one clock for every process of a
+    # host): the front end measures from it how long a token takes to reach the client
+    timestamp: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,7 @@ class EngineCore:
         if not self.async_scheduling or not scheduled.scheduled:
             self._drain(out)
         out.finished_requests, self._ended = self._ended, []
+        out.timestamp = time.monotonic()
         return out
 
     def _admit_compiled(self, out: EngineCoreOutputs) -> None:

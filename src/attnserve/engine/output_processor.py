@@ -228,6 +228,7 @@ class OutputProcessor:
         for core_id, state in advanced.items():
             output = state.output()
             if output is not None:
+                output.core_timestamp = core_outputs.timestamp or None
                 processed.request_outputs.append(output)
             if state.finished:
                 del self.states[core_id]

@@ -3,7 +3,10 @@
 Gauges read the engine's `stats()` at scrape time: running / waiting / swapped requests, KV cache
 usage (0..1; 0 once idle means no block is leaked), prefix-cache hit rate, preemptions. The
 serving layer records, per request, time to first token, the time per output token (each gap
-between outputs), end-to-end latency, prompt and generated tokens, and finished requests.
+between outputs), end-to-end latency, prompt and generated tokens, and finished requests; and
+the front end's own share of the first token's latency: from the engine core handing over the
+step that drew it to the server handing it to the request's HTTP response
+(`first_token_frontend_delay_seconds`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from attnserve.outputs import RequestOutput
 PREFIX = "attnserve:"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+FRONTEND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 _GAUGES = {
@@ -61,6 +65,11 @@ class ServerMetrics:
             PREFIX + "e2e_request_latency_seconds", "request latency", buckets=E2E_BUCKETS,
             registry=r,
         )  # fmt: skip
+        self.frontend_delay = Histogram(
+            PREFIX + "first_token_frontend_delay_seconds",
+            "from the engine core handing over a request's first token to its response",
+            buckets=FRONTEND_BUCKETS, registry=r,
+        )  # fmt: skip
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens", registry=r)
         self.generation_tokens = Counter(
             PREFIX + "generation_tokens", "generated tokens", registry=r
@@ -91,6 +100,9 @@ class RequestTracker:
             if self.last is None:
                 self.metrics.ttft.observe(now - self.arrival)
                 self.metrics.prompt_tokens.inc(len(output.prompt_token_ids))
+                if output.core_timestamp is not None:
+                    delay = time.monotonic() - output.core_timestamp
+                    self.metrics.frontend_delay.observe(max(delay, 0.0))
             else:
                 self.metrics.tpot.observe(now - self.last)
             self.last = now
