@@ -31,7 +31,7 @@ def engine(tiny_llama_dir: Path) -> Iterator[AsyncLLMEngine]:
 
 def _post(engine: AsyncLLMEngine, path: str, body: dict[str, Any]) -> httpx.Response:
     async def run() -> httpx.Response:
-        transport = httpx.ASGITransport(app=build_app(engine, "tiny"))
+        transport = httpx.ASGITransport(app=build_app(engine, "tiny")[0])
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             return await client.post(path, json=body, timeout=60)
 

@@ -10,7 +10,9 @@ its requests' outputs in one callback per step. A consumer that falls behind get
 produced since its last output merged into one (DELTA outputs joined by `RequestOutput.merged`,
 otherwise the newest), so a slow client costs one output, not one per token.
 `abort(request_id)` ends a request (a consumer that stops iterating early aborts its request the
-same way); when the core dies, every waiting and later request raises `EngineDeadError`.
+same way); `end_all(reason)` ends every request in flight with `RequestEndedError` (a server's
+drain past its shutdown timeout); when the core dies, every waiting and later request raises
+`EngineDeadError`, until `restart()` starts a new core.
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ from attnserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError"]
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestEndedError"]
 
 _Item = RequestOutput | BaseException
 _Queue = asyncio.Queue[_Item]
 _Sink = tuple[asyncio.AbstractEventLoop, _Queue]
 IDLE_POLL_S = 0.5  # an idle output thread looks at the core's health this often
+
+
+class RequestEndedError(RuntimeError):
+    """The request was ended before it finished (`AsyncLLMEngine.end_all`)."""
 
 
 def _put_all(items: list[tuple[_Queue, _Item]]) -> None:
@@ -68,25 +74,53 @@ def _next_merged(sink: _Queue, first: _Item, delta: bool) -> _Item:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, args: EngineArgs | None = None) -> None:
         if not engine.thread_safe:
             raise ValueError(
                 "AsyncLLMEngine steps its engine from a thread of its own: build the LLMEngine "
                 "with thread_safe=True or its core in a process (AsyncLLMEngine.from_engine_args)"
             )
         self.engine = engine
+        self.args = args  # what `restart` builds a new engine from
         self._lock = threading.Lock()  # the sinks
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}
         self._stopped = False
         self._error: EngineDeadError | None = None
         self._last_stats: dict[str, float] | None = None
-        self._thread = threading.Thread(target=self._loop, name="attnserve-outputs", daemon=True)
-        self._thread.start()
+        self._thread = self._start_output_thread()
+
+    def _start_output_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self._loop, name="attnserve-outputs", daemon=True)
+        thread.start()
+        return thread
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
-        return cls(LLMEngine(args, default_core_process=True, thread_safe=True))
+        return cls(LLMEngine(args, default_core_process=True, thread_safe=True), args)
+
+    def restart(self) -> None:
+        """After the core died: shut the old engine down and start a new one from the same
+        arguments (RuntimeError for an engine not built from them, or one still alive)."""
+        if self.args is None or self._error is None:
+            raise RuntimeError("restart() needs a dead engine built by from_engine_args")
+        self._thread.join(timeout=10)
+        self.engine.shutdown()
+        self.engine = LLMEngine(self.args, default_core_process=True, thread_safe=True)
+        with self._lock:
+            self._error = None
+        self._last_stats = None
+        self._thread = self._start_output_thread()
+
+    def end_all(self, reason: str) -> None:
+        """End every request in flight: each raises `RequestEndedError(reason)` in its caller
+        and is aborted in the core."""
+        with self._lock:
+            ended, self._sinks = self._sinks, {}
+        _post([(sink, RequestEndedError(reason)) for sink in ended.values()])
+        for request_id in ended:
+            if self._error is None:
+                self.engine.abort_request(request_id)
 
     @property
     def tokenizer(self) -> Any:
@@ -151,8 +185,8 @@ class AsyncLLMEngine:
         data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they are produced; ValueError for a bad request."""
-        if self.errored:
-            raise EngineDeadError(f"the engine has failed: {self._error}")
+        if self.errored and self._error is not None:
+            raise self._error
         if sampling_params.structured_outputs is not None:  # compiled off the event loop
             await asyncio.to_thread(self.engine.processor.compile_grammar, sampling_params)
         sink: _Queue = asyncio.Queue()
@@ -201,7 +235,7 @@ class AsyncLLMEngine:
             except EngineDeadError as error:
                 self._fail(error)
         if self._last_stats is None:
-            raise EngineDeadError(f"the engine has failed: {self._error}")
+            raise self._error or EngineDeadError("the engine has failed")
         return self._last_stats
 
     def shutdown(self) -> None:

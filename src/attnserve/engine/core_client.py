@@ -66,6 +66,10 @@ class EngineCoreClient(ABC):
     def stats(self) -> dict[str, float]: ...
 
     @abstractmethod
+    def reset_stats(self) -> None:
+        """Start the core's counters again (`EngineCore.reset_stats`)."""
+
+    @abstractmethod
     def check_health(self) -> None:
         """EngineDeadError when the core is gone."""
 
@@ -114,6 +118,9 @@ class InprocClient(EngineCoreClient):
 
     def stats(self) -> dict[str, float]:
         return self.core.stats()
+
+    def reset_stats(self) -> None:
+        self.core.reset_stats()
 
     def check_health(self) -> None:
         """The core runs in this thread: alive as long as the caller is."""
@@ -203,6 +210,9 @@ class ChannelClient(EngineCoreClient):
     def stats(self) -> dict[str, float]:
         result: dict[str, float] = self.call("stats")
         return result
+
+    def reset_stats(self) -> None:
+        self.call("reset_stats")
 
     def check_health(self) -> None:
         if self.error is not None:

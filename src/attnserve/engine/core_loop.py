@@ -9,7 +9,9 @@ transport is two callables, so the same loop runs in a thread (queues) or in a p
 The core process imports the engine's lower half only (this module, `EngineCore`, the executor
 and the model), never the front end's tokenizer or server stack. It ignores SIGINT (the front end
 decides when it stops), and it exits when its front end goes away: the command pipe then reads
-EOF, and a watcher thread ends the process if the parent dies while a step is running.
+EOF, and a watcher thread ends the process if the parent dies while a step is running. Once
+ready it sends a heartbeat (`CoreAlive`) from a thread of its own, also while a step runs, so
+its front end can tell a hung (stopped, wedged) core from a busy one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import logging
 import os
 import pickle
 import signal
+import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -27,9 +31,11 @@ import torch
 
 from attnserve.engine.core_messages import (
     CALLABLE_METHODS,
+    HEARTBEAT_INTERVAL_S,
     PICKLE_PROTOCOL,
     CallReply,
     Command,
+    CoreAlive,
     CoreCommand,
     CoreFailed,
     CoreMessage,
@@ -107,6 +113,9 @@ def pipe_take(conn: Connection) -> Take:
 
 
 def pipe_emit(conn: Connection) -> Emit:
+    """Messages into a pipe, from any thread (the loop's and the heartbeat's)."""
+    lock = threading.Lock()
+
     def emit(message: CoreMessage) -> None:
         try:
             data = pickle.dumps(message, protocol=PICKLE_PROTOCOL)
@@ -115,11 +124,25 @@ def pipe_emit(conn: Connection) -> Emit:
                 raise
             data = pickle.dumps(CoreFailed(message.message), protocol=PICKLE_PROTOCOL)
         try:
-            conn.send_bytes(data)
+            with lock:
+                conn.send_bytes(data)
         except OSError as error:
             raise TransportClosed from error
 
     return emit
+
+
+def start_heartbeat(emit: Emit) -> None:
+    """A daemon thread that emits `CoreAlive` every HEARTBEAT_INTERVAL_S until the channel
+    closes: while it comes, the process runs (a stopped or wedged process sends none)."""
+
+    def beat() -> None:
+        with contextlib.suppress(TransportClosed):
+            while True:
+                emit(CoreAlive())
+                time.sleep(HEARTBEAT_INTERVAL_S)
+
+    threading.Thread(target=beat, name="attnserve-core-heartbeat", daemon=True).start()
 
 
 def run_engine_core_process(
@@ -146,6 +169,7 @@ def run_engine_core_process(
         raise SystemExit(1) from error
     gc.freeze()  # what start-up built lives as long as the process: keep it out of collections
     emit(core.ready_message())
+    start_heartbeat(emit)
     clean = run_core(core, pipe_take(commands), emit)
     # The core is shut down: end here, without the interpreter's teardown (compiled-kernel
     # bindings report their objects as leaked then).

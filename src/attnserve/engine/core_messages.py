@@ -23,7 +23,7 @@ from attnserve.sampling_params import SamplingParams
 
 PICKLE_PROTOCOL = 5  # of every message over a pipe (out-of-band buffers, fast bytes)
 # What a call may ask the core for (methods of `EngineCore` without arguments).
-CALLABLE_METHODS = ("stats",)
+CALLABLE_METHODS = ("stats", "reset_stats")
 
 
 class CoreCommand(enum.Enum):
@@ -74,6 +74,16 @@ class EngineCoreOutputs:
 
 
 @dataclass(frozen=True)
+class CoreAlive:
+    """A core process's heartbeat, sent every `HEARTBEAT_INTERVAL_S` from a thread of its own
+    (also while a step runs): its front end declares it hung when none comes for longer than
+    its liveness timeout."""
+
+
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
 class CoreReady:
     """The core is up: what the front end needs to know of it."""
 
@@ -100,4 +110,4 @@ class CoreFailed:
         return cls(f"{type(error).__name__}: {error}", error)
 
 
-CoreMessage = EngineCoreOutputs | CoreReady | CallReply | CoreFailed
+CoreMessage = EngineCoreOutputs | CoreReady | CallReply | CoreFailed | CoreAlive

@@ -181,6 +181,10 @@ class DPClient(EngineCoreClient):
             merged[key] = sum(s[key] for s in each) / len(each)
         return merged
 
+    def reset_stats(self) -> None:
+        for client in self.clients:
+            client.reset_stats()
+
     def check_health(self) -> None:
         for client in self.clients:
             client.check_health()

@@ -241,6 +241,12 @@ class EngineCore:
         draw_index = {id(seq): j for j, seq in enumerate(sampling)}
         return _LaunchedStep(scheduled, self.executor.execute_model_async(batch), draw_index)
 
+    def reset_stats(self) -> None:
+        """Start the counters behind `stats` again (prefix-cache hits, preemptions): what a
+        server's warm-up did is no client's."""
+        self.allocator.prefix_queries = self.allocator.prefix_hits = 0
+        self.scheduler.num_preemptions = 0
+
     def stats(self) -> dict[str, float]:
         """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate."""
         used = self.allocator.num_blocks - self.allocator.num_free_blocks

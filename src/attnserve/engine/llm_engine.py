@@ -158,3 +158,7 @@ class LLMEngine:
         """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate (after every
         command sent before this call)."""
         return self.client.stats()
+
+    def reset_stats(self) -> None:
+        """Start the core's counters (prefix-cache hits, preemptions) again."""
+        self.client.reset_stats()

@@ -3,10 +3,11 @@
 Commands go through one `multiprocessing.connection` pipe, messages come back through another
 (pickle protocol 5), read by a background thread that hands step outputs to the output queue
 and call replies to their waiters. When the pipe reads EOF (the process was killed or failed),
-the client is dead: `EngineDeadError` names the pid and how it died. The process is not a daemon
-(a core with tensor parallelism starts worker processes of its own); it is stopped on
-`shutdown()` and at interpreter exit (a shutdown command, then terminate, then kill), and it
-stops by itself when the front end's process dies.
+the client is dead: `EngineDeadError` names the pid and how it died; so it is when the core's
+heartbeat stops for LIVENESS_TIMEOUT_S (the process is stopped or wedged: hung, and killed). The
+process is not a daemon (a core with tensor parallelism starts worker processes of its own); it
+is stopped on `shutdown()` and at interpreter exit (a shutdown command, then terminate, then
+kill), and it stops by itself when the front end's process dies.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from attnserve.engine.core_client import ChannelClient, EngineDeadError
 from attnserve.engine.core_messages import (
     PICKLE_PROTOCOL,
     Command,
+    CoreAlive,
     CoreCommand,
     CoreFailed,
     CoreReady,
@@ -37,6 +39,8 @@ from attnserve.engine_config import EngineConfig
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # loading a large model on CPU takes minutes
+# A ready core sends a heartbeat every HEARTBEAT_INTERVAL_S; none for this long: it is hung
+LIVENESS_TIMEOUT_S = 5.0
 SHUTDOWN_TIMEOUT_S = 10.0  # then the core process is terminated, and then killed
 
 
@@ -130,10 +134,18 @@ class ProcClient(ChannelClient):
     def _read(self) -> None:
         while True:
             try:
+                if not self._messages.poll(LIVENESS_TIMEOUT_S) and not self._closed:
+                    self.process.kill()  # nothing it holds can be had back: free it now
+                    self._die(
+                        f"the engine core process (pid {self.process.pid}) was hung: nothing from "
+                        f"it for {LIVENESS_TIMEOUT_S:.0f} s, so it was killed"
+                    )
+                    return
                 message = pickle.loads(self._messages.recv_bytes())
             except (EOFError, OSError):
                 break
-            self._dispatch(message)
+            if not isinstance(message, CoreAlive):
+                self._dispatch(message)
         self._die(self._end_reason())
 
     def _end_reason(self) -> str:

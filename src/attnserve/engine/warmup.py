@@ -4,7 +4,8 @@ so that no client request pays for a first-time compile or allocation.
 Per core: a prefill with greedy decodes; then, together, a prefill that continues the first
 prompt's cached blocks (prefix caching) with temperature / top-p sampled decodes and
 log-probabilities, and a second greedy request. Prompts are token ids (a model need not have a
-tokenizer), sized to fit `max_model_len` and the KV cache.
+tokenizer), sized to fit `max_model_len` and the KV cache. Then the cores' counters start again
+(`reset_stats`), so `/metrics` counts no warm-up (its prefix-cache hits, above all).
 """
 
 from __future__ import annotations
@@ -66,4 +67,5 @@ async def warm_up(engine: AsyncLLMEngine) -> None:
     started = time.perf_counter()
     cores = range(engine.engine.data_parallel_size)
     await asyncio.gather(*(_warm_core(engine, rank) for rank in cores))
+    await asyncio.to_thread(engine.engine.reset_stats)  # no client's: out of every counter
     logger.info("warm-up done in %.1f s", time.perf_counter() - started)

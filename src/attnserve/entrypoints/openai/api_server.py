@@ -16,12 +16,13 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import ipaddress
 import logging
 import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -31,9 +32,10 @@ from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
 from attnserve.engine.warmup import warm_up
 from attnserve.entrypoints.openai.cli_args import (
-    API_KEY_ENV,
     DEFAULT_MAX_REQUEST_BYTES,
     auto_tool_call_parser,
+    is_loopback,
+    resolve_api_key,
 )
 from attnserve.entrypoints.openai.errors import (
     ApiError,
@@ -41,6 +43,14 @@ from attnserve.entrypoints.openai.errors import (
     BodyLimitMiddleware,
     error_response,
     install_error_handlers,
+)
+from attnserve.entrypoints.openai.lifecycle import (
+    ANSWERS_OUT_S,
+    BodyDeadlineMiddleware,
+    DrainingServer,
+    InFlightMiddleware,
+    ReadTimeoutProtocol,
+    ServerLifecycle,
 )
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.protocol import (
@@ -86,21 +96,37 @@ _STREAM: dict[int | str, dict[str, Any]] = {
 }
 
 
+@dataclass(frozen=True)
+class ServerOptions:
+    """The server's own settings beyond the engine (`attnserve serve`'s flags)."""
+
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    tool_call_parser: str | None = None  # reads "auto" tool choice replies (None: refused)
+    shutdown_timeout_s: float = 30.0
+    request_timeout_s: float | None = None
+    request_read_timeout_s: float = 30.0
+    restart_engine_core: bool = False
+
+
 def build_app(
     engine: AsyncLLMEngine,
     model_name: str,
-    api_key: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    options: ServerOptions | None = None,
     warm: bool = True,
-    tool_call_parser: str | None = None,
-) -> FastAPI:
-    """The app. Its start-up (lifespan) warms the engine, with `warm`, before /health says 200;
-    its shutdown (after uvicorn has drained or cut the connections, e.g. on SIGTERM) shuts the
-    engine down, so the engine core is stopped before the process exits. `tool_call_parser`
-    reads the replies of "auto" tool choice (None: "auto" is refused)."""
-    metrics = ServerMetrics(engine.stats)
+) -> tuple[FastAPI, ServerLifecycle]:
+    """The app and its lifecycle (`lifecycle`: drain, engine watch). Its start-up (lifespan)
+    warms the engine, with `warm`, before /health says 200, and watches the engine core; its
+    shutdown (after the drain, or once uvicorn has cut the connections) shuts the engine down,
+    so the engine core is stopped before the process exits."""
+    options = options or ServerOptions()
+    metrics = ServerMetrics(engine.stats, lambda: not engine.errored)
+    lifecycle = ServerLifecycle(
+        engine, metrics, options.shutdown_timeout_s, options.restart_engine_core
+    )
     completion = OpenAIServingCompletion(engine, model_name, metrics)
-    chat = OpenAIServingChat(engine, model_name, metrics, tool_call_parser)
+    chat = OpenAIServingChat(engine, model_name, metrics, options.tool_call_parser)
+    completion.request_timeout_s = chat.request_timeout_s = options.request_timeout_s
     ready = asyncio.Event()
     if not warm:
         ready.set()
@@ -115,9 +141,11 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(warm_then_ready()) if warm else None
+        tasks = [asyncio.create_task(lifecycle.watch_engine())]
+        if warm:
+            tasks.append(asyncio.create_task(warm_then_ready()))
         yield
-        if task is not None:
+        for task in tasks:
             task.cancel()
         await asyncio.to_thread(engine.shutdown)
 
@@ -131,6 +159,8 @@ def build_app(
     async def health() -> HealthResponse:
         if engine.errored:
             raise ApiError(503, f"the engine has failed: {engine.error}")
+        if lifecycle.draining:
+            raise ApiError(503, "the server is shutting down")
         if not ready.is_set():
             raise ApiError(503, "the engine is warming up")
         return HealthResponse()
@@ -159,10 +189,13 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await chat.create_chat_completion(body, raw)
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    return app
+    # the last added runs first: key, in-flight count, body size limit, then the body's deadline
+    app.add_middleware(BodyDeadlineMiddleware, timeout_s=options.request_read_timeout_s)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
+    app.add_middleware(InFlightMiddleware, lifecycle=lifecycle)
+    if options.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    return app, lifecycle
 
 
 class _App(FastAPI):
@@ -191,39 +224,40 @@ def served_model_name(args: EngineArgs) -> str:
     return embedded_gguf_path().stem.split(".")[0]
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def run_server(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    """`attnserve serve`: 0 after a drain, 1 after the engine core died (without
+    --restart-engine-core)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args).with_server_defaults()
-    tool_call_parser = auto_tool_call_parser(args)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if not _is_loopback(args.host) and not api_key:
-        logger.warning(
-            "serving on %s without an API key: anyone who can reach it can use it", args.host
-        )
+    options = ServerOptions(
+        api_key=resolve_api_key(args, dict(os.environ)),
+        max_request_bytes=args.max_request_bytes,
+        tool_call_parser=auto_tool_call_parser(args),
+        shutdown_timeout_s=args.shutdown_timeout,
+        request_timeout_s=args.request_timeout,
+        request_read_timeout_s=args.request_read_timeout,
+        restart_engine_core=args.restart_engine_core,
+    )
+    if options.api_key is None and not is_loopback(args.host):
+        logger.warning("serving on %s without an API key (--allow-no-api-key)", args.host)
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     name = args.served_model_name or served_model_name(engine_args)
-    app = build_app(
-        engine, name, api_key, args.max_request_bytes, tool_call_parser=tool_call_parser
-    )
+    app, lifecycle = build_app(engine, name, options)
     gc.freeze()  # the modules and engine state built so far stay: keep them out of collections
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
+    protocol = type(
+        "ServerProtocol", (ReadTimeoutProtocol,), {"read_timeout_s": args.request_read_timeout}
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        http=protocol,
+        timeout_graceful_shutdown=int(ANSWERS_OUT_S),
+    )
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            timeout_graceful_shutdown=5,
-        )
+        DrainingServer(config, lifecycle).run()
     finally:
         engine.shutdown()
-    return 0
+    return lifecycle.exit_code

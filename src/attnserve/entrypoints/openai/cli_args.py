@@ -8,6 +8,7 @@ command runs.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")  # tool_parsers.TOOL_CALL_PARSERS' keys
 
@@ -24,7 +25,40 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set ${API_KEY_ENV})",
     )
     parser.add_argument(
+        "--api-key-file", default=None, help="read the API key from this file (its first line)"
+    )
+    parser.add_argument(
+        "--allow-no-api-key",
+        action="store_true",
+        help="serve a non-loopback --host without an API key (refused otherwise)",
+    )
+    parser.add_argument(
         "--served-model-name", default=None, help="the name clients use (default: the model's)"
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds for the requests in flight to finish (new ones get 503) "
+        "before the rest are ended with an error",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=_seconds,
+        default=None,
+        help="end any request still running after this many seconds with a 504 (default: off)",
+    )
+    parser.add_argument(
+        "--request-read-timeout",
+        type=_seconds,
+        default=30.0,
+        help="close a connection whose request (headers and body) has not arrived whole in "
+        "this many seconds",
+    )
+    parser.add_argument(
+        "--restart-engine-core",
+        action="store_true",
+        help="when the engine core dies, start a new one and serve on (default: exit non-zero)",
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -57,3 +91,41 @@ def auto_tool_call_parser(args: argparse.Namespace) -> str | None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     return args.tool_call_parser if args.enable_auto_tool_choice else None
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def resolve_api_key(args: argparse.Namespace, environ: dict[str, str]) -> str | None:
+    """The key from --api-key, --api-key-file or $ATTNSERVE_API_KEY (one source only); ValueError
+    for an unreadable or empty key file, two sources, or a non-loopback --host without a key
+    (unless --allow-no-api-key)."""
+    given = [v for v in (args.api_key, args.api_key_file) if v is not None]
+    if len(given) > 1:
+        raise ValueError("give the API key once: --api-key or --api-key-file")
+    key = args.api_key or environ.get(API_KEY_ENV) or None
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file) as file:
+                key = file.readline().strip()
+        except OSError as error:
+            raise ValueError(f"--api-key-file {args.api_key_file!r}: {error.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file!r} holds no key")
+    if key is None and not is_loopback(args.host) and not args.allow_no_api_key:
+        raise ValueError(
+            f"--host {args.host} is reachable from other machines: give an API key (--api-key, "
+            f"--api-key-file or ${API_KEY_ENV}) or pass --allow-no-api-key"
+        )
+    return key
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -29,9 +29,11 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     499: "client_closed_request",
     503: "service_unavailable",
+    504: "timeout_error",
 }
 
 
@@ -114,10 +116,16 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _on_unexpected)
 
 
-async def _send_error(send: Send, error: ApiError) -> None:
+async def send_error(
+    send: Send, error: ApiError, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     response = error_response(error)
     await send(
-        {"type": "http.response.start", "status": error.status, "headers": response.raw_headers}
+        {
+            "type": "http.response.start",
+            "status": error.status,
+            "headers": [*response.raw_headers, *(headers or [])],
+        }
     )
     await send({"type": "http.response.body", "body": response.body})
 
@@ -136,7 +144,7 @@ class BodyLimitMiddleware:
         too_large = ApiError(413, f"the request body is over {self.max_bytes} bytes")
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_bytes:
-            await _send_error(send, too_large if length.isdigit() else ApiError(400, "bad length"))
+            await send_error(send, too_large if length.isdigit() else ApiError(400, "bad length"))
             return
         seen = 0
 
@@ -152,16 +160,18 @@ class BodyLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer <api_key>`; 401 otherwise."""
+    """Every /v1 route needs `Authorization: Bearer <api_key>` (the scheme in any case, as HTTP
+    has it); 401 with `WWW-Authenticate: Bearer` otherwise."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                await _send_error(send, ApiError(401, "a valid API key is required"))
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given, self.expected):
+                challenge = [(b"www-authenticate", b"Bearer")]
+                await send_error(send, ApiError(401, "a valid API key is required"), challenge)
                 return
         await self.app(scope, receive, send)

@@ -1,7 +1,9 @@
 """The server's Prometheus metrics (`GET /metrics`), in a registry of its own.
 
 Gauges read the engine's `stats()` at scrape time: running / waiting / swapped requests, KV cache
-usage (0..1; 0 once idle means no block is leaked), prefix-cache hit rate, preemptions. The
+usage (0..1; 0 once idle means no block is leaked), prefix-cache hit rate, preemptions, and
+`engine_healthy` (1, or 0 once the core is dead or hung: the queues and the KV usage then read
+0, since nothing runs). Counters: requests that failed, by reason, and engine-core restarts. The
 serving layer records, per request, time to first token, the time per output token (each gap
 between outputs), end-to-end latency, prompt and generated tokens, and finished requests; and
 the front end's own share of the first token's latency: from the engine core handing over the
@@ -11,6 +13,7 @@ step that drew it to the server handing it to the request's HTTP response
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 
@@ -18,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from attnserve.engine.core_client import EngineDeadError
 from attnserve.outputs import RequestOutput
 
 PREFIX = "attnserve:"
@@ -35,24 +39,50 @@ _GAUGES = {
 }
 
 
+_IDLE_WHEN_DEAD = ("num_running", "num_waiting", "num_swapped", "kv_cache_usage")
+FAILURE_REASONS = ("engine_failed", "shutdown", "timeout")
+
+
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, float]], healthy: Callable[[], bool]) -> None:
         self.stats = stats
+        self.healthy = healthy
+        self.last: dict[str, float] = dict.fromkeys([*_GAUGES, "num_preemptions"], 0.0)
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stats()
+        healthy = self.healthy()
+        stats = self.last
+        if healthy:
+            with contextlib.suppress(EngineDeadError):  # it died just now: the last gauges
+                stats = self.last = self.stats()
         for key, (name, doc) in _GAUGES.items():
-            yield GaugeMetricFamily(PREFIX + name, doc, value=stats[key])
+            value = 0.0 if not healthy and key in _IDLE_WHEN_DEAD else stats[key]
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
         yield CounterMetricFamily(
             PREFIX + "num_preemptions", "preemptions so far", value=stats["num_preemptions"]
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "engine_healthy", "1 while the engine core serves, else 0", value=healthy
         )
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(
+        self, stats: Callable[[], dict[str, float]], healthy: Callable[[], bool] = lambda: True
+    ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats, healthy))
         r = self.registry
+        self.failures = Counter(
+            PREFIX + "request_failure", "requests ended by a failure, by reason", ["reason"],
+            registry=r,
+        )  # fmt: skip
+        for reason in FAILURE_REASONS:
+            self.failures.labels(reason)
+        self.restarts = Counter(
+            PREFIX + "engine_core_restarts", "engine cores started again after one died",
+            registry=r,
+        )  # fmt: skip
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "time to first token", buckets=TTFT_BUCKETS,
             registry=r,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
@@ -24,9 +25,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from attnserve.core import TokenLogprobs
-from attnserve.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from attnserve.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestEndedError
 from attnserve.entrypoints.openai.errors import ApiError, error_body
-from attnserve.entrypoints.openai.merge_streams import merge_streams, one_stream
+from attnserve.entrypoints.openai.merge_streams import Batch, merge_streams, one_stream
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from attnserve.entrypoints.openai.request_fields import unsupported_field
@@ -92,6 +93,8 @@ def new_id(prefix: str) -> str:
 
 
 class OpenAIServing:
+    request_timeout_s: float | None = None  # a request still running after this gets a 504
+
     def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -217,9 +220,10 @@ class OpenAIServing:
             if len(streams) > 1
             else one_stream(streams[0], self.metrics)
         )
+        deadline = None if self.request_timeout_s is None else time.monotonic()
         try:
             async with aclosing(merged):
-                async for batch in merged:
+                while (batch := await self._next_batch(merged, deadline)) is not None:
                     yield [
                         Delta(
                             i * params.n + c.index,
@@ -236,7 +240,25 @@ class OpenAIServing:
         except ValueError as error:
             raise ApiError(400, str(error)) from error
         except EngineDeadError as error:
+            self.metrics.failures.labels("engine_failed").inc()
             raise ApiError(503, f"the engine has failed: {error}") from error
+        except RequestEndedError as error:
+            self.metrics.failures.labels("shutdown").inc()
+            raise ApiError(503, str(error)) from error
+        except TimeoutError:
+            self.metrics.failures.labels("timeout").inc()
+            limit = f"--request-timeout {self.request_timeout_s:g} s"
+            raise ApiError(504, f"the request ran past the server's {limit}") from None
+
+    async def _next_batch(
+        self, merged: AsyncGenerator[Batch, None], started: float | None
+    ) -> Batch | None:
+        """The stream's next batch (None at its end); TimeoutError past the request timeout
+        (counted from `started`)."""
+        if started is None or self.request_timeout_s is None:
+            return await anext(merged, None)
+        left = started + self.request_timeout_s - time.monotonic()
+        return await asyncio.wait_for(anext(merged, None), max(left, 0.0))
 
     async def sse(
         self,
