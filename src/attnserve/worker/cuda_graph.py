@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -50,6 +51,17 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return [*(s for s in sizes if s < max_num_seqs), max_num_seqs]
 
 
+def capture_largest_first(sizes: list[int], capture_one: Callable[[int, Any], Any]) -> float:
+    """Capture each bucket of `sizes`, largest first, all in one memory pool (`capture_one(size,
+    pool)` returns the pool, None before the first); the seconds it took."""
+    started = time.perf_counter()
+    pool = None
+    for size in reversed(sizes):
+        pool = capture_one(size, pool)
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
 class CUDAGraphRunner:
     def __init__(
         self,
@@ -75,16 +87,12 @@ class CUDAGraphRunner:
 
     def capture(self) -> None:
         """Capture every bucket. The dummy steps write only block 0 (slot -1 elsewhere)."""
-        started = time.perf_counter()
-        pool = None
-        for size in reversed(self.sizes):
-            pool = self._capture_one(size, pool)
-        torch.cuda.synchronize()
+        seconds = capture_largest_first(self.sizes, self._capture_one)
         logger.info(
             "captured %d CUDA graphs (decode batches up to %d) in %.1f s",
             len(self.sizes),
             self.max_num_seqs,
-            time.perf_counter() - started,
+            seconds,
         )
 
     def _capture_one(self, size: int, pool: Any) -> Any:

@@ -18,14 +18,13 @@ tokens than the largest bucket runs eagerly: there the device's work dwarfs the 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from attnserve.attention import StepMetadata, set_forward_context, splitting_at_attention
-from attnserve.worker.cuda_graph import CausalLM
+from attnserve.worker.cuda_graph import CausalLM, capture_largest_first
 
 logger = logging.getLogger(__name__)
 
@@ -85,16 +84,12 @@ class PiecewiseGraphRunner:
 
     def capture(self) -> None:
         """Capture every bucket, largest first, all in one memory pool."""
-        started = time.perf_counter()
-        pool = None
-        for size in reversed(self.sizes):
-            pool = self._capture_one(size, pool)
-        torch.cuda.synchronize()
+        seconds = capture_largest_first(self.sizes, self._capture_one)
         logger.info(
             "captured piecewise CUDA graphs for steps of up to %d tokens (%d buckets) in %.1f s",
             self.max_num_tokens,
             len(self.sizes),
-            time.perf_counter() - started,
+            seconds,
         )
 
     def _capture_one(self, size: int, pool: Any) -> Any:
