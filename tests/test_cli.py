@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from attnserve import __version__
 from attnserve.cli import build_parser, main
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.model.model_cache import CACHE_ENV
@@ -180,3 +181,28 @@ def test_help_shows_every_engine_flag_with_its_field_help(
         assert "--" + f.name.replace("_", "-") in shown, f.name
         assert " ".join(f.metadata["help"].split()) in shown, f.name
     assert "[MODEL]" in shown and "--log-level" in shown
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "attnserve.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S)
+
+
+def test_version_and_an_option_before_any_command() -> None:
+    version = _cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"attnserve {__version__}"
+    unknown = _cli("--foo")
+    assert unknown.returncode == 2 and "unrecognized argument --foo" in unknown.stderr
+    assert "Traceback" not in unknown.stderr
+
+
+def test_output_cut_short_by_its_reader_ends_quietly() -> None:
+    """`attnserve backends | head -1`: the reader closes the pipe after one line."""
+    command = [sys.executable, "-m", "attnserve.cli", "backends"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.readline()
+    process.stdout.close()
+    errors = process.stderr.read().decode()
+    assert process.wait(timeout=HANG_GUARD_S) == 0
+    assert "Traceback" not in errors and "BrokenPipe" not in errors

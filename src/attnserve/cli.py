@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import socket
 import sys
 import time
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
+from attnserve import __version__
 from attnserve.attention.backends.abstract import AttentionSpec
 from attnserve.attention.selector import (
     backend_report,
@@ -211,6 +213,7 @@ Commands: TypeAlias = "argparse._SubParsersAction[_Parser]"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"attnserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = _engine_parser(commands, "generate", "generate text for prompts")
     generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompts to answer")
@@ -311,8 +314,24 @@ def _leaf_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.Argument
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run a command; a user's mistake is one line on stderr and exit code 2."""
-    args = build_parser().parse_args(argv)
+    """Run a command; a user's mistake is one line on stderr and exit code 2. Output cut short
+    by its reader (`| head`) ends the command quietly."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        print(
+            f"attnserve: error: unrecognized argument {argv[0]}: a command comes first "
+            "(see attnserve --help)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return _run(build_parser().parse_args(argv))
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", force=True
     )

@@ -183,3 +183,39 @@ def test_bad_engine_arguments_are_value_errors(tiny_llama_dir: Path) -> None:
             LLM(str(tiny_llama_dir), **kwargs)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="n must be"):
         SamplingParams(n=0)
+
+
+def test_sampling_params_as_a_dict_as_vllm_takes_them(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu")
+    prompts = [[3, 4, 5], [7, 8]]
+    fields = {"temperature": 0, "max_tokens": 3, "ignore_eos": True}
+    as_dict = llm.generate(prompts, fields, use_tqdm=False)
+    as_params = llm.generate(prompts, SamplingParams(**fields), use_tqdm=False)  # type: ignore[arg-type]
+    assert [o.outputs[0].token_ids for o in as_dict] == [o.outputs[0].token_ids for o in as_params]
+    assert all(len(o.outputs[0].token_ids) == 3 for o in as_dict)
+    per_prompt = llm.generate(prompts, [fields, {**fields, "max_tokens": 1}], use_tqdm=False)  # type: ignore[list-item]
+    assert [len(o.outputs[0].token_ids) for o in per_prompt] == [3, 1]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "message"),
+    [
+        (None, None, "prompts must be a string, a list of token ids or a list of those"),
+        (3, None, "got int"),
+        ([[3, 4]], {"max_tokenz": 3}, "max_tokenz"),
+        ([[3, 4]], "greedy", "sampling_params must be a SamplingParams, a dict"),
+    ],
+)
+def test_wrong_argument_types_are_value_errors(
+    tiny_llama_dir: Path, prompts: object, params: object, message: str
+) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu")
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_without_messages_is_a_value_error(default_llm: LLM) -> None:
+    for messages in ([], [[]], [[{"role": "user", "content": "Hi"}], []]):
+        with pytest.raises(ValueError, match="at least one message"):
+            default_llm.chat(messages, use_tqdm=False)  # type: ignore[arg-type]

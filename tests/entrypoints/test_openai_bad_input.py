@@ -142,6 +142,7 @@ def test_schema_documents_every_route(server: ServerProcess) -> None:
         "/health",
         "/metrics",
         "/v1/models",
+        "/v1/models/{model_id}",
         "/v1/completions",
         "/v1/chat/completions",
     }

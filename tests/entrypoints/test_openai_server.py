@@ -51,6 +51,10 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     (card,) = client.models.list().data
     assert card.id == MODEL
     assert card.model_extra == {"max_model_len": 512}
+    assert client.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-9")
+    assert missing.value.code == "model_not_found"
 
 
 def test_completion_whole_and_streamed_agree(client: openai.OpenAI, tokenizer: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -15,6 +15,7 @@ from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
+ParamsArg = SamplingParams | Mapping[str, Any] | Sequence[SamplingParams] | None
 Message = dict[str, str]
 
 
@@ -77,10 +78,14 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams
+        | Mapping[str, Any]
+        | Sequence[SamplingParams]
+        | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in input order."""
+        """Generate for every prompt (text or token ids); outputs in input order. A dict of
+        SamplingParams fields is taken as vLLM takes it."""
         prompt_list = _as_prompt_list(prompts)
         final_only = RequestOutputKind.FINAL_ONLY  # offline: no intermediate outputs to build
         params = [
@@ -101,7 +106,7 @@ class LLM:
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: ParamsArg = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
@@ -110,6 +115,8 @@ class LLM:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not conversations or any(not conversation for conversation in conversations):
+            raise ValueError("chat needs at least one message in every conversation")
         prompts = [
             tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -133,6 +140,11 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise ValueError(
+            f"prompts must be a string, a list of token ids or a list of those, got "
+            f"{type(prompts).__name__}"
+        )
     items: list[object] = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [[int(t) for t in items]]  # type: ignore[call-overload]
@@ -144,13 +156,27 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompt_list
 
 
-def _broadcast(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
-) -> list[SamplingParams]:
+def _broadcast(params: ParamsArg, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: a SamplingParams (or a dict of its fields, as vLLM takes)
+    for all, or one each."""
     if params is None:
         return [SamplingParams()] * count
+    if isinstance(params, Mapping):
+        params = _from_mapping(params)
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, Sequence) or isinstance(params, str):
+        raise ValueError(
+            f"sampling_params must be a SamplingParams, a dict of its fields or a list of "
+            f"SamplingParams, got {type(params).__name__}"
+        )
     if len(params) != count:
         raise ValueError(f"{len(params)} sampling params for {count} prompts")
-    return list(params)
+    return [_from_mapping(p) if isinstance(p, Mapping) else p for p in params]
+
+
+def _from_mapping(fields: Mapping[str, Any]) -> SamplingParams:
+    try:
+        return SamplingParams(**fields)
+    except TypeError as error:  # an unknown field
+        raise ValueError(f"sampling_params: {error}") from None

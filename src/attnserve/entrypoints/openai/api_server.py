@@ -2,8 +2,9 @@
 `run_server` (`attnserve serve`: load the engine, then serve it with uvicorn).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or server-sent events with
-`stream: true`), `GET /v1/models`, `GET /health` (503 while the warm-up runs and once the engine
-has failed) and `GET /metrics` (Prometheus text). Errors are OpenAI-style objects (see `errors`).
+`stream: true`), `GET /v1/models` and `GET /v1/models/{id}`, `GET /health` (503 while the
+warm-up runs, while draining and once the engine has failed) and `GET /metrics` (Prometheus
+text). Errors are OpenAI-style objects (see `errors`).
 
 The engine core runs in a process of its own by default (`--engine-core-process`); this process
 does HTTP, JSON, tokenizing, detokenizing, stop strings and SSE. On start-up the app warms the
@@ -170,10 +171,22 @@ def build_app(
         text = await asyncio.to_thread(metrics.render)  # stats() waits for the step in flight
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
+    card = ModelCard(id=model_name, max_model_len=completion.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def models() -> ModelList:
-        card = ModelCard(id=model_name, max_model_len=completion.max_model_len)
         return ModelList(data=[card])
+
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=ModelCard,
+        responses={401: _ERRORS[401], 404: _ERRORS[404]},
+    )
+    async def model(model_id: str) -> ModelCard:
+        if model_id != model_name:
+            missing = f"the model {model_id!r} does not exist"
+            raise ApiError(404, missing, "model", "model_not_found")
+        return card
 
     @app.post(
         "/v1/completions", response_model=CompletionResponse, responses={**_STREAM, **_ERRORS}
