@@ -5,6 +5,7 @@ OpenAPI document: no 5xx."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import httpx
@@ -19,6 +20,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from attnserve.entrypoints.openai.errors import ApiError, error_response
 from tests.conftest import HANG_GUARD_S
 from tests.entrypoints.openai_server import (
     TINY_MAX_BYTES,
@@ -70,7 +72,26 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("min_tokens over max_tokens", "/v1/completions",
      {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, None),
     ("body over the size limit", "/v1/completions", {"prompt": "a " * MAX_BYTES}, 413, None),
+    ("json_schema without its schema", "/v1/chat/completions",
+     {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "response_format.json_schema.schema"),
 ]  # fmt: skip
+
+
+def test_a_body_that_is_not_utf8_is_named_so(server: ServerProcess) -> None:
+    response = _post(server, "/v1/completions", b'{"prompt": "\xff\xfe"}')
+    assert response.status_code == 400 and "UTF-8" in response.json()["error"]["message"]
+
+
+def test_expected_503s_are_logged_as_info(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="attnserve.entrypoints.openai.errors")
+    error_response(ApiError(503, "the engine is warming up", code="warming_up"))
+    error_response(ApiError(503, "the engine has failed: gone"))
+    levels = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert levels == [
+        ("INFO", "503 the engine is warming up"),
+        ("ERROR", "503 the engine has failed: gone"),
+    ]
 
 
 @pytest.mark.parametrize(

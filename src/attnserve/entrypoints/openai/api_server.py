@@ -161,9 +161,9 @@ def build_app(
         if engine.errored:
             raise ApiError(503, f"the engine has failed: {engine.error}")
         if lifecycle.draining:
-            raise ApiError(503, "the server is shutting down")
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
         if not ready.is_set():
-            raise ApiError(503, "the engine is warming up")
+            raise ApiError(503, "the engine is warming up", code="warming_up")
         return HealthResponse()
 
     @app.get("/metrics", response_class=PlainTextResponse)

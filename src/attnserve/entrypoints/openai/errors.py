@@ -56,8 +56,14 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return ErrorResponse(error=info).model_dump_json()
 
 
+EXPECTED_CODES = ("warming_up", "shutting_down")  # 503s that are part of normal operation
+
+
 def error_response(error: ApiError) -> JSONResponse:
-    log = logger.warning if error.status < 500 else logger.error
+    if error.code in EXPECTED_CODES:
+        log = logger.info
+    else:
+        log = logger.warning if error.status < 500 else logger.error
     log("%d %s", error.status, error.message)
     body = error_body(error.status, error.message, error.param, error.code)
     return JSONResponse(json.loads(body), status_code=error.status)
@@ -98,10 +104,16 @@ async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc)
 
 
+_UNPARSED_BODY = "There was an error parsing the body"  # FastAPI's, for a body not UTF-8
+
+
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     if not isinstance(exc, HTTPException):
         raise exc
-    return error_response(ApiError(exc.status_code, str(exc.detail)))
+    message = str(exc.detail)
+    if exc.status_code == 400 and message == _UNPARSED_BODY:
+        message = "the body could not be read as text: a JSON body must be UTF-8"
+    return error_response(ApiError(exc.status_code, message))
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -121,7 +121,9 @@ class InFlightMiddleware:
             await self.app(scope, receive, send)
             return
         if self.lifecycle.draining:
-            await send_error(send, ApiError(503, "the server is shutting down"))
+            await send_error(
+                send, ApiError(503, "the server is shutting down", code="shutting_down")
+            )
             return
         self.lifecycle.in_flight += 1
         try:

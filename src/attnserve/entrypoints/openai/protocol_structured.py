@@ -23,7 +23,7 @@ FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 class JsonSchemaFormat(RequestBody):
     name: str = Field(..., pattern=FUNCTION_NAME)
     description: Text | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = Field(None, description="always so: the output follows the schema")
 
     model_config = ConfigDict(populate_by_name=True)

@@ -41,7 +41,11 @@ def _from_response_format(request: StructuredOutputsFields) -> StructuredOutputs
         return _spec("response_format", json_object=True)
     if response_format.json_schema is None:
         raise ApiError(400, "response_format json_schema needs its json_schema", "response_format")
-    return _spec("response_format", json=response_format.json_schema.schema_)
+    schema = response_format.json_schema.schema_
+    if schema is None:
+        param = "response_format.json_schema.schema"
+        raise ApiError(400, f"{param} is missing: the JSON schema the reply must follow", param)
+    return _spec("response_format", json=schema)
 
 
 def _from_structured_outputs(
