@@ -206,3 +206,19 @@ def test_output_cut_short_by_its_reader_ends_quietly() -> None:
     errors = process.stderr.read().decode()
     assert process.wait(timeout=HANG_GUARD_S) == 0
     assert "Traceback" not in errors and "BrokenPipe" not in errors
+
+
+def test_generate_takes_token_ids_for_a_model_without_tokenizer(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from attnserve import LLM, SamplingParams
+
+    tiny = ["--model", "llama-tiny", "--load-format", "dummy", "--device", "cpu"]
+    assert main(["generate", *tiny, "--max-tokens", "3", "--prompt-token-ids", "5,6,7"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    llm = LLM("llama-tiny", load_format="dummy", device="cpu")
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    (expected,) = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
+    assert printed[:2] == ["> 5,6,7", str(expected.outputs[0].token_ids)]
+    assert main(["generate", *tiny, "--prompt-token-ids", "5,x"]) == 2
+    assert "not a list of token ids" in capsys.readouterr().err

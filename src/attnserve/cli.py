@@ -54,16 +54,23 @@ def _generate(args: argparse.Namespace) -> int:
     from attnserve.engine.arg_utils import EngineArgs
     from attnserve.entrypoints.llm import LLM
 
+    if args.chat and args.prompt_token_ids:
+        raise ValueError("--chat takes text prompts, not --prompt-token-ids")
+    prompts: list[str] | list[list[int]] = (
+        [_token_ids(p) for p in args.prompts] if args.prompt_token_ids else args.prompts
+    )
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     started = time.perf_counter()
     if args.chat:
         conversations = [[{"role": "user", "content": p}] for p in args.prompts]
         outputs = llm.chat(conversations, _sampling(args), use_tqdm=False)
     else:
-        outputs = llm.generate(args.prompts, _sampling(args), use_tqdm=False)
+        outputs = llm.generate(prompts, _sampling(args), use_tqdm=False)
     elapsed = time.perf_counter() - started
     for prompt, output in zip(args.prompts, outputs, strict=True):
-        print(f"> {prompt}\n{output.outputs[0].text.strip()}\n")
+        completion = output.outputs[0]
+        answer = completion.text.strip() if llm.get_tokenizer() else completion.token_ids
+        print(f"> {prompt}\n{answer}\n")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"[{tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tokens/s]")
     empty = any(not o.outputs[0].text.strip() for o in outputs)
@@ -73,6 +80,14 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _token_ids(text: str) -> list[int]:
+    """A --prompt-token-ids prompt: token ids separated by commas or spaces."""
+    parts = text.replace(",", " ").split()
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(f"--prompt-token-ids: {text!r} is not a list of token ids (e.g. 5,6,7)")
+    return [int(p) for p in parts]
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -218,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate = _engine_parser(commands, "generate", "generate text for prompts")
     generate.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompts to answer")
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
+    generate.add_argument(
+        "--prompt-token-ids",
+        action="store_true",
+        help="each PROMPT is token ids (5,6,7): for a model without a tokenizer (a dummy preset)",
+    )
     _add_sampling_args(generate, temperature=0.0)
     generate.set_defaults(handler=_generate)
     chat = _engine_parser(commands, "chat", "chat with a model in the terminal")
