@@ -219,3 +219,17 @@ def test_chat_without_messages_is_a_value_error(default_llm: LLM) -> None:
     for messages in ([], [[]], [[{"role": "user", "content": "Hi"}], []]):
         with pytest.raises(ValueError, match="at least one message"):
             default_llm.chat(messages, use_tqdm=False)  # type: ignore[arg-type]
+
+
+def test_best_of_returns_the_best_n_best_first(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cpu")
+    params = SamplingParams(n=3, best_of=6, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    (out,) = llm.generate([[3, 4, 5]], params, use_tqdm=False)
+    scores = [c.cumulative_logprob for c in out.outputs]
+    assert len(scores) == 3 and all(s is not None for s in scores)
+    assert scores == sorted(scores, reverse=True)  # type: ignore[type-var]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    everything = SamplingParams(n=6, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    (all_six,) = llm.generate([[3, 4, 5]], everything, use_tqdm=False)
+    top = sorted((c.cumulative_logprob for c in all_six.outputs), reverse=True)[:3]  # type: ignore[type-var]
+    assert scores == pytest.approx(top)  # the same six draws, the best three of them

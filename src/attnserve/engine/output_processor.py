@@ -160,9 +160,9 @@ class RequestState:
         if self.final_only and not finished:
             return None
         completions = sorted(self.completions.values(), key=lambda c: c.index)
-        if self.params.num_candidates > self.params.n:  # keep the best n
+        if self.params.num_candidates > self.params.n:  # the best n, best first (as vLLM)
             best = sorted(completions, key=lambda c: -(c.cumulative_logprob or 0.0))
-            completions = sorted(best[: self.params.n], key=lambda c: c.index)
+            completions = best[: self.params.n]
         delta = self.params.output_kind is RequestOutputKind.DELTA
         outputs = [self._output(c, delta) for c in completions]
         for position, output in enumerate(outputs):
