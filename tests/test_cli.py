@@ -130,6 +130,12 @@ def test_backends_names_the_selected_backend(capsys: pytest.CaptureFixture[str])
     assert "selected: TORCH_SDPA" in capsys.readouterr().out
 
 
+def test_backends_reports_the_embedded_model_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    # SmolLM2-135M: 9 heads of 64 over 3 KV heads, as every other command's default model
+    assert main(["backends", "--device", "cpu"]) == 0
+    assert "num_heads=9, num_kv_heads=3, head_size=64," in capsys.readouterr().out
+
+
 def test_backends_takes_the_shape_from_a_model(capsys: pytest.CaptureFixture[str]) -> None:
     # llama-tiny: 4 heads of size 16 over 2 KV heads; a flag still wins over the model
     assert main(["backends", "--model", "llama-tiny", "--device", "cpu", "--head-size", "8"]) == 0

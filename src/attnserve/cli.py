@@ -143,20 +143,21 @@ def _backends(args: argparse.Namespace) -> int:
 
 
 def _backend_spec(args: argparse.Namespace) -> AttentionSpec:
-    """The spec `attnserve backends` reports on: the flags', or the model's where not given."""
+    """The spec `attnserve backends` reports on: the flags', or the model's (default: the
+    embedded model's) where not given."""
     from attnserve.engine.arg_utils import EngineArgs
     from attnserve.model.config import ModelConfig, resolve_dtype
+    from attnserve.model.default_model import default_model_dir
 
     device = EngineArgs(device=args.device).resolved_device().type
-    shape = {"num_heads": 32, "num_kv_heads": 8, "head_size": 128, "sliding_window": None}
-    if args.model is not None:
-        config = ModelConfig.resolve(args.model, dtype=args.dtype, device=device)
-        shape = {
-            "num_heads": config.num_heads,
-            "num_kv_heads": config.num_kv_heads,
-            "head_size": config.head_size,
-            "sliding_window": config.sliding_window,
-        }
+    model = args.model if args.model is not None else str(default_model_dir())
+    config = ModelConfig.resolve(model, dtype=args.dtype, device=device)
+    shape = {
+        "num_heads": config.num_heads,
+        "num_kv_heads": config.num_kv_heads,
+        "head_size": config.head_size,
+        "sliding_window": config.sliding_window,
+    }
     given = {name: getattr(args, name) for name in shape if getattr(args, name, None) is not None}
     return AttentionSpec(
         **(shape | given),
