@@ -44,6 +44,7 @@ def test_attribute_sums_to_the_step_time() -> None:
     assert breakdown.ms == {
         "attention": 0.15,
         "matmul": 0.3,
+        "native": 0.0,
         "sampling": 0.1,
         "other": 0.2,
         "host": pytest.approx(0.25),
@@ -128,3 +129,16 @@ def test_kernels_belong_to_what_was_open_around_their_launch() -> None:
     breakdown = attribute(records, steps=1, wall_ms=1.0, source="test")
     assert breakdown.ms["attention"] == pytest.approx(0.040)
     assert breakdown.ms["other"] == pytest.approx(0.003)
+
+
+def test_native_kernel_calls_are_timed_as_their_own_category() -> None:
+    """The packed default model on the CPU runs its layers as native calls, which no torch op
+    shows: they are "native", not host time."""
+    from attnserve.entrypoints.llm import LLM
+
+    llm = LLM(device="cpu", enforce_eager=True, max_model_len=256)
+    workload = Workload([[5] * 20, [7] * 9], [12, 12])
+    breakdown = profile_engine(llm.llm_engine, workload, steps=3)
+    assert breakdown.ms["native"] > 0
+    assert breakdown.share("native") > breakdown.share("host") / 4
+    assert not llm.llm_engine.has_unfinished_requests()

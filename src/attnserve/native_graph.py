@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from attnserve.native import load_native
+from attnserve.profiling import NATIVE_RANGE, marked
 
 REPLAY_SOURCE = Path(__file__).with_name("native_graph.c")
 
@@ -80,7 +81,8 @@ class NativeFunction:
         graph = _capturing.graph
         if graph is not None:
             graph.record(self, args)
-        return self.run(args)
+        with marked(NATIVE_RANGE):  # a profile's breakdown times native calls apart
+            return self.run(args)
 
     def run(self, args: tuple[Any, ...]) -> int:
         """The call itself, never recorded: its status (0 for a function returning nothing)."""

@@ -11,6 +11,7 @@ import torch
 
 ATTENTION_RANGE = "attnserve.attention"
 SAMPLING_RANGE = "attnserve.sampling"
+NATIVE_RANGE = "attnserve.native"  # one native (C) kernel call
 
 
 def marked(name: str) -> contextlib.AbstractContextManager[object]:

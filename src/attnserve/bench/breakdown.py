@@ -3,9 +3,10 @@ overhead, from a few engine steps under `torch.profiler`.
 
 Steps are profiled once every prompt is prefilled (decode with the whole batch). Work is
 attributed by where it was launched, never by kernel or backend names: work under the
-`ATTENTION_RANGE` or `SAMPLING_RANGE` record_function range (attnserve.profiling) belongs to
-that range; otherwise work that is, or runs under, a matmul op (aten::mm, addmm, linear, ...)
-is a matmul; everything else is "other". On the host an op's time is its CPU self time, placed
+`ATTENTION_RANGE`, `SAMPLING_RANGE` or `NATIVE_RANGE` record_function range
+(attnserve.profiling; the last is one call of a native C kernel, on the CPU, whose time no torch
+op shows) belongs to the innermost such range; otherwise work that is, or runs under, a matmul
+op (aten::mm, addmm, linear, ...) is a matmul; everything else is "other". On the host an op's time is its CPU self time, placed
 by the profiler's op tree. On a GPU the time is each kernel's, placed by the ranges and ops open
 on the launching thread when its launch call ran (read from the profile's Chrome trace, which
 links every kernel to its launch, whichever library launched it); run the engine eagerly, since
@@ -30,17 +31,17 @@ from torch.profiler import ProfilerActivity, profile
 
 from attnserve.bench.common import Workload, sampling_params, sync
 from attnserve.engine.llm_engine import LLMEngine
-from attnserve.profiling import ATTENTION_RANGE, SAMPLING_RANGE
+from attnserve.profiling import ATTENTION_RANGE, NATIVE_RANGE, SAMPLING_RANGE
 
 # Kineto (the profiler's C++ side) prints a line to stderr at each profile's start and stop
 # unless its log level is past its last (5); it reads the variable once, when first started.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
-CATEGORIES = ("attention", "matmul", "sampling", "other", "host")
+CATEGORIES = ("attention", "matmul", "native", "sampling", "other", "host")
 MATMUL_OPS = frozenset(
     {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::bmm", "aten::baddbmm"}
 )
-_RANGES = {ATTENTION_RANGE: "attention", SAMPLING_RANGE: "sampling"}
+_RANGES = {ATTENTION_RANGE: "attention", SAMPLING_RANGE: "sampling", NATIVE_RANGE: "native"}
 _LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # a Chrome trace's launch calls
 _SCOPE_CATEGORIES = ("cpu_op", "user_annotation")
 
@@ -112,6 +113,8 @@ def op_records(events: Iterable[FunctionEvent]) -> list[OpRecord]:
         if event.device_type != torch.autograd.DeviceType.CPU or event.is_async:
             continue
         if event.is_user_annotation or event.name in _RANGES:
+            if event.name == NATIVE_RANGE:  # a native call: no torch op inside to time it
+                records.append(OpRecord(NATIVE_RANGE, _ancestors(event), event.cpu_time_total))
             continue
         if event.self_cpu_time_total > 0:
             records.append(OpRecord(event.name, _ancestors(event), event.self_cpu_time_total))

@@ -45,7 +45,7 @@ def plot_throughput(
 
 def _breakdown_panel(ax: Any, breakdown: Breakdown) -> None:
     values = [breakdown.ms[c] for c in CATEGORIES]
-    bars = ax.bar(CATEGORIES, values, color=["C0", "C1", "C2", "C7", "C3"])
+    bars = ax.bar(CATEGORIES, values, color=["C0", "C1", "C4", "C2", "C7", "C3"])
     ax.bar_label(bars, labels=[f"{breakdown.share(c):.0%}" for c in CATEGORIES])
     ax.set_ylabel("ms per decode step")
     ax.set_title(f"step time ({breakdown.source})")
