@@ -241,6 +241,15 @@ def test_tool_history_and_auto_choice(client: openai.OpenAI) -> None:
             "tool_choice constrains the output already",
         ),
         ({"min_tokens": 3, "guided_regex": "a+"}, "min_tokens cannot be combined"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objec"}},
+                }
+            },
+            'invalid response_format.json_schema.schema: Unsupported type "objec"',
+        ),
     ],
 )
 def test_refusals_are_400s_with_the_reason(

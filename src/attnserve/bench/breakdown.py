@@ -6,13 +6,13 @@ attributed by where it was launched, never by kernel or backend names: work unde
 `ATTENTION_RANGE`, `SAMPLING_RANGE` or `NATIVE_RANGE` record_function range
 (attnserve.profiling; the last is one call of a native C kernel, on the CPU, whose time no torch
 op shows) belongs to the innermost such range; otherwise work that is, or runs under, a matmul
-op (aten::mm, addmm, linear, ...) is a matmul; everything else is "other". On the host an op's time is its CPU self time, placed
-by the profiler's op tree. On a GPU the time is each kernel's, placed by the ranges and ops open
-on the launching thread when its launch call ran (read from the profile's Chrome trace, which
-links every kernel to its launch, whichever library launched it); run the engine eagerly, since
-CUDA graphs hide their kernels (and CPU graphs their native calls). Host overhead = wall time per
-step, timed over as many steps without the profiler, minus that busy time (0 when the
-profiler's figures exceed it).
+op (aten::mm, addmm, linear, ...) is a matmul; everything else is "other". On the host an op's
+time is its CPU self time, placed by the profiler's op tree. On a GPU the time is each kernel's,
+placed by the ranges and ops open on the launching thread when its launch call ran (read from
+the profile's Chrome trace, which links every kernel to its launch, whichever library launched
+it); run the engine eagerly, since CUDA graphs hide their kernels (and CPU graphs their native
+calls). Host overhead = wall time per step, timed over as many steps without the profiler, minus
+that busy time (0 when the profiler's figures exceed it).
 """
 
 from __future__ import annotations

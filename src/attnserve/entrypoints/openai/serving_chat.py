@@ -37,6 +37,7 @@ from attnserve.entrypoints.openai.serving_engine import (
     new_id,
     usage,
 )
+from attnserve.entrypoints.openai.structured import constraint_field
 from attnserve.entrypoints.openai.tool_choice import ToolPlan, tool_plan
 from attnserve.entrypoints.openai.tool_parsers import ToolCallStream, merged_calls
 
@@ -82,7 +83,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(
             request, len(prompt), max_tokens, k, tool_constraint=plan.constraint
         )
-        stream = self.generate([prompt], params, request_id)
+        stream = self.generate([prompt], params, request_id, constraint_field(request))
         chunks = None
         if request.stream:
             chunks = _ChunkRenderer(self, request, request_id, [prompt], plan)

@@ -28,6 +28,7 @@ from attnserve.entrypoints.openai.serving_engine import (
     new_id,
     usage,
 )
+from attnserve.entrypoints.openai.structured import constraint_field
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo:
             texts = [p if isinstance(p, str) else self._decode(p) for p in given]
             echo = _Echo(texts, prompts, request.n)
-        stream = self.generate(prompts, params, request_id)
+        stream = self.generate(prompts, params, request_id, constraint_field(request))
         chunks = None
         if request.stream:
             chunks = _ChunkRenderer(self, request, request_id, prompts, echo)

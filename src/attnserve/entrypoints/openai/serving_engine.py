@@ -209,9 +209,14 @@ class OpenAIServing:
         return text
 
     async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, request_id: str
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        constraint: str | None = None,
     ) -> AsyncGenerator[list[Delta], None]:
-        """Each engine output of the call's prompts, as deltas; ApiError for a failure."""
+        """Each engine output of the call's prompts, as deltas; ApiError for a failure (a
+        constraint the compiler refuses is named by `constraint`, the field it came from)."""
         streams = [
             self.engine.generate(ids, params, f"{request_id}-{i}") for i, ids in enumerate(prompts)
         ]
@@ -238,7 +243,7 @@ class OpenAIServing:
                         if c.token_ids or c.text or c.finish_reason
                     ]
         except ValueError as error:
-            raise ApiError(400, str(error)) from error
+            raise _invalid(error, constraint) from error
         except EngineDeadError as error:
             self.metrics.failures.labels("engine_failed").inc()
             raise ApiError(503, f"the engine has failed: {error}") from error
@@ -355,6 +360,15 @@ class ChunkRenderer(Generic[ChunkT]):
 
     def render(self, deltas: list[Delta]) -> list[ChunkT]:
         raise NotImplementedError
+
+
+def _invalid(error: ValueError, constraint: str | None) -> ApiError:
+    """A 400 for a refused request; the grammar compiler's refusal names the client's field."""
+    message = str(error)
+    prefix, _, reason = message.partition(": ")
+    if constraint is None or not prefix.startswith("invalid structured_outputs."):
+        return ApiError(400, message)
+    return ApiError(400, f"invalid {constraint}: {reason}", constraint)
 
 
 def _event(data: str) -> str:

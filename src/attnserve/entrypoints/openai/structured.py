@@ -110,3 +110,15 @@ def required_tools_spec(
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     return _spec("tools", json=schema)
+
+
+def constraint_field(request: StructuredOutputsFields) -> str | None:
+    """The request field its output constraint came from, as a client wrote it (for the
+    compiler's errors): a JSON schema of `response_format` is `response_format.json_schema.schema`,
+    vLLM's field `structured_outputs.KIND`; None without one (or for tool choices)."""
+    response_format = request.response_format
+    if response_format is not None and response_format.type == "json_schema":
+        return "response_format.json_schema.schema"
+    if response_format is not None and response_format.type == "json_object":
+        return "response_format"
+    return None
