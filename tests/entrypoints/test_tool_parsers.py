@@ -1,15 +1,21 @@
 """The tool-call readers on fixed model outputs: whole, and streamed in every split (each piece
 one character, and the text cut at every position), which must give the same content and calls.
-The parser names are those `attnserve serve --tool-call-parser` offers."""
+The parser names are those `attnserve serve --tool-call-parser` offers; without one, the server
+takes the parser the model's chat template calls for."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 
 import pytest
 
-from attnserve.entrypoints.openai.cli_args import TOOL_CALL_PARSER_NAMES
+from attnserve.entrypoints.openai.cli_args import (
+    TOOL_CALL_PARSER_NAMES,
+    add_server_args,
+    auto_tool_call_parser,
+)
 from attnserve.entrypoints.openai.tool_parsers import (
     TOOL_CALL_PARSERS,
     HermesStream,
@@ -18,6 +24,7 @@ from attnserve.entrypoints.openai.tool_parsers import (
     RequiredCallsStream,
     ToolCallStream,
     merged_calls,
+    parser_for_chat_template,
 )
 
 Reader = Callable[[], ToolCallStream]
@@ -116,3 +123,34 @@ def test_required_calls_each_once_complete() -> None:
     reader = RequiredCallsStream()
     _, deltas = reader.feed(text[: text.index(", {")], final=False)  # the first object whole
     assert [d.function.name for d in deltas] == ["a"]
+
+
+QWEN_TEMPLATE = "{%- if tools %}<tools>{{ tool }}</tools><tool_call>\n{{ call }}\n</tool_call>"
+LLAMA31_TEMPLATE = '{%- if builtin_tools %}<|python_tag|>{{ call }}{%- endif %}"parameters"'
+
+
+@pytest.mark.parametrize(
+    ("template", "parser"),
+    [(QWEN_TEMPLATE, "hermes"), (LLAMA31_TEMPLATE, "llama3_json"), ("{{ messages }}", None),
+     (None, None)],
+)  # fmt: skip
+def test_the_parser_comes_from_the_chat_templates_tool_call_format(
+    template: str | None, parser: str | None
+) -> None:
+    assert parser_for_chat_template(template) == parser
+
+
+def _serve_args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_auto_tool_choice_takes_the_flag_then_the_template() -> None:
+    assert auto_tool_call_parser(_serve_args(), "hermes") == "hermes"
+    assert auto_tool_call_parser(_serve_args("--tool-call-parser", "llama3_json"), "hermes") == (
+        "llama3_json"
+    )
+    assert auto_tool_call_parser(_serve_args(), None) is None  # "auto" then refused, by name
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        auto_tool_call_parser(_serve_args("--enable-auto-tool-choice"), None)

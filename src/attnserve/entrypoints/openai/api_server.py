@@ -67,6 +67,7 @@ from attnserve.entrypoints.openai.protocol import (
 from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from attnserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from attnserve.entrypoints.openai.serving_engine import ClientDisconnected
+from attnserve.entrypoints.openai.tool_parsers import parser_for_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -242,10 +243,20 @@ def run_server(args: argparse.Namespace) -> int:
     --restart-engine-core)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args).with_server_defaults()
+    api_key = resolve_api_key(args, dict(os.environ))
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    template = getattr(engine.tokenizer, "chat_template", None)
+    try:
+        tool_call_parser = auto_tool_call_parser(args, parser_for_chat_template(template))
+    except ValueError:
+        engine.shutdown()
+        raise
+    if tool_call_parser is not None:
+        logger.info('"auto" tool choice on: replies read by the %s parser', tool_call_parser)
     options = ServerOptions(
-        api_key=resolve_api_key(args, dict(os.environ)),
+        api_key=api_key,
         max_request_bytes=args.max_request_bytes,
-        tool_call_parser=auto_tool_call_parser(args),
+        tool_call_parser=tool_call_parser,
         shutdown_timeout_s=args.shutdown_timeout,
         request_timeout_s=args.request_timeout,
         request_read_timeout_s=args.request_read_timeout,
@@ -253,7 +264,6 @@ def run_server(args: argparse.Namespace) -> int:
     )
     if options.api_key is None and not is_loopback(args.host):
         logger.warning("serving on %s without an API key (--allow-no-api-key)", args.host)
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
     name = args.served_model_name or served_model_name(engine_args)
     app, lifecycle = build_app(engine, name, options)
     gc.freeze()  # the modules and engine state built so far stay: keep them out of collections

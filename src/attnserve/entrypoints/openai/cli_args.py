@@ -75,22 +75,30 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
-        help='serve tool_choice "auto" (needs --tool-call-parser)',
+        help='serve tool_choice "auto" (vLLM\'s switch: on whenever a tool-call parser is given '
+        "or the model's chat template calls for one)",
     )
     parser.add_argument(
         "--tool-call-parser",
         default=None,
         choices=TOOL_CALL_PARSER_NAMES,
         help="how tool calls are read from a free reply: hermes (<tool_call> blocks, Hermes / "
-        "Qwen) or llama3_json (Llama 3's JSON)",
+        "Qwen) or llama3_json (Llama 3's JSON); default: the one the model's chat template "
+        "calls for, if any",
     )
 
 
-def auto_tool_call_parser(args: argparse.Namespace) -> str | None:
-    """The parser for "auto" tool choice, None when it is off; ValueError for a flag alone."""
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    return args.tool_call_parser if args.enable_auto_tool_choice else None
+def auto_tool_call_parser(args: argparse.Namespace, detected: str | None) -> str | None:
+    """The parser for "auto" tool choice: --tool-call-parser, else the one the model's chat
+    template calls for (`detected`); None when there is none (then "auto" is refused, saying
+    which parser to pass). --enable-auto-tool-choice is vLLM's switch, kept: a parser turns
+    "auto" on here."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None and detected is None:
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser: this model's chat template "
+            f"shows no tool-call format the server knows ({', '.join(TOOL_CALL_PARSER_NAMES)})"
+        )
+    return args.tool_call_parser or detected
 
 
 def _seconds(text: str) -> float:

@@ -30,8 +30,9 @@ from attnserve.entrypoints.openai.tool_parsers import (
 from attnserve.structured_outputs import StructuredOutputsParams
 
 AUTO_NEEDS_FLAGS = (
-    '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
-    "--tool-call-parser"
+    '"auto" tool choice needs a tool-call parser, and this model\'s chat template shows no tool '
+    "call format the server knows: start it with --tool-call-parser hermes (Hermes / Qwen "
+    "<tool_call> blocks) or llama3_json (Llama 3.x JSON calls)"
 )
 
 

@@ -225,3 +225,16 @@ def merged_calls(deltas: list[DeltaToolCall]) -> list[ToolCall]:
         else:
             call.function.arguments += arguments
     return [calls[index] for index in sorted(calls)]
+
+
+# what a chat template writes around a tool call -> the parser that reads it back
+_TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
+
+
+def parser_for_chat_template(template: str | None) -> str | None:
+    """The tool-call parser a chat template's own tool-call format calls for (hermes for the
+    Hermes / Qwen `<tool_call>` blocks, llama3_json for Llama 3.x), None when it shows none."""
+    for mark, parser in _TEMPLATE_MARKS:
+        if template and mark in template:
+            return parser
+    return None
