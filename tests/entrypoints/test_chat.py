@@ -1,5 +1,6 @@
 """The terminal chat on the embedded default model, with scripted lines: the banner, empty lines
-ignored, /reset and /quit, and Ctrl-C (a real SIGINT) stopping a reply, then leaving."""
+ignored, /reset, /help and /quit, and Ctrl-C (a real SIGINT) stopping a reply (nothing more shown
+once pressed), then leaving."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from attnserve import LLM, SamplingParams
 from attnserve.engine.llm_engine import LLMEngine
 from attnserve.entrypoints.chat import chat_loop
+from attnserve.outputs import RequestOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 QUESTION = "What is the capital of France?"
@@ -87,7 +89,9 @@ def test_banner_turns_reset_and_quit(engine: LLMEngine, monkeypatch: pytest.Monk
     out = io.StringIO()
     chat_loop(engine, GREEDY, "SmolLM2", script, out=out)
     lines = out.getvalue().splitlines()
-    assert lines[0] == "chatting with SmolLM2: /reset forgets the conversation, /quit leaves"
+    assert lines[0] == (
+        "chatting with SmolLM2: /reset forgets the conversation, /help shows this, /quit leaves"
+    )
     assert len(prompts) == 2  # the empty lines were not sent
     assert "Paris" in lines[1] and lines[1].startswith("model> ")
     assert QUESTION in prompts[0] and QUESTION not in prompts[1] and "Hi" in prompts[1]
@@ -127,3 +131,38 @@ def test_ctrl_d_or_ctrl_c_at_the_prompt_leaves_on_a_new_line(
     out = io.StringIO()
     chat_loop(engine, GREEDY, "m", Script(key, QUESTION), out=out)
     assert out.getvalue().count("\n") == 2 and out.getvalue().endswith("\n")
+
+
+def test_help_lists_the_commands_and_goes_to_no_model(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = _record_prompts(engine, monkeypatch)
+    out = io.StringIO()
+    chat_loop(engine, GREEDY, "m", Script("/help", "/quit"), out=out)
+    assert prompts == [] and "/reset" in out.getvalue().splitlines()[1]
+    assert "Ctrl-C stops a reply" in out.getvalue()
+
+
+def test_a_ctrl_c_during_a_step_shows_nothing_more(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while the engine steps (not while text is written): that step's text is not
+    shown; the reply ends with what the step before it had."""
+    step = engine.step
+    texts: list[str] = []  # the reply's whole text after each step
+
+    def interrupted_step() -> list[RequestOutput]:
+        outputs = step()
+        texts.extend(o.outputs[0].text for o in outputs)
+        if len(texts) == 3:  # Ctrl-C during the reply's third step
+            signal.raise_signal(signal.SIGINT)
+        return outputs
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    out = io.StringIO()
+    chat_loop(engine, SamplingParams(temperature=0, max_tokens=48), "m", Script(LONG), out=out)
+    (shown,) = replies(out)
+    assert len(texts) == 3 and texts[1] != texts[2]
+    assert shown.rstrip("\n") == texts[1]  # (then the newline of leaving at the end)
+    monkeypatch.undo()
+    assert _all_free(engine)

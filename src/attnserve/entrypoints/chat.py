@@ -1,11 +1,11 @@
 """The terminal chat: a conversation with the model, replies streamed as they are generated.
 
-A one-line banner names the model and the commands (`/reset` forgets the conversation, `/quit`
-leaves); empty lines are ignored. In a terminal, lines are read through readline (editing, and
-a history kept in $XDG_STATE_HOME/attnserve/chat_history). Ctrl-C during a reply stops it (the
-request is aborted between engine steps, and what was shown stays in the conversation) and
-returns to the prompt; Ctrl-C at the prompt, a second Ctrl-C before a reply has stopped, Ctrl-D
-or `/quit` leave, on a new line.
+A one-line banner names the model and the commands (`/reset` forgets the conversation, `/help`
+lists the commands, `/quit` leaves); empty lines are ignored. In a terminal, lines are read
+through readline (editing, and a history kept in $XDG_STATE_HOME/attnserve/chat_history). Ctrl-C
+during a reply stops it (the request is aborted between engine steps, nothing more is shown, and
+what was shown stays in the conversation) and returns to the prompt; Ctrl-C at the prompt, a
+second Ctrl-C before a reply has stopped, Ctrl-D or `/quit` leave, on a new line.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from attnserve.engine.llm_engine import LLMEngine
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
 
 HISTORY_LENGTH = 1000
+HELP = "/reset forgets the conversation, /help shows this, /quit leaves"
 Reader = Callable[[str], str]  # like `input`: the line without its newline; EOFError at the end
 
 
@@ -43,7 +44,10 @@ def stream_reply(
     text = ""
     try:
         while engine.has_unfinished_requests() and not (stop is not None and stop.is_set()):
-            for output in engine.step():
+            outputs = engine.step()
+            if stop is not None and stop.is_set():  # stopped during the step: show nothing more
+                break
+            for output in outputs:
                 if output.request_id == request_id:
                     new = output.outputs[0].text
                     out.write(new[len(text) :])
@@ -114,7 +118,7 @@ def chat_loop(
     params = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
     start = [{"role": "system", "content": system}] if system else []
     history = list(start)
-    out.write(f"chatting with {model_name}: /reset forgets the conversation, /quit leaves\n")
+    out.write(f"chatting with {model_name}: {HELP}\n")
     for turn in itertools.count():
         try:
             line = read("you> ").strip()
@@ -125,6 +129,9 @@ def chat_loop(
             continue
         if line == "/quit":
             return
+        if line == "/help":
+            out.write(f"{HELP}; Ctrl-C stops a reply, Ctrl-D leaves\n")
+            continue
         if line == "/reset":
             history = list(start)
             out.write("(the conversation is forgotten)\n")
