@@ -72,10 +72,18 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("min_tokens over max_tokens", "/v1/completions",
      {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, None),
     ("body over the size limit", "/v1/completions", {"prompt": "a " * MAX_BYTES}, 413, None),
+    ("65 prompts", "/v1/completions", {"prompt": ["a"] * 65}, 400, "prompt"),
     ("json_schema without its schema", "/v1/chat/completions",
      {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
      "response_format.json_schema.schema"),
 ]  # fmt: skip
+
+
+def test_too_many_prompts_get_one_plain_message(server: ServerProcess) -> None:
+    response = _post(server, "/v1/completions", b'{"prompt": [' + b'"a",' * 64 + b'"a"]}')
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and ";" not in message  # one complaint, not four
+    assert "at most 64 prompts in one request, got 65" in message
 
 
 def test_a_body_that_is_not_utf8_is_named_so(server: ServerProcess) -> None:

@@ -11,9 +11,9 @@ nothing malformed reaches the engine. Fields a request model does not declare ar
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, Strict
+from pydantic import BaseModel, Field, Strict, field_validator
 
 from attnserve.entrypoints.openai.protocol_structured import (
     DeltaToolCall,
@@ -102,6 +102,15 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = Field(
         None, ge=1, le=MAX_N, description="candidates drawn; the n best by cumulative logprob"
     )
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _at_most_max_prompts(cls, prompt: Any) -> Any:
+        """Too many prompts said plainly (the union's four members would each complain)."""
+        is_batch = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+        if is_batch and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
+        return prompt
 
 
 class TextPart(RequestBody):
