@@ -78,10 +78,7 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams
-        | Mapping[str, Any]
-        | Sequence[SamplingParams]
-        | None = None,
+        sampling_params: ParamsArg = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in input order. A dict of

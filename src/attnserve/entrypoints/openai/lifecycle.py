@@ -57,6 +57,7 @@ class ServerLifecycle:
         self.in_flight = 0
         self.draining = False
         self.exit_code = 0
+        self._drain_task: asyncio.Task[None] | None = None
 
     def begin_drain(self) -> None:
         """Stop taking requests and drain (see the module docstring); called once."""
@@ -68,7 +69,8 @@ class ServerLifecycle:
             self.in_flight,
             self.shutdown_timeout_s,
         )
-        asyncio.get_running_loop().create_task(self._drain())
+        # kept: the loop holds only a weak reference to a task
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
         if not await self._until_idle(self.shutdown_timeout_s):

@@ -225,10 +225,10 @@ class OpenAIServing:
             if len(streams) > 1
             else one_stream(streams[0], self.metrics)
         )
-        deadline = None if self.request_timeout_s is None else time.monotonic()
+        started = time.monotonic()
         try:
             async with aclosing(merged):
-                while (batch := await self._next_batch(merged, deadline)) is not None:
+                while (batch := await self._next_batch(merged, started)) is not None:
                     yield [
                         Delta(
                             i * params.n + c.index,
@@ -256,11 +256,11 @@ class OpenAIServing:
             raise ApiError(504, f"the request ran past the server's {limit}") from None
 
     async def _next_batch(
-        self, merged: AsyncGenerator[Batch, None], started: float | None
+        self, merged: AsyncGenerator[Batch, None], started: float
     ) -> Batch | None:
         """The stream's next batch (None at its end); TimeoutError past the request timeout
         (counted from `started`)."""
-        if started is None or self.request_timeout_s is None:
+        if self.request_timeout_s is None:
             return await anext(merged, None)
         left = started + self.request_timeout_s - time.monotonic()
         return await asyncio.wait_for(anext(merged, None), max(left, 0.0))
