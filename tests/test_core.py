@@ -1,10 +1,11 @@
-"""The step's shared types: the one prefill rule, on Python ints and numpy arrays alike."""
+"""The step's shared types: the one prefill rule, on Python ints and numpy arrays alike, and a
+plan of new sequences."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from attnserve.core import ScheduledBatch, SequenceInput, is_prefill
+from attnserve.core import NewSequence, StepPlan, is_prefill
 
 
 def test_is_prefill_on_ints() -> None:
@@ -23,6 +24,9 @@ def test_is_prefill_on_arrays_agrees_with_ints() -> None:
     assert flags.tolist() == [is_prefill(q, c) for q, c in pairs]
 
 
-def test_batch_counts_its_new_tokens() -> None:
-    batch = ScheduledBatch([SequenceInput([1, 2, 3], 0, [0]), SequenceInput([4], 3, [0])])
-    assert batch.num_tokens == 4
+def test_a_plan_of_new_sequences_computes_what_is_not_cached() -> None:
+    plan = StepPlan.of_new(
+        [NewSequence(7, [1, 2, 3], 3, 0, [0]), NewSequence(8, [1, 2, 3, 4], 4, 3, [0])]
+    )
+    assert plan.seq_ids == [7, 8] and plan.num_new_tokens == [3, 1]
+    assert plan.num_tokens == 4 and plan.new_seqs[1].num_computed_tokens == 3

@@ -1,18 +1,16 @@
-"""The step's data types, shared by the engine, the executors, the workers and the sampler: what
-the engine hands the ranks each step (`ScheduledBatch` of `SequenceInput`s), what comes back
-(`SampleOutput`s, through an `AsyncStepOutput`), and the one rule for what is a prefill.
+"""The step's data types, shared by the engine, the executors, the workers and the sampler: the
+one `StepPlan` the engine hands the ranks each step, and what comes back (a `SampleOutput` per
+sequence, through an `AsyncStepOutput`), and the one rule for what is a prefill.
 
 A leaf below every package: it imports only `sampling_params`, so any layer may use it.
 
-Per sequence: its new token ids, how many of its tokens are already cached, its block table, and
-how to sample (None when the step ends inside a prompt chunk, so nothing is drawn); for the
-draws of structured outputs, a token bitmask. Prefills come
-first, decodes after, as the attention metadata builders require. Block moves (copy-on-write
-copies, swaps to and from host memory) are done before the forward pass.
-
-The per-sequence records (`SequenceInput`, `SampleOutput`) are built for every sequence every
-step, so they are plain dataclasses, not frozen ones (whose `__init__` costs about three times
-as much); nothing changes them once built.
+A plan carries only what changed since the last one: the sequences the ranks do not hold yet
+(`NewSequence`: their tokens, blocks and how to sample), the blocks appended to (or replaced in)
+the tables of the ones they hold, the ones they may drop, and how many new tokens each scheduled
+sequence computes. The ranks keep everything else themselves (a persistent batch): token ids,
+block tables, progress, sampling state, and the tokens they drew. Prefills come first, decodes
+after, as the attention metadata builders require. Block moves (copy-on-write copies, swaps to
+and from host memory) are done before the forward pass.
 """
 
 from __future__ import annotations
@@ -48,18 +46,28 @@ def is_prefill(query_len: Any, context_len: Any) -> Any:
 
 
 @dataclass
-class SequenceInput:
-    token_ids: list[int]
-    context_len: int
-    block_table: list[int]
+class NewSequence:
+    """A sequence the ranks do not hold (new, or back after a preemption): everything they keep
+    of it. A step samples a sequence when it computes up to its last token; a sequence without
+    `sampling` never samples (start-up runs, hidden-state probes)."""
+
+    seq_id: int
+    token_ids: list[int]  # every token known: the prompt, then the outputs so far
+    num_prompt_tokens: int
+    num_computed_tokens: int  # already in the cache (a cached prefix, swapped-in blocks)
+    block_ids: list[int]
     sampling: SamplingParams | None = None
-    sample_seed: int | None = None  # for a seeded request: the seed of this step's first draw
-    num_samples: int = 1  # independent draws from this row (a parallel-sampling fork)
-    banned_token_ids: tuple[int, ...] = ()  # never drawn this step (EOS before min_tokens)
-    prompt_token_ids: list[int] | None = None  # given when penalties apply
-    output_token_ids: list[int] | None = None  # given when penalties apply
-    prompt_logprob_targets: list[int] | None = None  # next prompt token of each new token
-    num_prompt_logprobs: int = 0  # top-k alongside each target
+    index: int = 0  # the completion's index in its request (seeded draws depend on it)
+    num_first_draws: int = 1  # draws at its next sampling step (parallel-sampling forks)
+
+
+@dataclass(frozen=True)
+class BlockUpdate:
+    """A held sequence's new block table: its first `num_kept` blocks, then `appended`."""
+
+    seq_id: int
+    num_kept: int
+    appended: list[int]
 
 
 @dataclass(frozen=True)
@@ -73,19 +81,33 @@ class TokenBitmask:
 
 
 @dataclass(frozen=True)
-class ScheduledBatch:
-    seqs: list[SequenceInput]
+class StepPlan:
+    """One step: the scheduled sequences (prefills first) and their new-token counts, and what
+    the ranks must apply first — released sequences, then new ones, then block updates."""
+
+    seq_ids: list[int]
+    num_new_tokens: list[int]
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    block_updates: list[BlockUpdate] = field(default_factory=list)
+    released_seq_ids: list[int] = field(default_factory=list)  # finished, aborted, preempted
     blocks_to_swap_in: BlockPairs = field(default_factory=list)
     blocks_to_swap_out: BlockPairs = field(default_factory=list)
     blocks_to_copy: BlockPairs = field(default_factory=list)
-    # (row, draw): the last new token of sequence `row` is still on the device, as the
-    # `draw`-th token drawn by the previous step (async scheduling); its id here is a placeholder
-    carried_tokens: BlockPairs = field(default_factory=list)
     token_bitmask: TokenBitmask | None = None  # where structured outputs constrain the draws
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+        return sum(self.num_new_tokens)
+
+    @classmethod
+    def of_new(cls, seqs: list[NewSequence]) -> StepPlan:
+        """A step over sequences the ranks do not hold, each computing every token it does not
+        have cached (start-up runs, benchmarks)."""
+        return cls(
+            [s.seq_id for s in seqs],
+            [len(s.token_ids) - s.num_computed_tokens for s in seqs],
+            new_seqs=seqs,
+        )
 
 
 @dataclass
@@ -99,7 +121,7 @@ class SampleOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None  # per new prompt token with a target
 
 
-StepResults = list[SampleOutput | None]  # per sequence of the batch; None where nothing drawn
+StepResults = list[SampleOutput | None]  # per sequence of the plan; None where nothing drawn
 
 
 class AsyncStepOutput(Protocol):

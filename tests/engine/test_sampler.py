@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnserve.core import SequenceInput
 from attnserve.model.sampler import Sampler
 from attnserve.sampling_params import SamplingParams
+from tests.engine.rows import Row
 
 PROBS = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
 
@@ -58,8 +58,8 @@ def test_seeded_draws_do_not_depend_on_the_batch() -> None:
     assert again[0] == batched[0]
 
 
-def _input(params: SamplingParams, **kwargs: object) -> SequenceInput:
-    return SequenceInput([1], 0, [0], sampling=params, **kwargs)  # type: ignore[arg-type]
+def _input(params: SamplingParams, **kwargs: object) -> Row:
+    return Row(params, **kwargs)  # type: ignore[arg-type]
 
 
 def test_banned_tokens_are_never_drawn() -> None:

@@ -13,7 +13,7 @@ from attnserve.engine.block_allocator import BlockAllocator, chain_hash
 from attnserve.engine.block_table import BlockTable
 from attnserve.engine.scheduler import ScheduledSequence, Scheduler
 from attnserve.engine.sequence import Sequence, SequenceStatus
-from attnserve.engine.step_inputs import build_batch
+from attnserve.engine.step_planner import StepPlanner
 from attnserve.sampling_params import SamplingParams
 
 EOS = 0
@@ -121,14 +121,17 @@ def test_a_prompt_chunk_waits_instead_of_preempting_this_steps_decode() -> None:
     assert s.allocator.num_free_blocks == 5
 
 
-def test_batch_puts_prefills_before_decodes() -> None:
+def test_plan_puts_prefills_before_decodes() -> None:
     s = _scheduler()
-    _add(s, "a", 3)
-    _step(s)
-    _add(s, "b", 5)
-    batch = build_batch(s.schedule(), [EOS])
-    assert [len(x.token_ids) for x in batch.seqs] == [5, 1]
-    assert batch.seqs[1].context_len == 3 and batch.seqs[1].token_ids == [7]
+    a = _add(s, "a", 3)
+    planner = StepPlanner()
+    out = s.schedule()
+    planner.plan(out)
+    s.update(out, [SampleOutput([7])], [EOS])
+    b = _add(s, "b", 5)
+    plan = planner.plan(s.schedule())
+    assert plan.seq_ids == [b.seq_id, a.seq_id] and plan.num_new_tokens == [5, 1]
+    assert [n.seq_id for n in plan.new_seqs] == [b.seq_id]  # a is held already
 
 
 def test_max_num_seqs_bounds_the_batch() -> None:

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from attnserve import LLM, SamplingParams, StructuredOutputsParams
-from attnserve.core import SequenceInput, TokenBitmask
+from attnserve.core import TokenBitmask
 from attnserve.engine.grammar import grammar_cache
 from attnserve.model.sampler import Sampler
+from tests.engine.rows import Row
 from tests.entrypoints.openai_server import tiny_model_with_tokenizer
 
 PERSON = {
@@ -230,7 +231,7 @@ def test_the_sampler_masks_constrained_rows_only() -> None:
     vocab = 70
     logits = torch.randn(3, vocab)
     allowed = {0: [5, 64, 69], 2: [1]}  # rows 0 and 2 constrained
-    inputs = [SequenceInput([1], 0, [0], sampling=SamplingParams(temperature=0)) for _ in range(3)]
+    inputs = [Row(SamplingParams(temperature=0)) for _ in range(3)]
     draws = Sampler().draw(logits.clone(), inputs, _bitmask(allowed, vocab))
     reference = [
         max(allowed[0], key=lambda t: logits[0, t].item()),
@@ -254,10 +255,7 @@ def test_a_bias_or_penalty_cannot_unmask_a_forbidden_token() -> None:
         SamplingParams(temperature=0, logit_bias=biases),
         SamplingParams(temperature=0, logit_bias=biases, repetition_penalty=2.0),
     ]
-    inputs = [
-        SequenceInput([3], 0, [0], sampling=p, prompt_token_ids=[3], output_token_ids=[5])
-        for p in params
-    ]
+    inputs = [Row(p, prompt_token_ids=[3], output_token_ids=[5]) for p in params]
     draws = Sampler().draw(logits.clone(), inputs, _bitmask({0: allowed, 1: allowed}, vocab))
     biased = logits.clone()
     biased[:, 64] += 0.5

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 from attnserve import LLM, SamplingParams
 from attnserve.attention import KVCacheScales, attention_layers
 from attnserve.attention.kv_scales import FP8_MAX, HEADROOM
-from attnserve.worker.kv_calibration import calibration_batch
+from attnserve.worker.kv_calibration import calibration_plan
 
 ENGINE = {
     "device": "cuda" if torch.cuda.is_available() else "cpu",
@@ -52,17 +52,17 @@ def test_observe_takes_each_heads_largest_magnitude_with_headroom() -> None:
         (8192, 4096, 4, 1, 64),  # one shorter prompt fills a tiny cache
     ],
 )
-def test_calibration_batch_stays_inside_step_and_cache(
+def test_calibration_plan_stays_inside_step_and_cache(
     budget: int, max_model_len: int, num_blocks: int, prompts: int, prompt_len: int
 ) -> None:
-    batch = calibration_batch(300, budget, max_model_len, 16, num_blocks)
-    assert [len(s.token_ids) for s in batch.seqs] == [prompt_len] * prompts
-    blocks = [b for s in batch.seqs for b in s.block_table]
+    plan = calibration_plan(300, budget, max_model_len, 16, num_blocks)
+    assert [len(s.token_ids) for s in plan.new_seqs] == [prompt_len] * prompts
+    blocks = [b for s in plan.new_seqs for b in s.block_ids]
     assert len(set(blocks)) == len(blocks) and max(blocks) < num_blocks
-    assert all(s.context_len == 0 and s.sampling is None for s in batch.seqs)
-    assert all(0 <= t < 300 for s in batch.seqs for t in s.token_ids)
-    again = calibration_batch(300, budget, max_model_len, 16, num_blocks)
-    assert [s.token_ids for s in again.seqs] == [s.token_ids for s in batch.seqs]
+    assert all(s.num_computed_tokens == 0 and s.sampling is None for s in plan.new_seqs)
+    assert all(0 <= t < 300 for s in plan.new_seqs for t in s.token_ids)
+    again = calibration_plan(300, budget, max_model_len, 16, num_blocks)
+    assert [s.token_ids for s in again.new_seqs] == [s.token_ids for s in plan.new_seqs]
 
 
 def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[dict[int, float]]:
@@ -88,7 +88,7 @@ def test_engine_calibrates_scales_and_scores_like_the_auto_cache(head64_llama_di
         return hook
 
     hooks = [layer.register_forward_pre_hook(keep_key_value(i)) for i, layer in enumerate(layers)]
-    runner._calibrate_kv_scales(ENGINE["max_num_batched_tokens"])  # the same batch once more
+    runner.calibrate_kv_scales()  # the same plan once more
     for hook in hooks:
         hook.remove()
     for i, scales in enumerate(calibrated):

@@ -8,7 +8,12 @@ from attnserve.attention.backends.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout, build_step_layout, pad_for_cuda_graph
+from attnserve.attention.backends.layout import (
+    StepLayout,
+    build_step_layout,
+    layout_from_arrays,
+    pad_for_cuda_graph,
+)
 from attnserve.attention.forward_context import (
     AttentionSplit,
     Builders,
@@ -56,6 +61,7 @@ __all__ = [
     "get_attn_backend",
     "get_backend_cls",
     "get_model_attn_backend",
+    "layout_from_arrays",
     "metadata_builders",
     "pad_for_cuda_graph",
     "register_backend",

@@ -27,10 +27,11 @@ import torch
 from attnserve.attention import attention_layers
 from attnserve.bench.common import check_output_files, print_scalars, progress, write_json
 from attnserve.config import KV_CACHE_DTYPES
-from attnserve.core import ScheduledBatch, SequenceInput
+from attnserve.core import NewSequence, StepPlan
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.model.quantization.resolve import QUANTIZATION_METHODS
 from attnserve.worker.model_runner import ModelRunner
+from attnserve.worker.worker import Worker
 
 DEFAULT_CACHE_BYTES = 1 << 30
 Step = tuple[torch.Tensor, torch.Tensor]  # a step's (final hidden states, logits)
@@ -54,35 +55,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _runner(engine_args: EngineArgs) -> ModelRunner:
-    config = engine_args.create_engine_config()
-    return ModelRunner(
-        config.model_config,
-        config.cache_config,
-        engine_args.resolved_device(),
-        config.attention_backend,
-        max_num_seqs=config.scheduler_config.max_num_seqs,
-        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
-        enforce_eager=config.enforce_eager,
-    )
+    worker = Worker(engine_args.create_engine_config(), 0, engine_args.resolved_device())
+    worker.init_device()
+    worker.load_model()
+    return worker.runner
 
 
 class _Sequences:
-    """The prompts and their blocks (each sequence its own run of blocks), step by step."""
+    """The prompts and their blocks (each sequence its own run of blocks), step by step: each
+    step a plan of sequences new to the runner, whose cached tokens are already in the blocks
+    (their ids do not matter: only the new tokens are read)."""
 
     def __init__(self, prompts: list[list[int]], total_len: int, block_size: int) -> None:
         per_seq = -(-total_len // block_size)
         self.tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
         self.prompts = prompts
 
-    def prefill(self) -> ScheduledBatch:
-        return ScheduledBatch(
-            [SequenceInput(p, 0, t) for p, t in zip(self.prompts, self.tables, strict=True)]
-        )
+    def prefill(self) -> StepPlan:
+        return self._plan(self.prompts, 0)
 
-    def decode(self, tokens: list[int], context_len: int) -> ScheduledBatch:
-        return ScheduledBatch(
-            [SequenceInput([x], context_len, t) for x, t in zip(tokens, self.tables, strict=True)]
-        )
+    def decode(self, tokens: list[int], context_len: int) -> StepPlan:
+        return self._plan([[token] for token in tokens], context_len)
+
+    def _plan(self, new_tokens: list[list[int]], context_len: int) -> StepPlan:
+        seqs = [
+            NewSequence(i, [0] * context_len + new, context_len + len(new), context_len, table)
+            for i, (new, table) in enumerate(zip(new_tokens, self.tables, strict=True))
+        ]
+        return StepPlan.of_new(seqs)
 
 
 def _relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
@@ -115,10 +115,10 @@ def _scales(runner: ModelRunner) -> dict[str, float]:
     }
 
 
-def _step(runner: ModelRunner, batch: ScheduledBatch) -> Step:
+def _step(runner: ModelRunner, plan: StepPlan) -> Step:
     """(final hidden states, logits) as float32 copies on the CPU (a graph's replay writes its
     output buffer again next step)."""
-    hidden = runner.final_hidden_states(batch)
+    hidden = runner.final_hidden_states(plan)
     logits = runner.model.compute_logits(hidden)
     return hidden.to("cpu", torch.float32, copy=True), logits.to("cpu", copy=True)
 

@@ -1,7 +1,9 @@
 """`BlockTable`: one sequence's ordered list of KV blocks, grown as its tokens grow.
 
 With prefix caching it also finds the cached blocks of a new sequence's longest cached prefix,
-and registers each block once it is full and computed, under the chained hash of its tokens.
+and registers each block once it is full and computed, under the chained hash of its tokens. It
+also knows how much of itself the ranks hold (`take_update`), so a step plan sends only the
+blocks appended or replaced since the last one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,27 @@ class BlockTable:
         self.block_size = block_size
         self.blocks: list[int] = []
         self.block_hashes: list[int] = []  # of blocks[0 .. len-1], each full and registered
+        self._num_synced: int | None = None  # blocks the ranks hold as here; None: no table
+
+    @property
+    def is_synced(self) -> bool:
+        """Whether the ranks hold a version of this table (`mark_synced` since the last free)."""
+        return self._num_synced is not None
+
+    def mark_synced(self) -> None:
+        """The ranks now hold the whole table as it is."""
+        self._num_synced = len(self.blocks)
+
+    def take_update(self) -> tuple[int, list[int]] | None:
+        """What changed since the ranks last saw the table, as (blocks kept, blocks after
+        them), now marked as seen; None when nothing did."""
+        if self._num_synced is None:
+            raise RuntimeError("the ranks hold no version of this block table")
+        kept = self._num_synced
+        if kept == len(self.blocks):
+            return None
+        self._num_synced = len(self.blocks)
+        return kept, self.blocks[kept:]
 
     @property
     def capacity(self) -> int:
@@ -87,6 +110,8 @@ class BlockTable:
             copies.append((self.blocks[index], new))
             self.allocator.free([self.blocks[index]])
             self.blocks[index] = new
+            if self._num_synced is not None:
+                self._num_synced = min(self._num_synced, index)
         self.ensure_capacity(end)
         return copies
 
@@ -104,3 +129,4 @@ class BlockTable:
         self.allocator.free(self.blocks)
         self.blocks = []
         self.block_hashes = []
+        self._num_synced = None

@@ -12,11 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
-from attnserve.core import AsyncStepOutput
 from attnserve.engine.block_allocator import BlockAllocator
 from attnserve.engine.block_table import BlockTable
 from attnserve.engine.core_messages import (
@@ -27,19 +25,12 @@ from attnserve.engine.core_messages import (
 )
 from attnserve.engine.scheduler import Scheduler, SchedulerOutput
 from attnserve.engine.sequence import Sequence
-from attnserve.engine.step_inputs import build_batch
+from attnserve.engine.step_pipeline import StepPipeline
 from attnserve.engine.structured_output import StructuredOutputManager
 from attnserve.engine_config import EngineConfig
 from attnserve.executor import get_executor_class
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _LaunchedStep:
-    scheduled: SchedulerOutput
-    future: AsyncStepOutput
-    draw_index: dict[int, int]  # id(sequence) -> its (first) draw's index among the step's draws
 
 
 def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
@@ -58,7 +49,7 @@ def _output(seq: Sequence) -> EngineCoreOutput | None:
     if params.outputs_only_when_finished:
         return _whole_output(seq) if seq.is_finished else None
     num_output_tokens = seq.num_output_tokens
-    drew = num_output_tokens > 0 and not seq.has_pending_token
+    drew = num_output_tokens > 0 and not seq.num_pending_tokens
     if not drew:
         return EngineCoreOutput(seq.request_id, seq.index, [], finish_reason=seq.finish_reason)
     first = seq.index == 0 and num_output_tokens == 1
@@ -109,7 +100,9 @@ class EngineCore:
         self.structured_outputs = StructuredOutputManager(config.model_config)
         self.requests: dict[str, dict[int, Sequence]] = {}  # request id -> index -> sequence
         self._ended: list[str] = []  # requests ended since the last report
-        self._in_flight: _LaunchedStep | None = None
+        self.pipeline = StepPipeline(
+            self.executor, self.scheduler, self.structured_outputs, self.eos_token_ids
+        )
         self.num_requests_added = 0
         self.num_steps = 0
         # Several ranks run each step synchronously: nothing to overlap, so no lookahead.
@@ -180,16 +173,13 @@ class EngineCore:
         self._admit_compiled(out)
         scheduled = self.scheduler.schedule()
         self._report(scheduled.finished, out)
-        if self._in_flight is not None and _needs_host_tokens(scheduled):
-            self._drain(out)
+        if self.pipeline.busy and _needs_host_tokens(scheduled):
+            self._report(self.pipeline.drain(), out)
             scheduled.scheduled = [i for i in scheduled.scheduled if not i.seq.is_finished]
         if scheduled.scheduled:
-            launched = self._launch(scheduled)
-            self._drain(out)
-            self.scheduler.advance(scheduled)
-            self._in_flight = launched
+            self._report(self.pipeline.launch(scheduled), out)
         if not self.async_scheduling or not scheduled.scheduled:
-            self._drain(out)
+            self._report(self.pipeline.drain(), out)
         out.finished_requests, self._ended = self._ended, []
         out.timestamp = time.monotonic()
         return out
@@ -197,7 +187,7 @@ class EngineCore:
     def _admit_compiled(self, out: EngineCoreOutputs) -> None:
         """Schedule the constrained requests whose grammar is compiled (waiting for one when
         nothing else is to be done)."""
-        idle = self._in_flight is None and not self.scheduler.has_work()
+        idle = not self.pipeline.busy and not self.scheduler.has_work()
         for seq in self.structured_outputs.take_ready(block=idle):
             if seq.request_id not in self.requests:  # aborted while it compiled
                 continue
@@ -205,16 +195,6 @@ class EngineCore:
                 self._report([seq], out)
             else:
                 self.scheduler.add(seq)
-
-    def _drain(self, out: EngineCoreOutputs) -> None:
-        """Read back the step in flight, if there is one."""
-        launched, self._in_flight = self._in_flight, None
-        if launched is not None:
-            results = launched.future.result()
-            touched = self.scheduler.resolve(launched.scheduled, results, self.eos_token_ids)
-            for seq, reason in self.structured_outputs.advance(touched):
-                self.scheduler.finish(seq, reason)
-            self._report(touched, out)
 
     def _report(self, seqs: list[Sequence], out: EngineCoreOutputs) -> None:
         """Each sequence's output (forks join their request here); then end every request
@@ -228,18 +208,6 @@ class EngineCore:
             request = self.requests.get(seq.request_id) if seq.is_finished else None
             if request is not None and all(s.is_finished for s in request.values()):
                 self._end(seq.request_id)
-
-    def _launch(self, scheduled: SchedulerOutput) -> _LaunchedStep:
-        draws = self._in_flight.draw_index if self._in_flight is not None else {}
-        carried = [
-            (row, draws[id(item.seq)])
-            for row, item in enumerate(scheduled.scheduled)
-            if item.samples and item.seq.has_pending_token
-        ]
-        batch = build_batch(scheduled, self.eos_token_ids, carried)
-        sampling = (item.seq for item in scheduled.scheduled if item.samples)
-        draw_index = {id(seq): j for j, seq in enumerate(sampling)}
-        return _LaunchedStep(scheduled, self.executor.execute_model_async(batch), draw_index)
 
     def reset_stats(self) -> None:
         """Start the counters behind `stats` again (prefix-cache hits, preemptions): what a

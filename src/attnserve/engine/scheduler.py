@@ -47,7 +47,7 @@ class ScheduledSequence:
         self.seq = seq
         self.num_new_tokens = num_new_tokens
         computed = seq.num_computed_tokens
-        self.samples = computed + num_new_tokens == len(seq.token_ids)
+        self.samples = computed + num_new_tokens == seq.num_tokens
         self.is_prefill = is_prefill(num_new_tokens, computed)
 
 
@@ -227,7 +227,7 @@ class Scheduler:
 
     def advance(self, out: SchedulerOutput) -> None:
         """The step's new tokens are in the cache (or on their way there): count them, register
-        newly full blocks, and hold a place for each draw (resolved by `resolve`)."""
+        newly full blocks, and count each draw as pending (appended by `resolve`)."""
         for item in out.scheduled:
             seq = item.seq
             if seq.is_finished:  # aborted, or finished by the previous step's results
@@ -235,7 +235,7 @@ class Scheduler:
             seq.num_computed_tokens += item.num_new_tokens
             seq.block_table.register_full_blocks(seq.token_ids, seq.num_computed_tokens)
             if item.samples:
-                seq.append_pending()
+                seq.num_pending_tokens += 1
                 seq.num_forks_pending = 0  # this step's draws include the forks' first tokens
 
     def resolve(

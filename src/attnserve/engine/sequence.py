@@ -3,21 +3,24 @@
 A request with n > 1 (or best_of) starts as one sequence; when its prompt is computed, that
 step draws one token per completion and the engine forks the sequence, the forks sharing the
 prompt's blocks. A constrained sequence (structured outputs) carries its grammar matcher.
+
+With async scheduling a step is scheduled while the previous step's draws are still on the
+device (the ranks feed them forward there): `num_pending_tokens` counts the draws a sequence is
+owed, and `resolve_pending` appends each when it arrives. Every sequence has a `seq_id` of its
+own, by which the ranks know it.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 
 from attnserve.core import TokenLogprobs
 from attnserve.engine.block_table import BlockTable
 from attnserve.engine.sequence_grammar import SequenceGrammar
 from attnserve.sampling_params import SamplingParams
 
-# Stands for a drawn token that is still on the device: with async scheduling, a step is
-# scheduled while the previous step's draws are in flight (the model runner feeds them forward on
-# the device); `resolve_pending` puts the real token in its place.
-PENDING_TOKEN = -1
+_seq_ids = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
@@ -36,6 +39,7 @@ class Sequence:
         block_table: BlockTable,
         index: int = 0,
     ) -> None:
+        self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.index = index
         self.prompt_token_ids = list(prompt_token_ids)
@@ -43,6 +47,7 @@ class Sequence:
         self.block_table = block_table
         self.token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0  # drawn by a launched step, not yet read back
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.num_forks_pending = sampling_params.num_candidates - 1
@@ -65,35 +70,27 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_tokens(self) -> int:
+        """Every token, the pending ones included."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def sample_seed(self) -> int | None:
-        """The seed of this sequence's next draw, or None for the global generator."""
-        seed = self.sampling_params.seed
-        if seed is None:
-            return None
-        return hash((seed, self.index, self.num_output_tokens)) & (2**62 - 1)
-
-    @property
-    def has_pending_token(self) -> bool:
-        return self.token_ids[-1] == PENDING_TOKEN
-
-    def append_pending(self) -> None:
-        """Hold the place of the token this step draws (see PENDING_TOKEN)."""
-        self.token_ids.append(PENDING_TOKEN)
-
     def resolve_pending(
         self, token: int, logprob: float | None, top: TokenLogprobs | None = None
     ) -> None:
-        """Put the drawn `token` in the pending token's place, with its log-probability and,
-        where asked for, the top-k entries."""
-        self.token_ids[-1] = token
-        self._add_logprobs(logprob, top)
+        """Append a pending draw that has arrived: `token`, its log-probability and, where
+        asked for, the top-k entries."""
+        if not self.num_pending_tokens:
+            raise RuntimeError(f"sequence {self.seq_id} has no pending draw")
+        self.num_pending_tokens -= 1
+        self.append(token, logprob, top)
 
     def append(self, token: int, logprob: float | None, top: TokenLogprobs | None = None) -> None:
         self.token_ids.append(token)

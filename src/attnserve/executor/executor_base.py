@@ -1,7 +1,7 @@
 """`ExecutorBase`: what the engine sees of the ranks that run the model.
 
 The engine builds one from its `EngineConfig`, asks it for the KV block counts every rank agreed
-on, hands it one `ScheduledBatch` per step and gets the driver's sampled tokens back. How the
+on, hands it one `StepPlan` per step and gets the driver's sampled tokens back. How the
 ranks are started and fed (in-process, local processes, Ray actors) is the concrete executor's
 business. The engine reaches the ranks only through here; what benchmarks and tests need from
 rank 0 itself (its device, backend, model) they take from `driver_runner`.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from attnserve.core import AsyncStepOutput, SampleOutput, ScheduledBatch
+from attnserve.core import AsyncStepOutput, StepPlan, StepResults
 from attnserve.engine_config import EngineConfig
 from attnserve.worker.model_runner import ModelRunner
 from attnserve.worker.step_future import StepFuture
@@ -33,12 +33,12 @@ class ExecutorBase(ABC):
         """Host swap blocks per rank."""
 
     @abstractmethod
-    def execute_model(self, batch: ScheduledBatch) -> list[SampleOutput | None]:
+    def execute_model(self, plan: StepPlan) -> StepResults:
         """Run one step on every rank; each sequence's draws (None where nothing is drawn)."""
 
-    def execute_model_async(self, batch: ScheduledBatch) -> AsyncStepOutput:
+    def execute_model_async(self, plan: StepPlan) -> AsyncStepOutput:
         """Launch one step; its draws come back through the future (by default at once)."""
-        return StepFuture(len(batch.seqs), ready=self.execute_model(batch))
+        return StepFuture(len(plan.seq_ids), ready=self.execute_model(plan))
 
     @property
     def driver_runner(self) -> ModelRunner:

@@ -2,7 +2,7 @@
 process itself.
 
 Ranks 1..N-1 are `spawn`ed processes that join the process group on a free local port and then
-wait in `Worker.execute_model_loop`. Each step the driver broadcasts the batch once and runs its
+wait in `Worker.execute_model_loop`. Each step the driver broadcasts the plan once and runs its
 own shard. A monitor thread watches the workers' process sentinels: when one dies, it records
 which rank and exit code, fails the driver's collectives and terminates the other workers, and
 the engine gets a RuntimeError naming the rank. A worker exits when the driver tells it to, or
@@ -24,7 +24,7 @@ from typing import NoReturn
 
 import torch
 
-from attnserve.core import SampleOutput, ScheduledBatch
+from attnserve.core import StepPlan, StepResults
 from attnserve.distributed import get_distributed_init_method, get_open_port
 from attnserve.distributed.parallel_state import abort_distributed_environment
 from attnserve.engine_config import EngineConfig
@@ -134,10 +134,10 @@ class MultiprocExecutor(ExecutorBase):
         if self._broken:
             raise RuntimeError("the tensor-parallel group failed in an earlier step")
 
-    def execute_model(self, batch: ScheduledBatch) -> list[SampleOutput | None]:
+    def execute_model(self, plan: StepPlan) -> StepResults:
         self.check_health()
         try:
-            return self.driver.execute_model(batch)
+            return self.driver.execute_model(plan)
         except BaseException as error:  # even an interrupt leaves the ranks out of step
             self._fail(error)
 

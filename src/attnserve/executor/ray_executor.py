@@ -4,7 +4,7 @@ hosts of a Ray cluster.
 A placement group reserves one bundle per rank (a GPU on CUDA, a CPU otherwise); each actor is
 a `Worker` on its bundle, rank 0 (the driver) included, so the engine process needs no GPU. The
 ranks join a process group on a free port of the driver actor's host. Each step the engine
-sends the batch to the driver actor, which broadcasts it once to the others (waiting in their
+sends the plan to the driver actor, which broadcasts it once to the others (waiting in their
 `execute_model_loop`) and returns its sampled tokens. A dead actor fails the step; the engine
 gets a RuntimeError naming the rank and every actor is killed. Ray is imported only here.
 """
@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from attnserve.core import SampleOutput, ScheduledBatch
+from attnserve.core import StepPlan, StepResults
 from attnserve.distributed import get_distributed_init_method, get_open_port
 from attnserve.distributed.utils import get_ip
 from attnserve.engine_config import EngineConfig
@@ -47,8 +47,8 @@ class RayWorkerWrapper:
         self.worker.load_model()
         return self.worker.runner.num_blocks, self.worker.runner.num_swap_blocks
 
-    def execute_model(self, batch: ScheduledBatch) -> list[SampleOutput | None]:
-        return self._worker().execute_model(batch)
+    def execute_model(self, plan: StepPlan) -> StepResults:
+        return self._worker().execute_model(plan)
 
     def execute_model_loop(self) -> None:
         self._worker().execute_model_loop()
@@ -121,13 +121,11 @@ class RayExecutor(ExecutorBase):
     def num_swap_blocks(self) -> int:
         return int(self._num_swap_blocks)
 
-    def execute_model(self, batch: ScheduledBatch) -> list[SampleOutput | None]:
+    def execute_model(self, plan: StepPlan) -> StepResults:
         if self._shut_down:
             raise RuntimeError("the Ray executor is shut down")
         try:
-            results: list[SampleOutput | None] = self._ray.get(
-                self.actors[0].execute_model.remote(batch)
-            )
+            results: StepResults = self._ray.get(self.actors[0].execute_model.remote(plan))
             return results
         except Exception as error:
             self._fail(error)

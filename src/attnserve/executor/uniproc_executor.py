@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from attnserve.core import SampleOutput, ScheduledBatch
+from attnserve.core import StepPlan, StepResults
 from attnserve.distributed import model_parallel_is_initialized
 from attnserve.engine_config import EngineConfig
 from attnserve.executor.executor_base import ExecutorBase
@@ -35,11 +35,11 @@ class UniProcExecutor(ExecutorBase):
     def num_swap_blocks(self) -> int:
         return self.worker.runner.num_swap_blocks
 
-    def execute_model(self, batch: ScheduledBatch) -> list[SampleOutput | None]:
-        return self.worker.runner.execute(batch)
+    def execute_model(self, plan: StepPlan) -> StepResults:
+        return self.worker.runner.execute(plan)
 
-    def execute_model_async(self, batch: ScheduledBatch) -> StepFuture:
-        return self.worker.runner.execute_async(batch)
+    def execute_model_async(self, plan: StepPlan) -> StepFuture:
+        return self.worker.runner.execute_async(plan)
 
     def check_health(self) -> None:
         """One rank in this process: alive as long as the engine is."""

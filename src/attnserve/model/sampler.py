@@ -14,11 +14,13 @@ log-probability is computed (one logsumexp per row), the top-k only where asked 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from attnserve.core import SampleOutput, SequenceInput, TokenBitmask, TokenLogprobs
+from attnserve.core import SampleOutput, TokenBitmask, TokenLogprobs
 from attnserve.host_copy import device_tensor, to_device
 from attnserve.sampling_params import SamplingParams
 from attnserve.structured_outputs import load_xgrammar
@@ -50,6 +52,30 @@ def top_logprobs(
     return rows
 
 
+class SamplingRow(Protocol):
+    """What the sampler reads of one row: how to sample, the seed of its first draw (None: the
+    global generator), how many independent draws (a parallel-sampling fork), tokens it may not
+    draw (EOS before min_tokens), and, where penalties apply, the prompt and the outputs."""
+
+    @property
+    def sampling(self) -> SamplingParams | None: ...
+
+    @property
+    def sample_seed(self) -> int | None: ...
+
+    @property
+    def num_samples(self) -> int: ...
+
+    @property
+    def banned_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None: ...
+
+    @property
+    def output_token_ids(self) -> list[int] | None: ...
+
+
 @dataclass(frozen=True)
 class Draws:
     """A step's draws: the tokens on the device ([sum of counts] int64, each input's draws in a
@@ -66,7 +92,7 @@ class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,
-        inputs: list[SequenceInput],
+        inputs: Sequence[SamplingRow],
         token_bitmask: TokenBitmask | None = None,
     ) -> list[SampleOutput]:
         """logits [N, V] float32, one row per input that samples -> one result per input."""
@@ -76,7 +102,7 @@ class Sampler:
     def draw(
         self,
         logits: torch.Tensor,
-        inputs: list[SequenceInput],
+        inputs: Sequence[SamplingRow],
         token_bitmask: TokenBitmask | None = None,
     ) -> Draws:
         """Each input's draws (see `Draws`); `token_bitmask` rows index `inputs`."""
@@ -151,7 +177,7 @@ class Sampler:
         return logits.index_copy_(0, index, rows)
 
     @staticmethod
-    def _ban(logits: torch.Tensor, inputs: list[SequenceInput]) -> torch.Tensor:
+    def _ban(logits: torch.Tensor, inputs: Sequence[SamplingRow]) -> torch.Tensor:
         rows = [(r, t) for r, s in enumerate(inputs) for t in s.banned_token_ids]
         if not rows:
             return logits
@@ -159,7 +185,7 @@ class Sampler:
         return logits.index_put((index[0], index[1]), logits.new_full((), -float("inf")))
 
     @staticmethod
-    def _apply_bias(logits: torch.Tensor, inputs: list[SequenceInput]) -> torch.Tensor:
+    def _apply_bias(logits: torch.Tensor, inputs: Sequence[SamplingRow]) -> torch.Tensor:
         """Each row's `logit_bias` added to its logits (one scatter over every biased row)."""
         entries = [
             (r, token, bias)
@@ -175,7 +201,7 @@ class Sampler:
         return logits.index_put((index[0], index[1]), values, accumulate=True)
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, inputs: list[SequenceInput]) -> torch.Tensor:
+    def _apply_penalties(logits: torch.Tensor, inputs: Sequence[SamplingRow]) -> torch.Tensor:
         """Repetition (vLLM's: a seen token's logit divided by the penalty if positive, else
         multiplied; seen = in the prompt or the output), frequency and presence penalties
         (output counts), for the rows that have any, all at once."""

@@ -1,106 +1,100 @@
-"""`ModelRunner`: turns a scheduled batch into tensors, runs the model, samples.
+"""`ModelRunner`: one rank's model, KV cache and persistent batch; runs each step's plan.
 
-It loads the model, selects one attention backend for the specs of the model's attention layers
-and binds it, makes one metadata builder per spec, sizes the KV cache (on CUDA, after a profile
-run of the largest possible step measures its activation memory) and binds it; an fp8 cache's
-scales are then calibrated on a prefill of random tokens (`kv_calibration`), and on CUDA the
-longest prompts a step can hold run once (`warm_up_batches`: what their kernels compile on first
-use compiles at start-up). Each step it
-computes the step's `StepLayout` once (the model's positions come from it) and hands it to the
-builders for the attention metadata. It never looks at the metadata or the cache layout itself.
-Unless `enforce_eager`, decode-only steps replay captured graphs when the backend declares
-support for them: CUDA graphs (`CUDAGraphRunner`), and on the CPU graphs of native kernel calls
-for steps of up to 8 sequences (`CPUGraphRunner`); on CUDA, steps that carry prompt tokens then
-replay the piecewise graphs of their token count (`PiecewiseGraphRunner`: the model between its
-attention calls; attention runs eagerly) up to 2,048 tokens. `execute_async` returns without
-waiting for the step's draws (a `StepFuture`); the next step may take tokens still on the device
-from them (`ScheduledBatch.carried_tokens`).
+The worker sets it up in explicit phases, in order: `load_model` (the model, one attention
+backend selected for the specs of its attention layers and bound, one metadata builder per
+spec), `profile_activation_memory` (on CUDA, a profile run of the largest possible step measures
+its activations), `initialize_kv_cache` (sized from what is left, bound to the layers),
+`calibrate_kv_scales` (an fp8 cache's scales, from a prefill of random tokens: `kv_calibration`),
+`warm_up` (on CUDA the longest prompts a step can hold run once: what their kernels compile on
+first use compiles at start-up) and `capture_graphs`. Graphs, when the backend supports them:
+decode-only steps replay whole-model graphs (`CUDAGraphRunner`, and on the CPU graphs of native
+kernel calls for steps of up to 8 sequences: `CPUGraphRunner`); on CUDA, steps that carry prompt
+tokens replay the piecewise graphs of their token count (`PiecewiseGraphRunner`: the model
+between its attention calls; attention runs eagerly) up to 2,048 tokens.
+
+Each step it applies the plan to its `InputBatch` (what changed since the last one), which gives
+the step's `StepLayout` (the model's positions come from it; the builders make the attention
+metadata from it), token ids and sampling rows. It never looks at the metadata or the cache
+layout itself. `execute_async` returns without waiting for the step's draws (a `StepFuture`);
+the next step takes the tokens it needs from them on the device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from itertools import accumulate, chain
+from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 from attnserve.attention import (
-    StepLayout,
     attention_specs,
     bind_attention_backend,
     bind_kv_caches,
     build_metadata,
-    build_step_layout,
     calibrating_kv_scales,
     get_model_attn_backend,
     metadata_builders,
     set_forward_context,
 )
-from attnserve.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
-from attnserve.core import SampleOutput, ScheduledBatch, StepResults
+from attnserve.config import DEFAULT_CPU_KV_CACHE_BYTES
+from attnserve.core import SampleOutput, StepPlan, StepResults
 from attnserve.distributed import get_tensor_model_parallel_world_size
 from attnserve.distributed.communication import tensor_model_parallel_all_reduce_min
+from attnserve.engine_config import EngineConfig
 from attnserve.host_copy import device_tensor, to_device
-from attnserve.model.config import ModelConfig
 from attnserve.model.loader import load_model
 from attnserve.model.sampler import Sampler, top_logprobs
 from attnserve.profiling import SAMPLING_RANGE, marked
-from attnserve.worker.cache_engine import (
-    CacheEngine,
-    gpu_kv_cache_budget,
-    num_blocks_for_budget,
-)
+from attnserve.worker.cache_engine import CacheEngine, gpu_kv_cache_budget, num_blocks_for_budget
 from attnserve.worker.cpu_graph import MAX_GRAPH_SEQS, CPUGraphRunner
 from attnserve.worker.cuda_graph import CUDAGraphRunner
-from attnserve.worker.kv_calibration import calibration_batch
+from attnserve.worker.input_batch import InputBatch, PreparedStep
+from attnserve.worker.kv_calibration import calibration_plan
 from attnserve.worker.piecewise_graph import PiecewiseGraphRunner
-from attnserve.worker.profile_run import profile_batch, warm_up_batches
+from attnserve.worker.profile_run import profile_plan, warm_up_plans
 from attnserve.worker.step_future import StepFuture
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        device: torch.device,
-        attention_backend: str | None = None,
-        max_num_seqs: int = 256,
-        enforce_eager: bool = False,
-        max_num_batched_tokens: int = 8192,
-    ) -> None:
-        self.model_config = model_config
-        self.cache_config = cache_config
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.model_config = config.model_config
+        self.cache_config = config.cache_config
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
+        self.attention_backend = config.attention_backend
         self.device = device
-        tp_size = get_tensor_model_parallel_world_size()  # this rank's share of the heads
-        self.num_kv_heads = model_config.get_num_kv_heads(tp_size)
-        self.model = load_model(
-            model_config, device, cache_config.kv_cache_dtype, cache_config.block_size
+        self.num_kv_heads = self.model_config.get_num_kv_heads(
+            get_tensor_model_parallel_world_size()  # this rank's share of the heads
         )
-        specs = attention_specs(self.model)
-        self.backend = get_model_attn_backend(specs, attention_backend)
-        bind_attention_backend(self.model, self.backend)
-        self.builders = metadata_builders(self.backend, specs, device)
+        self.input_batch = InputBatch(
+            self.model_config.max_model_len,
+            self.cache_config.block_size,
+            list(self.model_config.eos_token_ids),
+            device,
+        )
         self.sampler = Sampler()
-        self._last_tokens: torch.Tensor | None = None  # the last step's first draw per row
         self.graphs: CUDAGraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
-        activation_bytes = self._peak_activation_bytes(max_num_seqs, max_num_batched_tokens)
-        self.cache_engine = self._allocate_kv_cache(activation_bytes)
-        bind_kv_caches(self.model, self.cache_engine.kv_caches)
-        self._calibrate_kv_scales(max_num_batched_tokens)
-        self._warm_up(max_num_batched_tokens)
-        self.graphs = None if enforce_eager else self._capture_graphs(max_num_seqs)
-        self.piecewise_graphs = (
-            None if self.graphs is None else self._capture_piecewise(max_num_batched_tokens)
+
+    def load_model(self) -> None:
+        """Load the weights, select and bind the attention backend, make the builders."""
+        self.model = load_model(
+            self.model_config, self.device, self.cache_config.kv_cache_dtype, self.block_size
         )
+        specs = attention_specs(self.model)
+        self.backend = get_model_attn_backend(specs, self.attention_backend)
+        bind_attention_backend(self.model, self.backend)
+        self.builders = metadata_builders(self.backend, specs, self.device)
+
+    @property
+    def block_size(self) -> int:
+        return self.cache_config.block_size
 
     @property
     def num_blocks(self) -> int:
@@ -110,89 +104,61 @@ class ModelRunner:
     def num_swap_blocks(self) -> int:
         return self.cache_engine.num_swap_blocks
 
-    def _capture_graphs(self, max_num_seqs: int) -> CUDAGraphRunner | None:
-        kind: type[CUDAGraphRunner] = CUDAGraphRunner
-        if self.device.type == "cpu":
-            kind, max_num_seqs = CPUGraphRunner, min(max_num_seqs, MAX_GRAPH_SEQS)
-        elif self.device.type != "cuda":
-            return None
-        if not self.backend.capabilities.cuda_graphs:
-            logger.info("no graphs: backend %s does not support them", self.backend.get_name())
-            return None
-        max_blocks = -(-self.model_config.max_model_len // self.cache_config.block_size)
-        runner = kind(self.model, self.builders, max_num_seqs, max_blocks, self.device)
-        runner.capture()
-        return runner
-
-    def _capture_piecewise(self, max_num_batched_tokens: int) -> PiecewiseGraphRunner | None:
-        """On CUDA, the piecewise graphs of steps that carry prompt tokens."""
-        if self.device.type != "cuda":
-            return None
-        runner = PiecewiseGraphRunner(self.model, max_num_batched_tokens, self.device)
-        try:
-            runner.capture()
-        except RuntimeError as error:  # a model whose forward cannot be captured: run eagerly
-            torch.cuda.synchronize(self.device)
-            logger.warning("no piecewise CUDA graphs (steps with prompts run eagerly): %s", error)
-            return None
-        return runner
-
-    def _calibrate_kv_scales(self, max_num_batched_tokens: int) -> None:
-        """An fp8 cache's scales, from one prefill of random tokens (`calibration_batch`), before
-        the cache holds anything kept and before any graph is captured."""
-        if self.cache_config.kv_cache_dtype != "fp8":
-            return
-        batch = calibration_batch(
-            self.model_config.vocab_size,
-            max_num_batched_tokens,
-            self.model_config.max_model_len,
-            self.cache_config.block_size,
-            self.cache_engine.num_blocks,
-        )
-        with calibrating_kv_scales(self.model):
-            self.execute(batch)
-
-    def _warm_up(self, max_num_batched_tokens: int) -> None:
-        """On CUDA, run the longest prompts a step can hold (`warm_up_batches`), so what their
-        kernels compile on first use compiles now; the last step's draws are dropped."""
-        if self.device.type != "cuda":
-            return
-        started = time.perf_counter()
-        for batch in warm_up_batches(
-            max_num_batched_tokens, self.model_config.max_model_len, self.cache_config.block_size
-        ):
-            self.execute(batch)
-        self._last_tokens = None
-        logger.info("warm-up of long prompts: %.1f s", time.perf_counter() - started)
-
-    def profile_run(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        """Run the largest step the scheduler may send (`profile_batch`) against a one-block KV
-        cache, which it leaves as the runner's cache: call before the real cache exists."""
-        self.cache_engine = self._cache_engine(num_blocks=1, num_swap_blocks=0)
-        bind_kv_caches(self.model, self.cache_engine.kv_caches)
-        batch = profile_batch(
-            max_num_seqs,
-            max_num_batched_tokens,
-            self.model_config.max_model_len,
-            self.cache_config.block_size,
-        )
-        self.execute(batch)
-
-    def _peak_activation_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    def profile_activation_memory(self) -> int:
         """On CUDA, the memory the profile run takes beyond the weights at its peak (0 where the
-        KV cache has a fixed budget)."""
+        KV cache has a fixed budget, or off CUDA)."""
         if self.device.type != "cuda" or self.cache_config.kv_cache_memory_bytes is not None:
             return 0
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self.profile_run(max_num_seqs, max_num_batched_tokens)
+        self.profile_run(self.max_num_seqs, self.max_num_batched_tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        self._last_tokens = None
         torch.cuda.empty_cache()
         logger.info("profile run: %.2f GiB of activations at the largest step", peak / 2**30)
         return peak
+
+    def profile_run(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """Run the largest step the scheduler may send (`profile_plan`) against a one-block KV
+        cache, which it leaves as the runner's cache: call before the real cache exists."""
+        self._bind_cache(self._cache_engine(num_blocks=1, num_swap_blocks=0))
+        plan = profile_plan(
+            max_num_seqs, max_num_batched_tokens, self.model_config.max_model_len, self.block_size
+        )
+        self.run_once(plan)
+
+    def initialize_kv_cache(self, activation_bytes: int) -> None:
+        """The KV cache: the fixed budget if given, else on CUDA the `gpu_memory_utilization`
+        share of the card less what is in use and the profile run's `activation_bytes`."""
+        cc = self.cache_config
+        per_block = self._bytes_per_block()
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = gpu_kv_cache_budget(cc.gpu_memory_utilization, self.device) - activation_bytes
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        # every rank must hold the same blocks: the smallest count any rank can afford
+        num_blocks = tensor_model_parallel_all_reduce_min(num_blocks_for_budget(budget, per_block))
+        tokens = num_blocks * cc.block_size
+        max_model_len = self.model_config.max_model_len
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, backend %s), up to %d tokens: "
+            "%.1f requests of max_model_len %d at once",
+            num_blocks,
+            cc.block_size,
+            num_blocks * per_block / 2**30,
+            self.backend.get_name(),
+            tokens,
+            tokens / max_model_len,
+            max_model_len,
+        )
+        self._bind_cache(self._cache_engine(num_blocks, cc.swap_space_bytes // per_block))
+
+    def _bind_cache(self, cache_engine: CacheEngine) -> None:
+        self.cache_engine = cache_engine
+        bind_kv_caches(self.model, cache_engine.kv_caches)
 
     def _bytes_per_block(self) -> int:
         mc, cc = self.model_config, self.cache_config
@@ -221,93 +187,120 @@ class ModelRunner:
             num_swap_blocks=num_swap_blocks,
         )
 
-    def _allocate_kv_cache(self, activation_bytes: int) -> CacheEngine:
-        """The KV cache: the fixed budget if given, else on CUDA the `gpu_memory_utilization`
-        share of the card less what is in use and the profile run's activations."""
-        cc = self.cache_config
-        per_block = self._bytes_per_block()
-        if cc.kv_cache_memory_bytes is not None:
-            budget = cc.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            budget = gpu_kv_cache_budget(cc.gpu_memory_utilization, self.device)
-            budget -= activation_bytes
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        # every rank must hold the same blocks: the smallest count any rank can afford
-        num_blocks = tensor_model_parallel_all_reduce_min(num_blocks_for_budget(budget, per_block))
-        tokens = num_blocks * cc.block_size
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB, backend %s), up to %d tokens: "
-            "%.1f requests of max_model_len %d at once",
-            num_blocks,
-            cc.block_size,
-            num_blocks * per_block / 2**30,
-            self.backend.get_name(),
-            tokens,
-            tokens / self.model_config.max_model_len,
+    def calibrate_kv_scales(self) -> None:
+        """An fp8 cache's scales, from one prefill of random tokens (`calibration_plan`), before
+        the cache holds anything kept and before any graph is captured."""
+        if self.cache_config.kv_cache_dtype != "fp8":
+            return
+        plan = calibration_plan(
+            self.model_config.vocab_size,
+            self.max_num_batched_tokens,
             self.model_config.max_model_len,
+            self.block_size,
+            self.cache_engine.num_blocks,
         )
-        return self._cache_engine(num_blocks, cc.swap_space_bytes // per_block)
+        with calibrating_kv_scales(self.model):
+            self.run_once(plan)
 
-    def _layout(self, batch: ScheduledBatch) -> StepLayout:
-        seqs = batch.seqs
-        return build_step_layout(
-            [s.block_table for s in seqs],
-            [s.context_len for s in seqs],
-            [len(s.token_ids) for s in seqs],
-            self.cache_config.block_size,
-        )
+    def warm_up(self) -> None:
+        """On CUDA, run the longest prompts a step can hold (`warm_up_plans`), so what their
+        kernels compile on first use compiles now."""
+        if self.device.type != "cuda":
+            return
+        started = time.perf_counter()
+        max_model_len = self.model_config.max_model_len
+        for plan in warm_up_plans(self.max_num_batched_tokens, max_model_len, self.block_size):
+            self.run_once(plan)
+        logger.info("warm-up of long prompts: %.1f s", time.perf_counter() - started)
 
-    @staticmethod
-    def _token_ids(batch: ScheduledBatch, num_tokens: int) -> torch.Tensor:
-        """The step's new token ids, flat, on the host."""
-        flat = chain.from_iterable(s.token_ids for s in batch.seqs)
-        return torch.from_numpy(np.fromiter(flat, np.int64, num_tokens))
+    def capture_graphs(self) -> None:
+        """The decode graphs, then on CUDA the piecewise graphs of steps with prompts."""
+        self.graphs = self._capture_decode_graphs()
+        if self.graphs is not None and self.device.type == "cuda":
+            self.piecewise_graphs = self._capture_piecewise()
 
-    def _move_blocks(self, batch: ScheduledBatch) -> None:
-        """Swaps and copy-on-write copies, before the forward pass that may reuse the blocks."""
-        for pairs, move in (
-            (batch.blocks_to_swap_out, self.cache_engine.swap_out),
-            (batch.blocks_to_swap_in, self.cache_engine.swap_in),
-            (batch.blocks_to_copy, self.cache_engine.copy),
-        ):
-            if pairs:
-                move(torch.tensor(pairs, dtype=torch.int64))
+    def _capture_decode_graphs(self) -> CUDAGraphRunner | None:
+        kind: type[CUDAGraphRunner] = CUDAGraphRunner
+        max_num_seqs = self.max_num_seqs
+        if self.device.type == "cpu":
+            kind, max_num_seqs = CPUGraphRunner, min(max_num_seqs, MAX_GRAPH_SEQS)
+        elif self.device.type != "cuda":
+            return None
+        if not self.backend.capabilities.cuda_graphs:
+            logger.info("no graphs: backend %s does not support them", self.backend.get_name())
+            return None
+        max_blocks = self.input_batch.max_blocks
+        runner = kind(self.model, self.builders, max_num_seqs, max_blocks, self.device)
+        runner.capture()
+        return runner
 
-    def execute(self, batch: ScheduledBatch) -> StepResults:
+    def _capture_piecewise(self) -> PiecewiseGraphRunner | None:
+        runner = PiecewiseGraphRunner(self.model, self.max_num_batched_tokens, self.device)
+        try:
+            runner.capture()
+        except RuntimeError as error:  # a model whose forward cannot be captured: run eagerly
+            torch.cuda.synchronize(self.device)
+            logger.warning("no piecewise CUDA graphs (steps with prompts run eagerly): %s", error)
+            return None
+        return runner
+
+    def run_once(self, plan: StepPlan) -> StepResults:
+        """Run a plan of new sequences only (start-up runs, benchmarks), then drop them."""
+        try:
+            return self.execute(plan)
+        finally:
+            self.input_batch.release([seq.seq_id for seq in plan.new_seqs])
+
+    def execute(self, plan: StepPlan) -> StepResults:
         """Run one step; return each sequence's draws (None where nothing is drawn)."""
-        return self.execute_async(batch).result()
+        return self.execute_async(plan).result()
 
     @torch.inference_mode()
-    def execute_async(self, batch: ScheduledBatch) -> StepFuture:
+    def execute_async(self, plan: StepPlan) -> StepFuture:
         """Launch one step; its draws stay on the device until the future's `result()`."""
-        self._move_blocks(batch)
-        layout = self._layout(batch)
-        starts: list[int] = layout.query_start_loc.tolist()
-        hidden = self._forward(batch, layout)
-        num_seqs = len(batch.seqs)
-        rows = [i for i, s in enumerate(batch.seqs) if s.sampling is not None]
+        step = self._prepare(plan)
+        hidden = self._forward(step)
+        num_seqs = len(step.states)
+        starts: list[int] = step.layout.query_start_loc.tolist()
+        rows = step.sample_rows
         if not rows:
             results: StepResults = [None] * num_seqs
-            self._add_prompt_logprobs(batch, hidden, starts, results)
+            self._add_prompt_logprobs(step, hidden, starts, results)
+            self.input_batch.advance(step, None)
             return StepFuture(num_seqs, ready=results)
         logits = self.model.compute_logits(self._last_hidden(hidden, starts, rows))
         with marked(SAMPLING_RANGE), self._sampling_threads():
-            draw = self.sampler.draw(logits, [batch.seqs[i] for i in rows], batch.token_bitmask)
+            draw = self.sampler.draw(logits, step.sampling, plan.token_bitmask)
         tokens = draw.tokens
         one_draw_each = len(tokens) == len(rows)
-        self._last_tokens = tokens if one_draw_each else tokens[self._first_draws(draw.counts)]
-        needs_host = draw.top is not None or any(s.prompt_logprob_targets for s in batch.seqs)
-        if one_draw_each and not needs_host:
-            return StepFuture(num_seqs, (rows, tokens, draw.token_logprobs))
+        firsts = tokens if one_draw_each else tokens[self._first_draws(draw.counts)]
+        if one_draw_each and draw.top is None and not self.input_batch.prompt_logprob_seqs:
+            pending = self.input_batch.advance(step, firsts)
+            record = functools.partial(self.input_batch.record, pending)
+            return StepFuture(num_seqs, (rows, tokens, draw.token_logprobs), on_tokens=record)
         results = [None] * num_seqs
         drawn = self.sampler.split(
             tokens.tolist(), draw.token_logprobs.tolist(), draw.top, draw.counts
         )
         for row, result in zip(rows, drawn, strict=True):
             results[row] = result
-        self._add_prompt_logprobs(batch, hidden, starts, results)
+        self._add_prompt_logprobs(step, hidden, starts, results)
+        pending = self.input_batch.advance(step, firsts)
+        self.input_batch.record(pending, [result.token_ids[0] for result in drawn])
         return StepFuture(num_seqs, ready=results)
+
+    def _prepare(self, plan: StepPlan) -> PreparedStep:
+        """Block moves first (swaps, copy-on-write copies: the forward pass may reuse the
+        blocks), then the plan applied to the persistent batch, then the step's inputs."""
+        for pairs, move in (
+            (plan.blocks_to_swap_out, self.cache_engine.swap_out),
+            (plan.blocks_to_swap_in, self.cache_engine.swap_in),
+            (plan.blocks_to_copy, self.cache_engine.copy),
+        ):
+            if pairs:
+                move(torch.tensor(pairs, dtype=torch.int64))
+        self.input_batch.apply(plan)
+        return self.input_batch.prepare(plan)
 
     @contextlib.contextmanager
     def _sampling_threads(self) -> Iterator[None]:
@@ -326,29 +319,21 @@ class ModelRunner:
             torch.set_num_threads(threads)
 
     @torch.inference_mode()
-    def final_hidden_states(self, batch: ScheduledBatch) -> torch.Tensor:
+    def final_hidden_states(self, plan: StepPlan) -> torch.Tensor:
         """Every new token's final hidden states [T, hidden] (after the model's last norm; its
-        `compute_logits` gives the logits), nothing sampled: for measuring how close two
-        configurations of one model run (`attnserve bench kv-quality`)."""
-        self._move_blocks(batch)
-        return self._forward(batch, self._layout(batch))
+        `compute_logits` gives the logits) of a plan of new sequences, nothing sampled, the
+        sequences dropped after: for measuring how close two configurations of one model run
+        (`attnserve bench kv-quality`)."""
+        try:
+            return self._forward(self._prepare(plan))
+        finally:
+            self.input_batch.release([seq.seq_id for seq in plan.new_seqs])
 
     def _first_draws(self, counts: list[int]) -> torch.Tensor:
-        return device_tensor([0, *accumulate(counts)][:-1], self.device)
-
-    def _carried(
-        self, batch: ScheduledBatch, last_token: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the batch's carried tokens go in the flat token ids (`last_token[row]` is the
-        index of row's last new token), and their values, taken from the last step's draws."""
-        if self._last_tokens is None:
-            raise RuntimeError("carried tokens, but no step has drawn tokens yet")
-        index = [last_token[row] for row, _ in batch.carried_tokens]
-        draws = [draw for _, draw in batch.carried_tokens]
-        return (
-            device_tensor(index, self.device),
-            self._last_tokens[device_tensor(draws, self.device)],
-        )
+        starts = [0]
+        for count in counts[:-1]:
+            starts.append(starts[-1] + count)
+        return device_tensor(starts, self.device)
 
     def _last_hidden(
         self, hidden: torch.Tensor, starts: list[int], rows: list[int]
@@ -359,49 +344,49 @@ class ModelRunner:
         last = device_tensor([starts[i + 1] - 1 for i in rows], self.device)
         return hidden[last]
 
-    def _forward(self, batch: ScheduledBatch, layout: StepLayout) -> torch.Tensor:
+    def _forward(self, step: PreparedStep) -> torch.Tensor:
         """Final hidden states of the step's new tokens (sequence i's at query_start_loc[i] ..
         query_start_loc[i + 1] - 1), from graphs when they fit: a decode step's whole graph,
         or a step with prompts from the piecewise graphs of its token count."""
-        token_ids = self._token_ids(batch, int(layout.query_start_loc[-1]))
+        layout, token_ids, carried = step.layout, step.token_ids, step.carried
         graphs, pieces = self.graphs, self.piecewise_graphs
         if (
             graphs is not None
             and layout.num_prefills == 0
             and layout.num_seqs <= graphs.max_num_seqs
         ):
-            carried = None
-            if batch.carried_tokens:
-                carried = self._carried(batch, range(layout.num_seqs))
             return graphs.run(token_ids, layout, carried)
-        last_token = (layout.query_start_loc[1:] - 1).tolist() if batch.carried_tokens else []
         metadata = build_metadata(self.builders, layout)
         if pieces is not None and len(token_ids) <= pieces.max_num_tokens:
-            carried = self._carried(batch, last_token) if batch.carried_tokens else None
             return pieces.run(token_ids, layout.token_pos, metadata, carried)
         input_ids = to_device(token_ids, self.device)
         positions = to_device(layout.token_pos, self.device)
-        if batch.carried_tokens:
-            index, values = self._carried(batch, last_token)
-            input_ids[index] = values
+        if carried is not None:
+            input_ids[carried[0]] = carried[1]
         with set_forward_context(metadata):
             hidden: torch.Tensor = self.model(input_ids, positions)
         return hidden
 
     def _add_prompt_logprobs(
         self,
-        batch: ScheduledBatch,
+        step: PreparedStep,
         hidden: torch.Tensor,
         starts: list[int],
         results: list[SampleOutput | None],
     ) -> None:
-        for i, seq in enumerate(batch.seqs):
-            targets = seq.prompt_logprob_targets
-            if not targets:
+        if not self.input_batch.prompt_logprob_seqs:
+            return
+        contexts: list[int] = step.layout.context_lens.tolist()
+        queries: list[int] = step.layout.query_lens.tolist()
+        for i, state in enumerate(step.states):
+            targets = state.prompt_logprob_targets(contexts[i], queries[i])
+            if not targets or state.sampling is None:
                 continue
             rows = hidden[starts[i] : starts[i] + len(targets)]
             logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
             chosen = device_tensor(targets, self.device)
-            entries = top_logprobs(logprobs, chosen, [seq.num_prompt_logprobs] * len(targets))
+            ks = [state.sampling.prompt_logprobs or 0] * len(targets)
             previous = results[i] or SampleOutput([])
-            results[i] = dataclasses.replace(previous, prompt_logprobs=entries)
+            results[i] = dataclasses.replace(
+                previous, prompt_logprobs=top_logprobs(logprobs, chosen, ks)
+            )

@@ -10,6 +10,8 @@ log-probabilities) are materialised at once and come back as a ready future.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from attnserve.core import SampleOutput, StepResults
@@ -21,12 +23,14 @@ class StepFuture:
         num_seqs: int,
         draws: tuple[list[int], torch.Tensor, torch.Tensor] | None = None,
         ready: StepResults | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> None:
         """Either `ready` results, or `draws`: the rows that drew, and the device tokens
         [len(rows)] they drew (one each) with those tokens' log-probabilities, whose copies to
-        the host start here."""
+        the host start here; `on_tokens` gets those tokens once they are read."""
         self._num_seqs = num_seqs
         self._ready = ready
+        self._on_tokens = on_tokens
         self._copied: torch.cuda.Event | None = None
         self._rows: list[int] = []
         self._host: list[torch.Tensor] = []
@@ -45,6 +49,8 @@ class StepFuture:
                 self._copied.synchronize()
             results: StepResults = [None] * self._num_seqs
             tokens, logprobs = (t.tolist() for t in self._host) if self._host else ([], [])
+            if self._on_tokens is not None:
+                self._on_tokens(tokens)
             for row, token, logprob in zip(self._rows, tokens, logprobs, strict=True):
                 results[row] = SampleOutput([token], token_logprobs=[logprob])
             self._ready = results

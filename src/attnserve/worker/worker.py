@@ -2,10 +2,12 @@
 `ModelRunner` — and the step protocol between the ranks. Every rank receives the engine's one
 `EngineConfig`.
 
-The driver (rank 0) broadcasts each step's `ScheduledBatch` once over the CPU group and runs it;
-every other rank sits in `execute_model_loop`, running each batch it receives, until the driver
-broadcasts None. All ranks sample (the logits are all-gathered); only the driver's results are
-returned.
+The worker sets its model runner up phase by phase (`load_model`). The driver (rank 0)
+broadcasts each step's `StepPlan` (only what changed since the last one) once over the CPU group
+and runs it; every other rank sits in `execute_model_loop`, applying each plan it receives to
+its own persistent batch and running it, until the driver broadcasts None. All ranks sample (the
+logits are all-gathered, the draws the same on every rank), so each rank's batch knows the tokens
+its next step reads; only the driver's results are returned.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 
 import torch
 
-from attnserve.core import SampleOutput, ScheduledBatch
+from attnserve.core import StepPlan, StepResults
 from attnserve.distributed import (
     broadcast_object,
     destroy_distributed_environment,
@@ -64,31 +66,31 @@ class Worker:
         torch.manual_seed(self.config.seed)
 
     def load_model(self) -> None:
-        """Build this rank's model shard and KV cache (the ranks agree on the block count)."""
+        """Build this rank's model shard and KV cache (the ranks agree on the block count), in
+        phases: load, size the activations, allocate the cache, calibrate, warm up, capture."""
         config = self.config
-        self.model_runner = ModelRunner(
-            config.model_config,
-            config.cache_config,
-            self.device,
-            config.attention_backend,
-            max_num_seqs=config.scheduler_config.max_num_seqs,
-            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
-            # Captured graphs would hold the ranks' collectives; tensor parallelism runs eagerly.
-            enforce_eager=config.enforce_eager or config.parallel_config.world_size > 1,
-        )
+        runner = ModelRunner(config, self.device)
+        runner.load_model()
+        runner.initialize_kv_cache(runner.profile_activation_memory())
+        runner.calibrate_kv_scales()
+        runner.warm_up()
+        # Captured graphs would hold the ranks' collectives; tensor parallelism runs eagerly.
+        if not config.enforce_eager and config.parallel_config.world_size == 1:
+            runner.capture_graphs()
+        self.model_runner = runner
 
-    def execute_model(self, batch: ScheduledBatch) -> list[SampleOutput | None]:
+    def execute_model(self, plan: StepPlan) -> StepResults:
         """On the driver: send the step to the other ranks, then run it here."""
-        broadcast_object(batch)
-        return self.runner.execute(batch)
+        broadcast_object(plan)
+        return self.runner.execute(plan)
 
     def execute_model_loop(self) -> None:
         """On the other ranks: run every step the driver sends, until it sends None."""
         while True:
-            batch: ScheduledBatch | None = broadcast_object()
-            if batch is None:
+            plan: StepPlan | None = broadcast_object()
+            if plan is None:
                 return
-            self.runner.execute(batch)
+            self.runner.execute(plan)
 
     def stop_remote_loops(self) -> None:
         """On the driver: end the other ranks' `execute_model_loop`."""

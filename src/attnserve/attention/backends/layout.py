@@ -104,10 +104,22 @@ def build_step_layout(
             f"query_lens ({len(query_lens)}) must have one entry per sequence"
         )
     lens = _int64s([len(t) for t in block_tables])
-    ctx, qry = _int64s(context_lens), _int64s(query_lens)
-    num_prefills = _validate(lens, ctx, qry, block_size)
     width = max(int(lens.max(initial=0)), 1)
     table = _padded_table(block_tables, lens, width)
+    return layout_from_arrays(table, lens, _int64s(context_lens), _int64s(query_lens), block_size)
+
+
+def layout_from_arrays(
+    block_table: np.ndarray,
+    num_blocks: np.ndarray,
+    context_lens: np.ndarray,
+    query_lens: np.ndarray,
+    block_size: int,
+) -> StepLayout:
+    """`build_step_layout` from int64 arrays: the [B, W] block table (row i's first
+    `num_blocks[i]` entries are its blocks), and each sequence's context and query lengths."""
+    ctx, qry, table = context_lens, query_lens, block_table
+    num_prefills = _validate(num_blocks, ctx, qry, block_size)
     if table.size and int(table.min()) < 0:
         raise ValueError("block ids must be >= 0")
     start_loc = np.zeros(len(qry) + 1, dtype=np.int64)

@@ -1,0 +1,58 @@
+"""`StepPipeline`: the engine's side of a step in flight — launched on the executor, read back,
+its draws put in place.
+
+At most one step is in flight. `launch` sends the scheduled step's plan down, then reads back
+the step before it (whose draws the new step may already be reading on the device: async
+scheduling), then counts the new step's tokens as computed; `drain` reads back the step in
+flight, if any. Reading back hands each sequence its draws (the scheduler forks and finishes
+them), then advances the grammars of constrained sequences.
+"""
+
+from __future__ import annotations
+
+from attnserve.core import AsyncStepOutput
+from attnserve.engine.scheduler import Scheduler, SchedulerOutput
+from attnserve.engine.sequence import Sequence
+from attnserve.engine.step_planner import StepPlanner
+from attnserve.engine.structured_output import StructuredOutputManager
+from attnserve.executor.executor_base import ExecutorBase
+
+
+class StepPipeline:
+    def __init__(
+        self,
+        executor: ExecutorBase,
+        scheduler: Scheduler,
+        structured_outputs: StructuredOutputManager,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.executor = executor
+        self.scheduler = scheduler
+        self.structured_outputs = structured_outputs
+        self.eos_token_ids = eos_token_ids
+        self.planner = StepPlanner()
+        self._in_flight: tuple[SchedulerOutput, AsyncStepOutput] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step is in flight."""
+        return self._in_flight is not None
+
+    def launch(self, scheduled: SchedulerOutput) -> list[Sequence]:
+        """Launch `scheduled`, then drain the step before it; the sequences that drained."""
+        future = self.executor.execute_model_async(self.planner.plan(scheduled))
+        touched = self.drain()
+        self.scheduler.advance(scheduled)
+        self._in_flight = (scheduled, future)
+        return touched
+
+    def drain(self) -> list[Sequence]:
+        """Read back the step in flight, if there is one; the sequences that got a token."""
+        if self._in_flight is None:
+            return []
+        scheduled, future = self._in_flight
+        self._in_flight = None
+        touched = self.scheduler.resolve(scheduled, future.result(), self.eos_token_ids)
+        for seq, reason in self.structured_outputs.advance(touched):
+            self.scheduler.finish(seq, reason)
+        return touched

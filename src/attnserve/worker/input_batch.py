@@ -1,0 +1,270 @@
+"""`InputBatch`: the worker's persistent state of every sequence it holds, and each step's inputs
+built from it.
+
+The engine sends only what changed (`StepPlan`); this keeps the rest, one row (a slot) per held
+sequence in persistent host arrays: its token ids, how many are known on the host and in all,
+how many are in the cache, its block table. A step's layout, token ids and sampling rows come
+from those arrays with a few vectorised gathers (no per-sequence lists). The first token each
+sequence draws stays on the device (`last_sampled`): the next step reads it from there (a token
+the host does not know yet, with async scheduling), and the host copy is written when the step's
+future resolves (`record`). Slots are reused; a slot's generation tells a late result that its
+sequence has gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attnserve.attention import StepLayout, layout_from_arrays
+from attnserve.core import NewSequence, StepPlan
+from attnserve.host_copy import to_device
+
+INITIAL_SLOTS = 64
+SEED_MASK = 2**62 - 1
+
+
+class SequenceState:
+    """One held sequence's fixed facts, and what the sampler asks of its row (`SamplingRow`),
+    read from the batch's arrays when asked."""
+
+    __slots__ = ("_batch", "index", "num_first_draws", "num_prompt_tokens", "sampling", "slot")
+
+    def __init__(self, batch: InputBatch, slot: int, seq: NewSequence) -> None:
+        self._batch = batch
+        self.slot = slot
+        self.sampling = seq.sampling
+        self.index = seq.index
+        self.num_prompt_tokens = seq.num_prompt_tokens
+        self.num_first_draws = seq.num_first_draws
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens past the prompt, drawn ones still on the device included."""
+        return int(self._batch.num_tokens[self.slot]) - self.num_prompt_tokens
+
+    @property
+    def num_samples(self) -> int:
+        return self.num_first_draws
+
+    @property
+    def sample_seed(self) -> int | None:
+        """The seed of this sequence's next draw, or None for the global generator."""
+        seed = self.sampling.seed if self.sampling is not None else None
+        if seed is None:
+            return None
+        return hash((seed, self.index, self.num_output_tokens)) & SEED_MASK
+
+    @property
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Tokens the next draw may not take: stop and EOS tokens before `min_tokens`."""
+        params = self.sampling
+        if params is None or not params.min_tokens:
+            return ()
+        if self.num_output_tokens >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else self._batch.eos_token_ids
+        return tuple(dict.fromkeys([*params.stop_token_ids, *eos]))
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._batch.token_ids[self.slot, : self.num_prompt_tokens].tolist()
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The outputs so far; every one must be on the host (penalties read them)."""
+        known = int(self._batch.num_host_tokens[self.slot])
+        if known < self._batch.num_tokens[self.slot]:
+            raise RuntimeError("penalties need the outputs, but the last is still on the device")
+        return self._batch.token_ids[self.slot, self.num_prompt_tokens : known].tolist()
+
+    def prompt_logprob_targets(self, context: int, query: int) -> list[int]:
+        """The next prompt token of each of this step's new tokens that has one (prompt
+        log-probabilities), or [] when none are asked for."""
+        params = self.sampling
+        if params is None or params.prompt_logprobs is None or self.index:
+            return []
+        if self.num_output_tokens:
+            return []
+        end = min(context + query + 1, self.num_prompt_tokens)
+        return self._batch.token_ids[self.slot, context + 1 : end].tolist()
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """One step's inputs: the layout, the new token ids on the host, where tokens drawn by the
+    previous step (still on the device) go among them, and the rows that sample."""
+
+    layout: StepLayout
+    token_ids: torch.Tensor  # [T] int64, host; carried positions hold a placeholder
+    carried: tuple[torch.Tensor, torch.Tensor] | None  # (flat token index, token) on the device
+    slots: np.ndarray  # [B] each sequence's slot
+    states: list[SequenceState]  # [B]
+    sample_rows: list[int]  # the sequences that draw this step
+    sampling: list[SequenceState]  # their states, in the same order
+
+
+@dataclass(frozen=True)
+class PendingDraws:
+    """Where a launched step's first draws go in the host token arrays once they are read."""
+
+    slots: np.ndarray
+    positions: np.ndarray
+    generations: np.ndarray
+
+
+class InputBatch:
+    def __init__(
+        self,
+        max_model_len: int,
+        block_size: int,
+        eos_token_ids: list[int],
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.device = device
+        self.max_tokens = max_model_len + 1  # a step may draw past the limit; then it ends
+        self.max_blocks = -(-max_model_len // block_size)
+        self.states: dict[int, SequenceState] = {}  # seq id -> state
+        self.prompt_logprob_seqs: set[int] = set()  # held sequences that ask for them
+        self._free_slots: list[int] = []
+        self.token_ids = np.zeros((0, self.max_tokens), dtype=np.int64)
+        self.num_host_tokens = np.zeros(0, dtype=np.int64)  # known on the host
+        self.num_tokens = np.zeros(0, dtype=np.int64)  # in all, drawn ones on the device too
+        self.num_computed = np.zeros(0, dtype=np.int64)
+        self.block_table = np.zeros((0, self.max_blocks), dtype=np.int64)
+        self.num_blocks = np.zeros(0, dtype=np.int64)
+        self.generation = np.zeros(0, dtype=np.int64)
+        self.samples = np.zeros(0, dtype=np.bool_)  # has sampling params
+        self.last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
+        self._grow(INITIAL_SLOTS)
+
+    def _grow(self, capacity: int) -> None:
+        old = len(self.num_tokens)
+        for name in (
+            "token_ids",
+            "num_host_tokens",
+            "num_tokens",
+            "num_computed",
+            "block_table",
+            "num_blocks",
+            "generation",
+            "samples",
+        ):
+            array = getattr(self, name)
+            grown = np.zeros((capacity, *array.shape[1:]), dtype=array.dtype)
+            grown[:old] = array
+            setattr(self, name, grown)
+        sampled = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+        sampled[:old] = self.last_sampled
+        self.last_sampled = sampled
+        self._free_slots += reversed(range(old, capacity))
+
+    def apply(self, plan: StepPlan) -> None:
+        """Drop the released sequences, take in the new ones, update block tables."""
+        self.release(plan.released_seq_ids)
+        for seq in plan.new_seqs:
+            self._add(seq)
+        for update in plan.block_updates:
+            slot = self._slot(update.seq_id)
+            end = update.num_kept + len(update.appended)
+            self._check_blocks(update.seq_id, end)
+            self.block_table[slot, update.num_kept : end] = update.appended
+            self.num_blocks[slot] = end
+
+    def release(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            state = self.states.pop(seq_id, None)
+            if state is not None:
+                self._free_slots.append(state.slot)
+                self.prompt_logprob_seqs.discard(seq_id)
+
+    def _slot(self, seq_id: int) -> int:
+        state = self.states.get(seq_id)
+        if state is None:
+            raise ValueError(f"sequence {seq_id} is not held by this worker")
+        return state.slot
+
+    def _check_blocks(self, seq_id: int, num_blocks: int) -> None:
+        if num_blocks > self.max_blocks:
+            raise ValueError(
+                f"sequence {seq_id}: {num_blocks} blocks, more than max_model_len needs "
+                f"({self.max_blocks})"
+            )
+
+    def _add(self, seq: NewSequence) -> None:
+        num_tokens = len(seq.token_ids)
+        if seq.seq_id in self.states:
+            raise ValueError(f"sequence {seq.seq_id} is already held")
+        if not 0 <= seq.num_computed_tokens < num_tokens <= self.max_tokens:
+            raise ValueError(
+                f"sequence {seq.seq_id}: {num_tokens} tokens ({seq.num_computed_tokens} "
+                f"computed) do not fit 1..{self.max_tokens - 1} with one left to compute"
+            )
+        self._check_blocks(seq.seq_id, len(seq.block_ids))
+        if not self._free_slots:
+            self._grow(2 * len(self.num_tokens))
+        slot = self._free_slots.pop()
+        self.token_ids[slot, :num_tokens] = seq.token_ids
+        self.num_host_tokens[slot] = self.num_tokens[slot] = num_tokens
+        self.num_computed[slot] = seq.num_computed_tokens
+        self.block_table[slot, : len(seq.block_ids)] = seq.block_ids
+        self.num_blocks[slot] = len(seq.block_ids)
+        self.generation[slot] += 1
+        self.samples[slot] = seq.sampling is not None
+        self.states[seq.seq_id] = SequenceState(self, slot, seq)
+        if seq.sampling is not None and seq.sampling.prompt_logprobs is not None:
+            self.prompt_logprob_seqs.add(seq.seq_id)
+
+    def prepare(self, plan: StepPlan) -> PreparedStep:
+        """The step's inputs from the held state (after `apply`)."""
+        try:
+            states = [self.states[seq_id] for seq_id in plan.seq_ids]
+        except KeyError as missing:
+            raise ValueError(f"sequence {missing.args[0]} is not held by this worker") from None
+        slots = np.fromiter((s.slot for s in states), np.int64, len(states))
+        query = np.asarray(plan.num_new_tokens, dtype=np.int64)
+        context = self.num_computed[slots]
+        total = self.num_tokens[slots]
+        if len(query) != len(slots) or (context + query > total).any():
+            raise ValueError("the plan computes tokens its sequences do not have")
+        width = max(int(self.num_blocks[slots].max(initial=0)), 1)
+        layout = layout_from_arrays(
+            self.block_table[slots, :width], self.num_blocks[slots], context, query, self.block_size
+        )
+        token_slots = slots[layout.token_seq.numpy()]
+        positions = layout.token_pos.numpy()
+        token_ids = torch.from_numpy(self.token_ids[token_slots, positions])
+        carried_at = np.flatnonzero(positions >= self.num_host_tokens[token_slots])
+        carried = None
+        if len(carried_at):
+            index = to_device(torch.from_numpy(carried_at), self.device)
+            source = to_device(torch.from_numpy(token_slots[carried_at]), self.device)
+            carried = (index, self.last_sampled[source])
+        sample_rows = np.flatnonzero((context + query == total) & self.samples[slots]).tolist()
+        sampling = [states[row] for row in sample_rows]
+        return PreparedStep(layout, token_ids, carried, slots, states, sample_rows, sampling)
+
+    def advance(self, step: PreparedStep, first_draws: torch.Tensor | None) -> PendingDraws:
+        """Count the step's tokens as computed and its draws (`first_draws`: each sampling row's
+        first token, on the device) as known to the device; where they go on the host."""
+        self.num_computed[step.slots] += step.layout.query_lens.numpy()
+        drew = step.slots[step.sample_rows]
+        positions = self.num_tokens[drew].copy()
+        self.num_tokens[drew] += 1
+        for state in step.sampling:
+            state.num_first_draws = 1
+        if first_draws is not None and len(drew):
+            self.last_sampled[to_device(torch.from_numpy(drew), self.device)] = first_draws
+        return PendingDraws(drew, positions, self.generation[drew].copy())
+
+    def record(self, pending: PendingDraws, tokens: list[int]) -> None:
+        """Write a resolved step's first draws into the host arrays, where their sequences
+        are still held."""
+        alive = self.generation[pending.slots] == pending.generations
+        slots, positions = pending.slots[alive], pending.positions[alive]
+        self.token_ids[slots, positions] = np.asarray(tokens, dtype=np.int64)[alive]
+        self.num_host_tokens[slots] = positions + 1
