@@ -42,14 +42,14 @@ def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
     )
 
 
-def _output(seq: Sequence) -> EngineCoreOutput | None:
-    """What `seq` got this step: its one new token (none when the scheduler ended it); for a
-    request that needs its outputs only when finished, nothing until then, and then all of it."""
+def _output(seq: Sequence, drew: bool) -> EngineCoreOutput | None:
+    """What `seq` got this step: its one new token if it `drew` one (none when the scheduler
+    ended it); for a request that needs its outputs only when finished, nothing until then, and
+    then all of it."""
     params = seq.sampling_params
     if params.outputs_only_when_finished:
         return _whole_output(seq) if seq.is_finished else None
     num_output_tokens = seq.num_output_tokens
-    drew = num_output_tokens > 0 and not seq.num_pending_tokens
     if not drew:
         return EngineCoreOutput(seq.request_id, seq.index, [], finish_reason=seq.finish_reason)
     first = seq.index == 0 and num_output_tokens == 1
@@ -172,14 +172,14 @@ class EngineCore:
         out = EngineCoreOutputs()
         self._admit_compiled(out)
         scheduled = self.scheduler.schedule()
-        self._report(scheduled.finished, out)
+        self._report(scheduled.finished, out, drew=False)
         if self.pipeline.busy and _needs_host_tokens(scheduled):
-            self._report(self.pipeline.drain(), out)
+            self._report(self.pipeline.drain(), out, drew=True)
             scheduled.scheduled = [i for i in scheduled.scheduled if not i.seq.is_finished]
         if scheduled.scheduled:
-            self._report(self.pipeline.launch(scheduled), out)
+            self._report(self.pipeline.launch(scheduled), out, drew=True)
         if not self.async_scheduling or not scheduled.scheduled:
-            self._report(self.pipeline.drain(), out)
+            self._report(self.pipeline.drain(), out, drew=True)
         out.finished_requests, self._ended = self._ended, []
         out.timestamp = time.monotonic()
         return out
@@ -192,15 +192,15 @@ class EngineCore:
             if seq.request_id not in self.requests:  # aborted while it compiled
                 continue
             if seq.is_finished:
-                self._report([seq], out)
+                self._report([seq], out, drew=False)
             else:
                 self.scheduler.add(seq)
 
-    def _report(self, seqs: list[Sequence], out: EngineCoreOutputs) -> None:
+    def _report(self, seqs: list[Sequence], out: EngineCoreOutputs, drew: bool) -> None:
         """Each sequence's output (forks join their request here); then end every request
         whose sequences have all finished."""
         for seq in seqs:
-            output = _output(seq)
+            output = _output(seq, drew)
             if output is not None:
                 out.outputs.append(output)
             self.requests[seq.request_id].setdefault(seq.index, seq)
