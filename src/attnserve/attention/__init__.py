@@ -8,7 +8,7 @@ from attnserve.attention.backends.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout, build_step_layout, pad_for_cuda_graph
+from attnserve.attention.backends.layout import StepLayout, build_step_layout, pad_for_graph
 from attnserve.attention.forward_context import (
     AttentionSplit,
     Builders,
@@ -57,7 +57,7 @@ __all__ = [
     "get_backend_cls",
     "get_model_attn_backend",
     "metadata_builders",
-    "pad_for_cuda_graph",
+    "pad_for_graph",
     "register_backend",
     "set_forward_context",
     "splitting_at_attention",

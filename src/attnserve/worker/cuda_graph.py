@@ -4,11 +4,11 @@ A decode step launches hundreds of small kernels; replaying them as one captured
 the per-launch host cost. Graphs are captured once at start-up for buckets 1, 2, 4, 8, 16, 24,
 ... (sparser above 256) up to `max_num_seqs` (largest first, all in one memory pool). A step of
 n decodes runs the smallest bucket >= n: its layout is padded to the bucket
-(`pad_for_cuda_graph`), its token ids and the padded layout's positions go into static input
+(`pad_for_graph`), its token ids and the padded layout's positions go into static input
 buffers, each of the model's metadata builders writes the padded layout into its persistent
-buffers (`build_for_cuda_graph`), the graph replays, and the first n rows of the captured final
+buffers (`build_for_graph`), the graph replays, and the first n rows of the captured final
 hidden states are the step's (the LM head runs outside the graph, on those rows only, so the
-graphs hold no vocabulary-sized buffers). Only backends whose capabilities declare `cuda_graphs`
+graphs hold no vocabulary-sized buffers). Only backends whose capabilities declare `graphs`
 are captured.
 """
 
@@ -27,7 +27,7 @@ from attnserve.attention import (
     StepMetadata,
     build_graph_metadata,
     build_step_layout,
-    pad_for_cuda_graph,
+    pad_for_graph,
     set_forward_context,
 )
 
@@ -78,7 +78,7 @@ class CUDAGraphRunner:
         self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
         for builder in builders.values():
-            builder.init_cuda_graph_buffers(max_num_seqs, max_blocks_per_seq)
+            builder.init_graph_buffers(max_num_seqs, max_blocks_per_seq)
 
     @property
     def max_num_seqs(self) -> int:
@@ -111,7 +111,7 @@ class CUDAGraphRunner:
         names block 0 twice, so it holds them whatever the block size)."""
         block_size = next(iter(self.builders)).block_size
         layout = build_step_layout([[0, 0]] * size, [1] * size, [1] * size, block_size)
-        return build_graph_metadata(self.builders, pad_for_cuda_graph(layout, size))
+        return build_graph_metadata(self.builders, pad_for_graph(layout, size))
 
     def run(
         self,
@@ -124,7 +124,7 @@ class CUDAGraphRunner:
         device) overrides those rows' token ids."""
         num_seqs = layout.num_seqs
         size = next(s for s in self.sizes if s >= num_seqs)
-        padded = pad_for_cuda_graph(layout, size)
+        padded = pad_for_graph(layout, size)
         metadata = build_graph_metadata(self.builders, padded)
         host = torch.zeros(2, size, dtype=torch.int64)
         host[0, :num_seqs] = token_ids

@@ -116,7 +116,7 @@ class ModelRunner:
             kind, max_num_seqs = CPUGraphRunner, min(max_num_seqs, MAX_GRAPH_SEQS)
         elif self.device.type != "cuda":
             return None
-        if not self.backend.capabilities.cuda_graphs:
+        if not self.backend.capabilities.graphs:
             logger.info("no graphs: backend %s does not support them", self.backend.get_name())
             return None
         max_blocks = -(-self.model_config.max_model_len // self.cache_config.block_size)

@@ -160,7 +160,7 @@ def query_grid(layout: StepLayout, seqs: range, padding_pos: int) -> QueryGrid:
     return QueryGrid(tokens, num_rows, row_of_token, grid_token, query_pos)
 
 
-def pad_for_cuda_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
+def pad_for_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
     """A decode-only layout padded to `num_padded_seqs` sequences (a capture bucket): the real
     decodes first, then padding sequences of one token at position 0 in block 0 (context 0,
     slot -1: they write nothing, and their outputs are ignored). They count as decodes."""
