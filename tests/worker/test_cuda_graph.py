@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnserve.attention import build_step_layout, pad_for_graph
-from attnserve.worker.cuda_graph import capture_sizes
+from attnserve.worker.graph_runner import capture_sizes
 
 
 @pytest.mark.parametrize(

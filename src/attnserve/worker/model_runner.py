@@ -57,6 +57,7 @@ from attnserve.worker.cache_engine import (
 )
 from attnserve.worker.cpu_graph import MAX_GRAPH_SEQS, CPUGraphRunner
 from attnserve.worker.cuda_graph import CUDAGraphRunner
+from attnserve.worker.graph_runner import GraphRunner
 from attnserve.worker.kv_calibration import calibration_batch
 from attnserve.worker.piecewise_graph import PiecewiseGraphRunner
 from attnserve.worker.profile_run import profile_batch, warm_up_batches
@@ -90,7 +91,7 @@ class ModelRunner:
         self.builders = metadata_builders(self.backend, specs, device)
         self.sampler = Sampler()
         self._last_tokens: torch.Tensor | None = None  # the last step's first draw per row
-        self.graphs: CUDAGraphRunner | None = None
+        self.graphs: GraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
         activation_bytes = self._peak_activation_bytes(max_num_seqs, max_num_batched_tokens)
         self.cache_engine = self._allocate_kv_cache(activation_bytes)
@@ -110,8 +111,8 @@ class ModelRunner:
     def num_swap_blocks(self) -> int:
         return self.cache_engine.num_swap_blocks
 
-    def _capture_graphs(self, max_num_seqs: int) -> CUDAGraphRunner | None:
-        kind: type[CUDAGraphRunner] = CUDAGraphRunner
+    def _capture_graphs(self, max_num_seqs: int) -> GraphRunner | None:
+        kind: type[GraphRunner] = CUDAGraphRunner
         if self.device.type == "cpu":
             kind, max_num_seqs = CPUGraphRunner, min(max_num_seqs, MAX_GRAPH_SEQS)
         elif self.device.type != "cuda":
