@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 from attnserve import __version__
-from attnserve.attention.backends.abstract import AttentionSpec
+from attnserve.attention.abstract import AttentionSpec
 from attnserve.attention.selector import (
     backend_report,
     describe_capabilities,

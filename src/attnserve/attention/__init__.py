@@ -1,6 +1,6 @@
 """attnserve's attention layer: the backend contract, the registry, the selector and the module."""
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
@@ -8,7 +8,6 @@ from attnserve.attention.backends.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout, build_step_layout, pad_for_graph
 from attnserve.attention.forward_context import (
     AttentionSplit,
     Builders,
@@ -28,6 +27,7 @@ from attnserve.attention.layer import (
     bind_kv_caches,
     calibrating_kv_scales,
 )
+from attnserve.attention.layout import StepLayout, build_step_layout, pad_for_graph
 from attnserve.attention.registry import backend_names, get_backend_cls, register_backend
 from attnserve.attention.selector import get_attn_backend, get_model_attn_backend
 

@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionSpec,
 )
-from attnserve.attention.backends.layout import StepLayout
+from attnserve.attention.layout import StepLayout
 
 StepMetadata = Mapping[AttentionSpec, AttentionMetadata]
 Builders = Mapping[AttentionSpec, AttentionMetadataBuilder[Any]]

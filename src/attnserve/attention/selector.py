@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionSpec,
     BackendCapabilities,

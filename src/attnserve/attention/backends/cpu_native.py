@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
@@ -23,7 +23,7 @@ from attnserve.attention.backends.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout
+from attnserve.attention.layout import StepLayout
 from attnserve.attention.ops.cpu_attention import cpu_attention_library, cpu_paged_attention
 
 

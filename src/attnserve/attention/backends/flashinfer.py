@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
@@ -33,7 +33,7 @@ from attnserve.attention.backends.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout
+from attnserve.attention.layout import StepLayout
 from attnserve.host_copy import to_device
 
 WORKSPACE_BYTES = 128 * 1024 * 1024

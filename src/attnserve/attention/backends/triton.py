@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
@@ -26,8 +26,8 @@ from attnserve.attention.backends.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout
 from attnserve.attention.kv_scales import KVCacheScales
+from attnserve.attention.layout import StepLayout
 from attnserve.host_copy import to_device
 
 try:

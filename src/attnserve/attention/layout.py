@@ -4,7 +4,7 @@ Builders differ in what they hand their kernels; they all need the same facts fi
 sequence and position each new token has, its cache slot, and the padded block table. This
 module computes them with a handful of tensor ops (no Python loop over tokens), once per step
 for the model runner and every builder (the model's positions are `token_pos`). It also pads a
-decode step to a CUDA-graph bucket, and holds the dense query grid of backends that pad queries
+decode step to a graph bucket, and holds the dense query grid of backends that pad queries
 into [B, Q] batches, and the plain-torch slot write shared by layouts whose K and V planes
 flatten to [slots, Hkv, D].
 """

@@ -2,7 +2,7 @@
 
 A backend owns everything layout-specific: the KV-cache shape, moving cache blocks, the per-step
 metadata its kernels need (built by its `AttentionMetadataBuilder` from the step's `StepLayout`)
-and the attention operator itself. Nothing above `attention/backends/` sees any of it.
+and the attention operator itself. Nothing outside `attention/backends/` sees any of it.
 
 `AttentionSpec` is the one description of a kind of attention layer: the model runner builds it
 from the model's layers, the selector matches it against capabilities, and each builder is made
@@ -21,7 +21,7 @@ import torch
 from attnserve.attention.kv_scales import KVCacheScales
 
 if TYPE_CHECKING:
-    from attnserve.attention.backends.layout import StepLayout
+    from attnserve.attention.layout import StepLayout
 
 
 def check_window_and_cap(sliding_window: int | None, logits_soft_cap: float | None) -> None:
