@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout
+from attnserve.attention.layout import StepLayout
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import attnserve
 
 PACKAGE = Path(attnserve.__file__).parent
 ALLOWED = (
+    "attention/abstract.py",  # the contract: it declares the KV-layout hooks the backends fill
     "attention/backends/",
     "attention/ops/",
     "attention/registry.py",

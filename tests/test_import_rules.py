@@ -2,7 +2,16 @@
 worker -> engine_config -> model -> attention -> the leaf modules (core, sampling_params,
 config, distributed, ...). A module may import its own layer and the layers below it, never one
 above; the engine reaches the ranks only through the executor (it imports nothing from worker/);
-and no modules import each other in a circle.
+no modules import each other in a circle, and no folders do.
+
+Folders: the parts of a package are its `__init__` (its public face, free to re-export what lies
+below it), each subpackage with everything under it, and the package's own modules taken
+together; the root package's modules (cli, core, engine_config, ...) stand in different layers,
+so each of them is a part of its own. An import from one part of a package to another is an
+arrow between the two (a subpackage's imports of its parent's modules or of its parent's
+`__init__` included), and in no package do these arrows go round in a circle. So, for instance,
+the backends (`attention/backends/`) import the contract in `attention/`, and nothing in
+`attention/` itself imports a backend.
 
 Every module under src/attnserve is parsed with `ast`; every import statement counts, at module
 level or inside a function (or under TYPE_CHECKING). `from pkg import name` is an import of the
@@ -90,6 +99,52 @@ def import_graph(package: Path) -> ImportGraph:
         )
         for name, path in paths.items()
     }
+
+
+def package_names(package: Path) -> set[str]:
+    return {module_name(path, package) for path in package.rglob("__init__.py")}
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(f"{package}.")
+
+
+def part_of(package: str, module: str, packages: set[str]) -> str:
+    """The part of `package` that holds `module` (a module inside it): the package's `__init__`
+    (`package.__init__`), a subpackage with everything under it, or the package's own modules
+    taken together (`package.*`), except in the root package, whose modules are parts of their
+    own."""
+    if module == package:
+        return f"{package}.__init__"
+    child = f"{package}.{module[len(package) + 1 :].split('.')[0]}"
+    if child in packages or "." not in package:
+        return child
+    return f"{package}.*"
+
+
+def folder_graphs(graph: ImportGraph, packages: set[str]) -> dict[str, ImportGraph]:
+    """Per package, the imports between its parts (`part_of`)."""
+    levels: dict[str, ImportGraph] = {}
+    for importer, imported in graph.items():
+        for target in imported:
+            for package in packages:
+                if not (_inside(importer, package) and _inside(target, package)):
+                    continue
+                source, sink = (
+                    part_of(package, importer, packages),
+                    part_of(package, target, packages),
+                )
+                if source != sink:
+                    level = levels.setdefault(package, {})
+                    level.setdefault(source, set()).add(sink)
+                    level.setdefault(sink, set())
+    return levels
+
+
+def folder_cycles(graph: ImportGraph, packages: set[str]) -> list[list[str]]:
+    """One cycle per strongly connected group of parts, in every package."""
+    levels = folder_graphs(graph, packages)
+    return [cycle for _, level in sorted(levels.items()) for cycle in find_cycles(level)]
 
 
 def find_cycles(graph: ImportGraph) -> list[list[str]]:
@@ -182,6 +237,11 @@ def test_no_import_cycles(graph: ImportGraph) -> None:
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+def test_no_folder_cycles(graph: ImportGraph) -> None:
+    cycles = [" -> ".join(cycle) for cycle in folder_cycles(graph, package_names(PACKAGE))]
+    assert not cycles, "folder cycles:\n" + "\n".join(cycles)
+
+
 def test_no_upward_imports(graph: ImportGraph) -> None:
     found = list(forbidden_imports(graph))
     assert not found, "imports against the layering:\n" + "\n".join(found)
@@ -230,4 +290,36 @@ def test_the_checks_see_cycles_and_upward_imports(tmp_path: Path) -> None:
         f"{ROOT}.engine.step (layer engine) imports {ROOT}.cli (layer top), above it",
         f"{ROOT}.engine.step imports {ROOT}.worker.batch: it must go through the layer between",
         f"{ROOT}.model.loader (layer model) imports {ROOT}.worker.batch (layer worker), above it",
+    ]
+
+
+def test_the_folder_check_sees_cycles_between_folders(tmp_path: Path) -> None:
+    package = _write(
+        tmp_path / ROOT,
+        {
+            "__init__.py": "def f():\n    from attnserve.entry import llm\n",
+            "core.py": "",
+            "entry/__init__.py": "",
+            "entry/llm.py": "from attnserve import core\n",
+            "entry/server.py": "from attnserve import __version__\n",
+            "attn/__init__.py": "from attnserve.attn.backends import sdpa\n",
+            "attn/selector.py": "from attnserve.attn.backends.abstract import Backend\n",
+            "attn/scales.py": "",
+            "attn/backends/__init__.py": "",
+            "attn/backends/abstract.py": "from attnserve.attn import scales\n",
+            "attn/backends/sdpa.py": "from .abstract import Backend\n",
+        },
+    )
+    graph = import_graph(package)
+    assert find_cycles(graph) == []
+    packages = package_names(package)
+    assert packages == {ROOT, f"{ROOT}.entry", f"{ROOT}.attn", f"{ROOT}.attn.backends"}
+    assert folder_graphs(graph, packages)[ROOT] == {
+        f"{ROOT}.__init__": {f"{ROOT}.entry"},
+        f"{ROOT}.entry": {f"{ROOT}.core", f"{ROOT}.__init__"},
+        f"{ROOT}.core": set(),
+    }
+    assert folder_cycles(graph, packages) == [
+        [f"{ROOT}.__init__", f"{ROOT}.entry", f"{ROOT}.__init__"],
+        [f"{ROOT}.attn.*", f"{ROOT}.attn.backends", f"{ROOT}.attn.*"],
     ]

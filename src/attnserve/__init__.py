@@ -3,8 +3,7 @@
 from attnserve.outputs import CompletionOutput, RequestOutput
 from attnserve.sampling_params import SamplingParams
 from attnserve.structured_outputs import StructuredOutputsParams
-
-__version__ = "0.1.0"
+from attnserve.version import __version__ as __version__
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 

@@ -14,8 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
-from attnserve import __version__
-from attnserve.attention.backends.abstract import AttentionSpec
+from attnserve.attention.abstract import AttentionSpec
 from attnserve.attention.selector import (
     backend_report,
     describe_capabilities,
@@ -23,6 +22,7 @@ from attnserve.attention.selector import (
     registered_capabilities,
 )
 from attnserve.sampling_params import SamplingParams
+from attnserve.version import __version__
 
 if TYPE_CHECKING:
     from attnserve.model.model_cache import CacheEntry

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from attnserve.attention import AttentionBackend, pad_for_cuda_graph, set_forward_context
+from attnserve.attention import AttentionBackend, pad_for_graph, set_forward_context
 from tests.attention.harness import (
     Case,
     Runner,
@@ -217,26 +217,24 @@ def _storage(meta: object) -> dict[str, int]:
 
 # bf16 (CASES[1::9]), float32 (CASES[0::18]: CPU_NATIVE's only dtype) and an fp8 cache
 @pytest.mark.parametrize("case", CASES[1::9] + CASES[0::18] + FP8_CASES[4:], ids=str)
-def test_cuda_graph_metadata_decodes_match_reference(
+def test_graph_metadata_decodes_match_reference(
     backend_on_device: tuple[type[AttentionBackend], str], case: Case
 ) -> None:
-    """A padded decode step built by `build_for_cuda_graph` attends like the dense reference,
+    """A padded decode step built by `build_for_graph` attends like the dense reference,
     and a rebuild for the same bucket reuses the same buffers (what graph replay relies on)."""
     backend, device = backend_on_device
-    if not backend.capabilities.cuda_graphs:
-        pytest.skip(f"{backend.get_name()} does not declare CUDA graph support")
+    if not backend.capabilities.graphs:
+        pytest.skip(f"{backend.get_name()} does not declare graph support")
     runner, seqs = _setup(backend, case, device)
     seqs = [s for s in seqs if s.length >= 2]
     runner.step(seqs, [(0, s.length - 1) for s in seqs])
     bucket = len(seqs) + 3
-    runner.builder.init_cuda_graph_buffers(bucket, max(len(s.blocks) for s in seqs) + 1)
+    runner.builder.init_graph_buffers(bucket, max(len(s.blocks) for s in seqs) + 1)
     spans = [(s.length - 1, s.length) for s in seqs]
-    first = runner.builder.build_for_cuda_graph(
-        pad_for_cuda_graph(runner.layout(seqs[:1], spans[:1]), bucket)
+    first = runner.builder.build_for_graph(
+        pad_for_graph(runner.layout(seqs[:1], spans[:1]), bucket)
     )
-    meta = runner.builder.build_for_cuda_graph(
-        pad_for_cuda_graph(runner.layout(seqs, spans), bucket)
-    )
+    meta = runner.builder.build_for_graph(pad_for_graph(runner.layout(seqs, spans), bucket))
     assert _storage(first) == _storage(meta)
 
     def padded(name: str) -> torch.Tensor:

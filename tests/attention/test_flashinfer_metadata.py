@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from attnserve.attention import build_step_layout, pad_for_cuda_graph
+from attnserve.attention import build_step_layout, pad_for_graph
 from attnserve.attention.backends.flashinfer import SlotWrites, paged_groups
 
 
@@ -38,13 +38,13 @@ def test_mixed_step_csr() -> None:
 
 def test_graph_decode_step_is_padded_with_one_token_sequences() -> None:
     layout = build_step_layout([[5, 2], [9]], [6, 1], [1, 1], 4)
-    prefill, decode = paged_groups(pad_for_cuda_graph(layout, 4), 4, torch.device("cpu"))
+    prefill, decode = paged_groups(pad_for_graph(layout, 4), 4, torch.device("cpu"))
     assert decode is not None and prefill is None
     assert _ints(decode.qo_indptr) == [0, 1, 2, 3, 4]
     assert _ints(decode.kv_indptr) == [0, 2, 3, 4, 5]
     assert _ints(decode.kv_indices) == [5, 2, 9, 0, 0]  # padding reads block 0 ...
     assert _ints(decode.kv_last_page_len) == [3, 2, 1, 1]
-    writes = SlotWrites.from_slot_mapping(pad_for_cuda_graph(layout, 4).slot_mapping, 4)
+    writes = SlotWrites.from_slot_mapping(pad_for_graph(layout, 4).slot_mapping, 4)
     # ... and writes nothing: padding rewrites the first real token's slot with its own values
     assert writes.source.tolist() == [0, 1, 0, 0]
     assert writes.blocks.tolist() == [2, 9, 2, 2] and writes.offsets.tolist() == [2, 1, 2, 2]

@@ -120,7 +120,7 @@ def test_entry_point_backend_is_registered_without_code_change(
     (tmp_path / "my_backend.py").write_text(
         textwrap.dedent(
             """
-            from attnserve.attention.backends.abstract import BackendCapabilities
+            from attnserve.attention.abstract import BackendCapabilities
             from attnserve.attention.backends.torch_sdpa import TorchSDPABackend
             import torch
 

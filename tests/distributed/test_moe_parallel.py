@@ -21,7 +21,7 @@ from attnserve.model.config import ModelConfig
 from attnserve.model.layers import moe
 from attnserve.model.layers.moe import FusedMoE, moe_reference, select_experts
 from attnserve.model.loader import build_model
-from attnserve.model.loader.weights import init_dummy_weights
+from attnserve.model.weights import init_dummy_weights
 from tests.conftest import hf_greedy
 from tests.distributed.test_parallel_layers import as_rank
 from tests.distributed.test_tensor_parallel import random_prompts, token_ids

@@ -22,9 +22,9 @@ from attnserve.model.layers.linear import (
     RowParallelLinear,
 )
 from attnserve.model.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from attnserve.model.layers.weight_utils import load_weight
 from attnserve.model.loader import build_model
-from attnserve.model.loader.weights import init_dummy_weights
+from attnserve.model.quantization.weight_utils import load_weight
+from attnserve.model.weights import init_dummy_weights
 
 
 @contextmanager

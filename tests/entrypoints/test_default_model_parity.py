@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnserve import LLM, SamplingParams
-from attnserve.model.hf_export import to_hf_model
+from attnserve.model.models.hf_export import to_hf_model
 
 NEW_TOKENS = 16  # every prompt's decode crosses a 16-token block boundary
 RAW_PROMPTS = [

@@ -12,7 +12,7 @@ import torch
 
 from attnserve import LLM, SamplingParams
 from attnserve.model import ModelConfig, load_model
-from attnserve.model.hf_export import to_hf_model
+from attnserve.model.models.hf_export import to_hf_model
 
 MODEL = "qwen3-0.6b"
 PROMPT_LENS = (7, 33, 130, 517)

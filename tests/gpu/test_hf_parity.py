@@ -103,7 +103,7 @@ def test_fp32_cuda_graph_replays_give_the_eager_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _skip_unless_servable(backend, "float32")
-    if not get_backend_cls(backend).capabilities.cuda_graphs:
+    if not get_backend_cls(backend).capabilities.graphs:
         pytest.skip(f"{backend} captures no CUDA graphs: it runs eagerly either way")
     reference = hf_reference("float32")
     llm = _engine(backend, "float32", enforce_eager=False)
@@ -154,7 +154,7 @@ def test_fp32_piecewise_replays_of_prompt_steps_give_hfs_tokens(
     """Steps that carry prompts (here chunks of 256 tokens beside decodes) from the piecewise
     graphs of their token count, attention eager between the pieces."""
     _skip_unless_servable(backend, "float32")
-    if not get_backend_cls(backend).capabilities.cuda_graphs:
+    if not get_backend_cls(backend).capabilities.graphs:
         pytest.skip(f"{backend} captures no CUDA graphs: it runs eagerly either way")
     reference = hf_reference("float32")
     settings = ENGINE | {"max_num_batched_tokens": 256}

@@ -17,12 +17,12 @@ from safetensors.torch import load_file, save_file
 from attnserve import LLM, SamplingParams
 from attnserve.model import ModelConfig
 from attnserve.model.layers.linear import Linear, QKVParallelLinear, RowParallelLinear
-from attnserve.model.layers.weight_utils import load_weight
 from attnserve.model.loader import load_model
 from attnserve.model.quantization import active_quantization, process_weights_after_loading
 from attnserve.model.quantization.base import UnquantizedLinearMethod
 from attnserve.model.quantization.fp8 import FP8, FP8_MAX, Fp8Config, fp8_linear, quantize_rows
 from attnserve.model.quantization.fp8_checkpoint import Fp8Scheme
+from attnserve.model.quantization.weight_utils import load_weight
 from tests.distributed.test_parallel_layers import as_rank
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

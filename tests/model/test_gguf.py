@@ -16,7 +16,7 @@ from gguf.quants import dequantize, quantize
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from attnserve.model import ModelConfig
-from attnserve.model.loader.gguf import unpermute_rows
+from attnserve.model.gguf import unpermute_rows
 from tests.model.paged import PagedRunner, load_reference_model
 
 Q = GGMLQuantizationType

@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 from attnserve import LLM, SamplingParams
 from attnserve.model import ModelConfig
 from attnserve.model.config import sparse_layers
-from attnserve.model.hf_export import to_hf_model
 from attnserve.model.layers.moe import SparseMoeBlock
 from attnserve.model.loader import build_model
+from attnserve.model.models.hf_export import to_hf_model
 from tests.conftest import hf_greedy
 from tests.model.paged import PagedRunner, load_reference_model
 from tests.model.tiny_moe import CASES, TINY_MOE, save_tiny_moe

@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from attnserve.attention import build_step_layout, pad_for_cuda_graph
-from attnserve.worker.cuda_graph import capture_sizes
+from attnserve.attention import build_step_layout, pad_for_graph
+from attnserve.worker.graph_runner import capture_sizes
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,7 @@ def test_capture_sizes_thin_out_above_256() -> None:
 
 def test_padded_decode_layout_puts_padding_nowhere() -> None:
     layout = build_step_layout([[7, 3], [5]], [17, 2], [1, 1], block_size=16)
-    padded = pad_for_cuda_graph(layout, 4)
+    padded = pad_for_graph(layout, 4)
     assert (padded.num_prefills, padded.num_decode_tokens, padded.num_seqs) == (0, 4, 4)
     assert padded.block_table.tolist() == [[7, 3], [5, 0], [0, 0], [0, 0]]
     assert padded.seq_lens.tolist() == [18, 3, 1, 1]
@@ -53,4 +53,4 @@ def test_padding_rejects_steps_that_are_not_decodes_within_the_bucket(
 ) -> None:
     layout = build_step_layout([[0], [1]], context_lens, query_lens, block_size=16)
     with pytest.raises(ValueError, match=message):
-        pad_for_cuda_graph(layout, padded)
+        pad_for_graph(layout, padded)

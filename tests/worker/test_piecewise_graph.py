@@ -9,7 +9,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from attnserve.worker.cuda_graph import capture_largest_first
+from attnserve.worker.graph_runner import capture_largest_first
 from attnserve.worker.piecewise_graph import MAX_PIECEWISE_TOKENS, piecewise_sizes
 
 

@@ -1,18 +1,12 @@
 """attnserve's attention layer: the backend contract, the registry, the selector and the module."""
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionSpec,
     BackendCapabilities,
-)
-from attnserve.attention.backends.layout import (
-    StepLayout,
-    build_step_layout,
-    layout_from_arrays,
-    pad_for_cuda_graph,
 )
 from attnserve.attention.forward_context import (
     AttentionSplit,
@@ -32,6 +26,12 @@ from attnserve.attention.layer import (
     bind_attention_backend,
     bind_kv_caches,
     calibrating_kv_scales,
+)
+from attnserve.attention.layout import (
+    StepLayout,
+    build_step_layout,
+    layout_from_arrays,
+    pad_for_graph,
 )
 from attnserve.attention.registry import backend_names, get_backend_cls, register_backend
 from attnserve.attention.selector import get_attn_backend, get_model_attn_backend
@@ -63,7 +63,7 @@ __all__ = [
     "get_model_attn_backend",
     "layout_from_arrays",
     "metadata_builders",
-    "pad_for_cuda_graph",
+    "pad_for_graph",
     "register_backend",
     "set_forward_context",
     "splitting_at_attention",

@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionSpec,
 )
-from attnserve.attention.backends.layout import StepLayout
+from attnserve.attention.layout import StepLayout
 
 StepMetadata = Mapping[AttentionSpec, AttentionMetadata]
 Builders = Mapping[AttentionSpec, AttentionMetadataBuilder[Any]]
@@ -48,7 +48,7 @@ def build_metadata(builders: Builders, layout: StepLayout) -> StepMetadata:
 def build_graph_metadata(builders: Builders, padded: StepLayout) -> StepMetadata:
     """Every spec's metadata for a decode step padded to a capture bucket, written into the
     builders' persistent buffers."""
-    return {spec: builder.build_for_cuda_graph(padded) for spec, builder in builders.items()}
+    return {spec: builder.build_for_graph(padded) for spec, builder in builders.items()}
 
 
 _current: StepMetadata | None = None

@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,

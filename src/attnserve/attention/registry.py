@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 
-from attnserve.attention.backends.abstract import AttentionBackend
+from attnserve.attention.abstract import AttentionBackend
 
 ENTRY_POINT_GROUP = "attnserve.attention_backends"
 

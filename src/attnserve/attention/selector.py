@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionSpec,
     BackendCapabilities,
@@ -53,7 +53,7 @@ def describe_capabilities(caps: BackendCapabilities) -> str:
             ("window", caps.sliding_window),
             ("alibi", caps.alibi),
             ("soft-cap", caps.logits_soft_cap),
-            ("graphs", caps.cuda_graphs),
+            ("graphs", caps.graphs),
         ]
         if on
     ]

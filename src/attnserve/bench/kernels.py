@@ -7,7 +7,7 @@ Each backend is driven the same way: `get_kv_cache_shape` for its cache (random 
 pool), its metadata built once, then `impl.forward` timed with CUDA events
 after a warm-up (which also absorbs any just-in-time compilation). Decode runs as the engine runs
 it: replays of a CUDA graph of the call, for SDPA and for backends that capture graphs (metadata
-from `build_for_cuda_graph`), so the timing is the kernels' and not the host's launch work;
+from `build_for_graph`), so the timing is the kernels' and not the host's launch work;
 prefill (eager in the engine) runs eagerly. Decode is reported in TB/s of KV
 read (K and V of every context token, once, in the cache's own bytes: half of bf16's for fp8;
 SDPA's contiguous bf16 K/V stay bf16) and as a fraction of a device-to-device copy;
@@ -102,8 +102,8 @@ def _step_metadata(
     batch = len(block_tables)
     layout = build_step_layout(block_tables, [context] * batch, [query] * batch, BLOCK_SIZE)
     if graphed:
-        builder.init_cuda_graph_buffers(batch, len(block_tables[0]))
-        return builder.build_for_cuda_graph(layout)
+        builder.init_graph_buffers(batch, len(block_tables[0]))
+        return builder.build_for_graph(layout)
     return builder.build(layout)
 
 
@@ -123,7 +123,7 @@ def _backend_step(
     order = torch.randperm(batch * pages).view(batch, pages).tolist()
     shape = backend.get_kv_cache_shape(batch * pages, BLOCK_SIZE, num_kv_heads, HEAD_SIZE)
     cache = _random(*shape).to(backend.get_kv_cache_torch_dtype(kv_cache_dtype, DTYPE))
-    graphed = query == 1 and backend.capabilities.cuda_graphs
+    graphed = query == 1 and backend.capabilities.graphs
     meta = _step_metadata(backend, order, context, query, heads, graphed, kv_cache_dtype)
     impl = backend.get_impl_cls()(
         num_heads, HEAD_SIZE, 1 / math.sqrt(HEAD_SIZE), num_kv_heads, kv_cache_dtype=kv_cache_dtype

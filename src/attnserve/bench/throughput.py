@@ -72,7 +72,7 @@ def make_workload(
 
 def run_hf(llm: LLM, workload: Workload, batch_size: int) -> float:
     """Seconds for HF `generate` over the workload in static, left-padded batches."""
-    from attnserve.model.hf_export import to_hf_model
+    from attnserve.model.models.hf_export import to_hf_model
 
     engine = llm.llm_engine
     hf = to_hf_model(engine.executor.driver_runner.model, engine.model_config)

@@ -202,7 +202,7 @@ def _checkpoint_quantization(
     if load_format == "gguf":
         return "gguf"
     if load_format == "safetensors" and weights_path is not None:
-        from attnserve.model.loader.weights import has_gguf_blocks
+        from attnserve.model.weights import has_gguf_blocks
 
         if has_gguf_blocks(weights_path):
             return "gguf"
@@ -221,7 +221,7 @@ def _describe(model: str, load_format: str) -> tuple[Any, str | None, str, str |
     if path.is_file() and path.suffix == ".gguf":
         if load_format not in ("auto", "gguf", "dummy"):
             raise ValueError(f"{model} is a GGUF file: load_format must be 'gguf' or 'dummy'")
-        from attnserve.model.loader.gguf import gguf_has_tokenizer, gguf_hf_config
+        from attnserve.model.gguf import gguf_has_tokenizer, gguf_hf_config
 
         concrete = "dummy" if load_format == "dummy" else "gguf"
         tokenizer = str(path) if gguf_has_tokenizer(path) else None

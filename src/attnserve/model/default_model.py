@@ -3,7 +3,7 @@
 The first use converts it into a model directory in the converted-model cache (`model_cache`):
 HF config.json and tokenizer files (reading them from the GGUF takes seconds), and
 model.safetensors holding its tensors under HF names, the Q4_1/Q8_0 matrices as their GGUF
-blocks (`loader.weights.save_with_gguf_blocks`), so the model loads packed (quantization "gguf",
+blocks (`weights.save_with_gguf_blocks`), so the model loads packed (quantization "gguf",
 the default on the CPU) or dequantized ("none") from the same 100 MB. The directory's name is
 keyed by the GGUF file's
 content (its size and a hash of its first and last MiB), not by where or when it was installed,
@@ -81,9 +81,9 @@ def _is_converted(target: Path) -> bool:
 def convert_gguf_to_cache_dir(gguf_path: Path, target: Path) -> None:
     """Write `gguf_path` as a model directory at `target` (call under `locked(target.parent)`):
     into a staging directory, then renamed into place."""
-    from attnserve.model.loader.gguf import gguf_hf_config, iter_gguf_weights
-    from attnserve.model.loader.weights import save_with_gguf_blocks
+    from attnserve.model.gguf import gguf_hf_config, iter_gguf_weights
     from attnserve.model.tokenizer import load_gguf_tokenizer
+    from attnserve.model.weights import save_with_gguf_blocks
 
     hf_config = gguf_hf_config(gguf_path)
     staging = staging_dir(target.parent, target.name)

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from attnserve.attention.backends.abstract import AttentionBackend
+from attnserve.attention.abstract import AttentionBackend
 
 
 class CacheEngine:

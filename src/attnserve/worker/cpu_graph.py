@@ -20,14 +20,14 @@ import torch
 
 from attnserve.attention import StepMetadata, set_forward_context
 from attnserve.native_graph import GraphCaptureError, NativeGraph
-from attnserve.worker.cuda_graph import CUDAGraphRunner
+from attnserve.worker.graph_runner import GraphRunner
 
 logger = logging.getLogger(__name__)
 
 MAX_GRAPH_SEQS = 8  # beyond, the packed layers hand batches to the BLAS (a torch op) anyway
 
 
-class CPUGraphRunner(CUDAGraphRunner):
+class CPUGraphRunner(GraphRunner):
     _threads = 0  # torch's thread count when the graphs were captured (the kernels take it)
 
     def capture(self) -> None:

@@ -52,6 +52,7 @@ from attnserve.profiling import SAMPLING_RANGE, marked
 from attnserve.worker.cache_engine import CacheEngine, gpu_kv_cache_budget, num_blocks_for_budget
 from attnserve.worker.cpu_graph import MAX_GRAPH_SEQS, CPUGraphRunner
 from attnserve.worker.cuda_graph import CUDAGraphRunner
+from attnserve.worker.graph_runner import GraphRunner
 from attnserve.worker.input_batch import InputBatch, PreparedStep
 from attnserve.worker.kv_calibration import calibration_plan
 from attnserve.worker.piecewise_graph import PiecewiseGraphRunner
@@ -79,7 +80,7 @@ class ModelRunner:
             device,
         )
         self.sampler = Sampler()
-        self.graphs: CUDAGraphRunner | None = None
+        self.graphs: GraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
 
     def load_model(self) -> None:
@@ -219,14 +220,14 @@ class ModelRunner:
         if self.graphs is not None and self.device.type == "cuda":
             self.piecewise_graphs = self._capture_piecewise()
 
-    def _capture_decode_graphs(self) -> CUDAGraphRunner | None:
-        kind: type[CUDAGraphRunner] = CUDAGraphRunner
+    def _capture_decode_graphs(self) -> GraphRunner | None:
+        kind: type[GraphRunner] = CUDAGraphRunner
         max_num_seqs = self.max_num_seqs
         if self.device.type == "cpu":
             kind, max_num_seqs = CPUGraphRunner, min(max_num_seqs, MAX_GRAPH_SEQS)
         elif self.device.type != "cuda":
             return None
-        if not self.backend.capabilities.cuda_graphs:
+        if not self.backend.capabilities.graphs:
             logger.info("no graphs: backend %s does not support them", self.backend.get_name())
             return None
         max_blocks = self.input_batch.max_blocks

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from attnserve.attention import StepMetadata, set_forward_context, splitting_at_attention
-from attnserve.worker.cuda_graph import CausalLM, capture_largest_first
+from attnserve.worker.graph_runner import CausalLM, capture_largest_first
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
@@ -23,7 +23,7 @@ from attnserve.attention.backends.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout
+from attnserve.attention.layout import StepLayout
 from attnserve.attention.ops.cpu_attention import cpu_attention_library, cpu_paged_attention
 
 
@@ -45,7 +45,7 @@ class CpuNativeMetadataBuilder(AttentionMetadataBuilder[CpuNativeMetadata]):
             block_table=layout.block_table.contiguous(),
         )
 
-    def init_cuda_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+    def init_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         self._graph = CpuNativeMetadata(
             num_prefills=0,
             num_prefill_tokens=0,
@@ -56,10 +56,10 @@ class CpuNativeMetadataBuilder(AttentionMetadataBuilder[CpuNativeMetadata]):
             block_table=torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int64),
         )
 
-    def build_for_cuda_graph(self, layout: StepLayout) -> CpuNativeMetadata:
+    def build_for_graph(self, layout: StepLayout) -> CpuNativeMetadata:
         buffers = self._graph
         if buffers is None:
-            raise RuntimeError("call init_cuda_graph_buffers before build_for_cuda_graph")
+            raise RuntimeError("call init_graph_buffers before build_for_graph")
         size = layout.num_seqs
         buffers.slot_mapping[:size] = layout.slot_mapping
         buffers.token_pos[:size] = layout.token_pos
@@ -121,7 +121,7 @@ class CpuNativeBackend(AttentionBackend):
         sliding_window=True,
         alibi=True,
         logits_soft_cap=True,
-        cuda_graphs=True,
+        graphs=True,
         priority=5,
     )
 

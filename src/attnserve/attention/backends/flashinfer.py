@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
@@ -33,7 +33,7 @@ from attnserve.attention.backends.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout
+from attnserve.attention.layout import StepLayout
 from attnserve.host_copy import to_device
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -216,7 +216,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         common = layout.common_metadata(self.device)
         return self._planned(layout, common, self.pool.get(), device_writes)
 
-    def init_cuda_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+    def init_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=self.device)
 
@@ -229,12 +229,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         )
         self.pool.graph_kv_indices = zeros(max_num_seqs * max_blocks_per_seq, dtype=torch.int32)
 
-    def build_for_cuda_graph(self, layout: StepLayout) -> FlashInferMetadata:
+    def build_for_graph(self, layout: StepLayout) -> FlashInferMetadata:
         """Padded decode metadata: the slot writes go into the fixed buffers, and the bucket's
         graph decode wrapper is planned (into its fixed buffers) before the replay."""
         buffers, slot_buffer = self._graph_writes, self._graph_slot_mapping
         if buffers is None or slot_buffer is None:
-            raise RuntimeError("call init_cuda_graph_buffers before build_for_cuda_graph")
+            raise RuntimeError("call init_graph_buffers before build_for_graph")
         size = layout.num_seqs
         host = SlotWrites.from_slot_mapping(layout.slot_mapping, self.block_size)
         writes = SlotWrites(*(t[:size] for t in buffers.tensors()))
@@ -312,7 +312,7 @@ class FlashInferBackend(AttentionBackend):
         sliding_window=True,
         alibi=False,
         logits_soft_cap=True,
-        cuda_graphs=True,
+        graphs=True,
         priority=5,
     )
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
@@ -34,7 +34,7 @@ from attnserve.attention.backends.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout, query_grid, write_to_slots
+from attnserve.attention.layout import StepLayout, query_grid, write_to_slots
 from attnserve.host_copy import to_device
 
 if TYPE_CHECKING:

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout, query_grid, write_to_slots
+from attnserve.attention.layout import StepLayout, query_grid, write_to_slots
 from attnserve.host_copy import to_device
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from attnserve.attention.backends.abstract import (
+from attnserve.attention.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
@@ -26,8 +26,8 @@ from attnserve.attention.backends.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.layout import StepLayout
 from attnserve.attention.kv_scales import KVCacheScales
+from attnserve.attention.layout import StepLayout
 from attnserve.host_copy import to_device
 
 try:
@@ -94,7 +94,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     def _num_splits(self, num_decodes: int, max_seq_len: int) -> int:
         return choose_num_splits(num_decodes, self.spec.num_kv_heads, max_seq_len, self.num_sms)
 
-    def init_cuda_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+    def init_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=self.device)
 
@@ -106,10 +106,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             max_seq_len=max_blocks_per_seq * self.block_size,
         )
 
-    def build_for_cuda_graph(self, layout: StepLayout) -> TritonMetadata:
+    def build_for_graph(self, layout: StepLayout) -> TritonMetadata:
         buffers = self._graph
         if buffers is None:
-            raise RuntimeError("call init_cuda_graph_buffers before build_for_cuda_graph")
+            raise RuntimeError("call init_graph_buffers before build_for_graph")
         size = layout.num_seqs
         rows, width = slice(0, size), layout.block_table.shape[1]
         buffers.block_table[rows, :width].copy_(layout.block_table, non_blocking=True)
@@ -227,7 +227,7 @@ class TritonBackend(AttentionBackend):
         sliding_window=True,
         alibi=True,
         logits_soft_cap=True,
-        cuda_graphs=True,
+        graphs=True,
         priority=-1 if _INTERPRET else 10,
     )
 

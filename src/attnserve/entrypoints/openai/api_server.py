@@ -28,7 +28,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from attnserve import __version__
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
 from attnserve.engine.warmup import warm_up
@@ -68,6 +67,7 @@ from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from attnserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from attnserve.entrypoints.openai.serving_engine import ClientDisconnected
 from attnserve.entrypoints.openai.tool_parsers import parser_for_chat_template
+from attnserve.version import __version__
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,8 @@ from attnserve.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from attnserve.model.layers.weight_utils import (
+from attnserve.model.quantization import linear_method_for
+from attnserve.model.quantization.weight_utils import (
     LoadedWeight,
     default_weight_loader,
     full_shape,
@@ -40,7 +41,6 @@ from attnserve.model.layers.weight_utils import (
     store_rows,
     weight_shape,
 )
-from attnserve.model.quantization import linear_method_for
 
 
 class Linear(nn.Module):

@@ -31,7 +31,7 @@ from attnserve.distributed import (
 )
 from attnserve.model.layers.layernorm import use_triton
 from attnserve.model.layers.linear import Linear
-from attnserve.model.layers.weight_utils import (
+from attnserve.model.quantization.weight_utils import (
     LoadedWeight,
     copy_checked,
     full_weight,

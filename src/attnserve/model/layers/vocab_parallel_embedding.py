@@ -18,7 +18,8 @@ from attnserve.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from attnserve.model.layers.weight_utils import (
+from attnserve.model.quantization import embedding_method_for
+from attnserve.model.quantization.weight_utils import (
     LoadedWeight,
     default_weight_loader,
     narrow_weight,
@@ -27,7 +28,6 @@ from attnserve.model.layers.weight_utils import (
     store_rows,
     weight_shape,
 )
-from attnserve.model.quantization import embedding_method_for
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -19,10 +19,10 @@ import torch
 
 from attnserve.distributed import get_tensor_model_parallel_world_size
 from attnserve.model.config import ModelConfig
-from attnserve.model.loader.weights import init_dummy_weights, iter_safetensors
 from attnserve.model.quantization import active_quantization, process_weights_after_loading
 from attnserve.model.quantization.resolve import quantization_config
 from attnserve.model.registry import get_model_cls_name
+from attnserve.model.weights import init_dummy_weights, iter_safetensors
 
 if TYPE_CHECKING:
     from attnserve.model.models.llama import LlamaForCausalLM
@@ -74,7 +74,7 @@ def load_model(
     if config.load_format == "dummy":
         init_dummy_weights(model)
     elif config.load_format == "gguf":
-        from attnserve.model.loader.gguf import iter_gguf_weights
+        from attnserve.model.gguf import iter_gguf_weights
 
         model.load_weights(iter_gguf_weights(path, config.hf_config, keep_packed=packed))
     else:

@@ -1,1 +1,2 @@
-"""Model implementations on attnserve's layers (see attnserve.model.registry)."""
+"""Model implementations on attnserve's layers (see attnserve.model.registry), and `hf_export`:
+the same weights as an HF transformers model."""

@@ -27,7 +27,7 @@ from attnserve.model.layers.linear import (
 )
 from attnserve.model.layers.rotary_embedding import RotaryEmbedding
 from attnserve.model.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from attnserve.model.layers.weight_utils import LoadedWeight, load_weight
+from attnserve.model.quantization.weight_utils import LoadedWeight, load_weight
 
 # (merged parameter, HF projection, shard name)
 STACKED_PARAMS = (

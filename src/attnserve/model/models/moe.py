@@ -18,8 +18,8 @@ from torch import nn
 
 from attnserve.model.config import ModelConfig, num_experts, sparse_layers
 from attnserve.model.layers.moe import DOWN_SHARD, MoESpec, SparseMoeBlock
-from attnserve.model.layers.weight_utils import LoadedWeight
 from attnserve.model.models.llama import LlamaForCausalLM
+from attnserve.model.quantization.weight_utils import LoadedWeight
 
 _EXPERT = re.compile(r"(?P<experts>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
 

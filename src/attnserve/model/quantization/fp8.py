@@ -21,7 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnserve.model.layers.weight_utils import (
+from attnserve.model.quantization.base import (
+    LinearMethod,
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+)
+from attnserve.model.quantization.fp8_checkpoint import Fp8Scheme
+from attnserve.model.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE
+from attnserve.model.quantization.weight_utils import (
     LoadedWeight,
     WeightLoader,
     default_weight_loader,
@@ -30,13 +37,6 @@ from attnserve.model.layers.weight_utils import (
     set_row_store,
     set_weight_attrs,
 )
-from attnserve.model.quantization.base import (
-    LinearMethod,
-    QuantizationConfig,
-    UnquantizedLinearMethod,
-)
-from attnserve.model.quantization.fp8_checkpoint import Fp8Scheme
-from attnserve.model.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

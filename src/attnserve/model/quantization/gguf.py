@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnserve.model.layers.weight_utils import LoadedWeight, full_weight, set_row_store
 from attnserve.model.quantization.base import (
     EmbeddingMethod,
     LinearMethod,
@@ -29,6 +28,7 @@ from attnserve.model.quantization.base import (
 from attnserve.model.quantization.gguf_blocks import GGUFWeight
 from attnserve.model.quantization.gguf_cpu import NativeWeight, native_library
 from attnserve.model.quantization.gguf_torch import TorchPackedWeight
+from attnserve.model.quantization.weight_utils import LoadedWeight, full_weight, set_row_store
 
 NATIVE_MAX_ROWS = 12  # above, dequantized chunks through the BLAS are faster (crossover 12-16)
 CHUNK_FLOATS = 1 << 20  # weight floats dequantized at a time for the BLAS path

@@ -4,7 +4,7 @@ Builders differ in what they hand their kernels; they all need the same facts fi
 sequence and position each new token has, its cache slot, and the padded block table. This
 module computes them with a handful of tensor ops (no Python loop over tokens), once per step
 for the model runner and every builder (the model's positions are `token_pos`). It also pads a
-decode step to a CUDA-graph bucket, and holds the dense query grid of backends that pad queries
+decode step to a graph bucket, and holds the dense query grid of backends that pad queries
 into [B, Q] batches, and the plain-torch slot write shared by layouts whose K and V planes
 flatten to [slots, Hkv, D].
 """
@@ -172,7 +172,7 @@ def query_grid(layout: StepLayout, seqs: range, padding_pos: int) -> QueryGrid:
     return QueryGrid(tokens, num_rows, row_of_token, grid_token, query_pos)
 
 
-def pad_for_cuda_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
+def pad_for_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
     """A decode-only layout padded to `num_padded_seqs` sequences (a capture bucket): the real
     decodes first, then padding sequences of one token at position 0 in block 0 (context 0,
     slot -1: they write nothing, and their outputs are ignored). They count as decodes."""

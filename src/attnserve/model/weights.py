@@ -15,8 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from attnserve.model.layers.weight_utils import LoadedWeight, full_shape, load_weight, row_store
 from attnserve.model.quantization.gguf_blocks import GGUFWeight
+from attnserve.model.quantization.weight_utils import (
+    LoadedWeight,
+    full_shape,
+    load_weight,
+    row_store,
+)
 
 GGUF_TYPES_KEY = "attnserve.gguf_types"
 

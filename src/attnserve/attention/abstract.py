@@ -2,7 +2,7 @@
 
 A backend owns everything layout-specific: the KV-cache shape, moving cache blocks, the per-step
 metadata its kernels need (built by its `AttentionMetadataBuilder` from the step's `StepLayout`)
-and the attention operator itself. Nothing above `attention/backends/` sees any of it.
+and the attention operator itself. Nothing outside `attention/backends/` sees any of it.
 
 `AttentionSpec` is the one description of a kind of attention layer: the model runner builds it
 from the model's layers, the selector matches it against capabilities, and each builder is made
@@ -21,7 +21,7 @@ import torch
 from attnserve.attention.kv_scales import KVCacheScales
 
 if TYPE_CHECKING:
-    from attnserve.attention.backends.layout import StepLayout
+    from attnserve.attention.layout import StepLayout
 
 
 def check_window_and_cap(sliding_window: int | None, logits_soft_cap: float | None) -> None:
@@ -75,7 +75,7 @@ class BackendCapabilities:
     sliding_window: bool = False
     alibi: bool = False
     logits_soft_cap: bool = False
-    cuda_graphs: bool = False
+    graphs: bool = False
     priority: int = 0
 
     def unsupported_reasons(self, spec: AttentionSpec) -> list[str]:
@@ -145,14 +145,14 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     def build(self, layout: StepLayout) -> M:
         """Return the metadata for one step."""
 
-    def init_cuda_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
-        """Allocate the persistent device buffers that captured decode steps read; called once,
-        before any `build_for_cuda_graph`. Only backends whose capabilities declare
-        `cuda_graphs` implement it."""
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+    def init_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        """Allocate the persistent buffers that captured decode steps read (CUDA or CPU graphs);
+        called once, before any `build_for_graph`. Only backends whose capabilities declare
+        `graphs` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not support graphs")
 
-    def build_for_cuda_graph(self, layout: StepLayout) -> M:
-        """Metadata for a decode-only step padded to a capture bucket (`pad_for_cuda_graph`:
+    def build_for_graph(self, layout: StepLayout) -> M:
+        """Metadata for a decode-only step padded to a capture bucket (`pad_for_graph`:
         `layout.num_seqs` is the bucket), written into the persistent buffers in place.
 
         Every call for the same bucket must return metadata whose tensors are the same buffers
@@ -160,7 +160,7 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         captured with one call replays correctly after another. Padding sequences write
         nothing (slot -1) and their outputs are ignored.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+        raise NotImplementedError(f"{type(self).__name__} does not support graphs")
 
 
 class AttentionImpl(ABC, Generic[M]):
