@@ -2,15 +2,23 @@
 of the engine's own internals (`attnserve bench throughput --profile-steps` is the user-facing
 breakdown by kind of work: attention, matmuls, sampling, other, host).
 
-Fills the engine with --num-seqs random prompts (lengths uniform in --min-len..--max-len),
-steps until every one is prefilled, then times --steps decode-only steps with each phase's
-method wrapped to add up its time. "host" is a step's time minus the model's forward and logits
-(on the CPU those are the model's compute; on a GPU every launch is asynchronous and "wait for
-tokens" is where the host waits for the device). With CUDA graphs on, decode steps run as graph
-replays ("graph run"), and the replay of the largest graph alone is timed at the end.
---profile adds a cProfile of the same steps, sorted by own time.
+Two kinds of step, each timed over --steps steps (dummy weights, fresh random prompts, no
+prefix-cache hits):
+- decode: --num-seqs sequences (prompt lengths uniform in --min-len..--max-len) are prefilled
+  first; then every step decodes each of them once;
+- prompt: each step takes --prompt-tokens new prompt tokens in prompts of --prompt-len tokens
+  (one token drawn each, so the next call only reads the draws back).
+Each phase's method is wrapped to add up its time; methods a tree lacks are skipped, so the same
+script measures an older checkout (`PYTHONPATH=<old>/src python tools/step_profile.py`) for a
+before/after. Only the engine's `step()` calls are timed. "host" is a step's time minus the model's forward, its logits and the wait for the
+device's tokens: the engine's own work around the model (scheduling, the step plan, inputs,
+metadata, sampling bookkeeping, outputs). On the CPU the forward and logits are the model's
+compute; on a GPU every launch is asynchronous and "wait for tokens" is where the host waits for
+the device. With CUDA graphs on, decode steps run as graph replays ("graph run").
+--profile adds a cProfile of the timed steps, sorted by own time.
 
     PYTHONPATH=src python tools/step_profile.py                     # llama-tiny on the CPU
+    PYTHONPATH=src python tools/step_profile.py --kind prompt --prompt-tokens 8192
     PYTHONPATH=src python tools/step_profile.py --model qwen3-0.6b --device cuda
 """
 
@@ -19,21 +27,41 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import importlib
 import pstats
 import random
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-import attnserve.engine.engine_core as engine_core
-import attnserve.worker.model_runner as model_runner
 from attnserve import LLM, SamplingParams
 from attnserve.engine.llm_engine import LLMEngine
-from attnserve.worker.step_future import StepFuture
 
 Timings = collections.defaultdict[str, float]
+HOST_PER_STEP: list[float] = []  # each timed step's (or prompt round's) host time
+
+# (what the key times, the object path from the engine, the method); missing ones are skipped
+WRAPPED = [
+    ("schedule", "engine_core.scheduler", "schedule"),
+    ("plan", "engine_core.pipeline.planner", "plan"),
+    ("execute", "executor.driver_runner", "execute_async"),
+    ("inputs", "executor.driver_runner.input_batch", "prepare"),
+    ("layout", "executor.driver_runner", "_layout"),
+    ("forward", "executor.driver_runner", "_forward"),
+    ("model", "executor.driver_runner.model", "forward"),
+    ("logits", "executor.driver_runner.model", "compute_logits"),
+    ("sampler", "executor.driver_runner.sampler", "draw"),
+    ("graph run", "executor.driver_runner.graphs", "run"),
+]
+# (key, module, attribute path, method): module-level functions and classes
+WRAPPED_GLOBALS = [
+    ("build_batch", "attnserve.engine.engine_core", "", "build_batch"),
+    ("build_metadata", "attnserve.worker.model_runner", "", "build_metadata"),
+    ("wait for tokens", "attnserve.worker.step_future", "StepFuture", "result"),
+]
 
 
 def wrap(owner: Any, name: str, key: str, timings: Timings) -> None:
@@ -49,23 +77,23 @@ def wrap(owner: Any, name: str, key: str, timings: Timings) -> None:
     setattr(owner, name, timed)
 
 
+def _resolve(root: Any, path: str) -> Any:
+    for part in filter(None, path.split(".")):
+        root = getattr(root, part, None)
+        if root is None:
+            return None
+    return root
+
+
 def instrument(engine: LLMEngine, timings: Timings) -> None:
-    runner = engine.executor.driver_runner
-    scheduler = engine.engine_core.scheduler
-    wrap(scheduler, "schedule", "schedule", timings)
-    wrap(scheduler, "advance", "advance", timings)
-    wrap(scheduler, "resolve", "resolve", timings)
-    wrap(engine_core, "build_batch", "build_batch", timings)
-    wrap(runner, "execute_async", "execute", timings)
-    wrap(runner, "_forward", "forward", timings)
-    wrap(runner, "_layout", "layout", timings)
-    wrap(model_runner, "build_metadata", "build_metadata", timings)
-    wrap(runner.model, "forward", "model", timings)
-    wrap(runner.model, "compute_logits", "logits", timings)
-    wrap(runner.sampler, "draw", "sampler", timings)
-    wrap(StepFuture, "result", "wait for tokens", timings)
-    if runner.graphs is not None:
-        wrap(runner.graphs, "run", "graph run", timings)
+    for key, path, method in WRAPPED:
+        owner = _resolve(engine, path)
+        if owner is not None and hasattr(owner, method):
+            wrap(owner, method, key, timings)
+    for key, module, path, method in WRAPPED_GLOBALS:
+        owner = _resolve(importlib.import_module(module), path)
+        if owner is not None and hasattr(owner, method):
+            wrap(owner, method, key, timings)
 
 
 def sync() -> None:
@@ -73,35 +101,81 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def fill(engine: LLMEngine, args: argparse.Namespace) -> None:
-    """Add the prompts and step until each has its first token."""
-    rng = random.Random(0)
+def _prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def fill(engine: LLMEngine, args: argparse.Namespace, rng: random.Random) -> None:
+    """Add the decode kind's prompts and step until each has its first token."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
     for index in range(args.num_seqs):
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
-        engine.add_request(f"r{index}", prompt, params)
+        length = rng.randint(args.min_len, args.max_len)
+        engine.add_request(f"r{index}", _prompt(rng, vocab, length), params)
     scheduler = engine.engine_core.scheduler
     while scheduler.waiting or any(s.num_output_tokens == 0 for s in scheduler.running):
         engine.step()
 
 
-def time_replay(engine: LLMEngine) -> None:
-    graphs = engine.executor.driver_runner.graphs
-    if graphs is None:
-        return
-    graph, _ = graphs.graphs[graphs.max_num_seqs]
-    sync()
+DEVICE_KEYS = ("model", "logits", "wait for tokens")
+
+
+def timed_step(engine: LLMEngine, timings: Timings) -> None:
+    """One `step()`, its time added to "step" and its host time (see the module docstring) to
+    "host"; each step's host time is kept too, for the median."""
+    device_before = sum(timings[key] for key in DEVICE_KEYS)
     start = time.perf_counter()
-    for _ in range(10):
-        graph.replay()
-    sync()
-    per_replay = (time.perf_counter() - start) / 10 * 1e3
-    print(f"  replay of the {graphs.max_num_seqs}-sequence graph alone: {per_replay:.3f} ms")
+    engine.step()
+    elapsed = time.perf_counter() - start
+    timings["step"] += elapsed
+    timings["host"] += elapsed - (sum(timings[key] for key in DEVICE_KEYS) - device_before)
+
+
+def run_decode_steps(
+    engine: LLMEngine, args: argparse.Namespace, rng: random.Random, timings: Timings
+) -> None:
+    for _ in range(args.steps):
+        host = timings["host"]
+        timed_step(engine, timings)
+        HOST_PER_STEP.append(timings["host"] - host)
+
+
+def run_prompt_steps(
+    engine: LLMEngine, args: argparse.Namespace, rng: random.Random, timings: Timings
+) -> None:
+    """Each round: one step of fresh prompts (made and added outside the timing), then the
+    call that reads its draws back."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for round_index in range(args.steps):
+        for index in range(args.prompt_tokens // args.prompt_len):
+            prompt = _prompt(rng, vocab, args.prompt_len)
+            engine.add_request(f"p{round_index}-{index}", prompt, params)
+        host = timings["host"]
+        while engine.has_unfinished_requests():
+            timed_step(engine, timings)
+        HOST_PER_STEP.append(timings["host"] - host)
+
+
+def _llm(args: argparse.Namespace) -> LLM:
+    prompt = args.kind == "prompt"
+    return LLM(
+        args.model,
+        load_format="dummy",
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=args.num_seqs,
+        max_num_batched_tokens=args.prompt_tokens if prompt else None,
+        max_model_len=max(args.prompt_len, args.max_len) + args.steps + 8,
+        enable_prefix_caching=False,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=("decode", "prompt"), default="decode")
     parser.add_argument("--model", default="llama-tiny", help="a dummy preset (random weights)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
@@ -110,39 +184,36 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=300)
-    parser.add_argument("--steps", type=int, default=40, help="decode-only steps to time")
+    parser.add_argument("--prompt-tokens", type=int, default=8192, help="per prompt step")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=40, help="steps to time")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed steps")
     args = parser.parse_args()
-    llm = LLM(
-        args.model,
-        load_format="dummy",
-        device=args.device,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        max_num_seqs=args.num_seqs,
-    )
+    llm = _llm(args)
     engine = llm.llm_engine
-    fill(engine, args)
+    rng = random.Random(0)
+    run = run_decode_steps
+    if args.kind == "decode":
+        fill(engine, args, rng)
+    else:
+        warm_up = argparse.Namespace(**{**vars(args), "steps": 2})
+        run_prompt_steps(engine, warm_up, rng, collections.defaultdict(float))
+        HOST_PER_STEP.clear()
+        run = run_prompt_steps
     timings: Timings = collections.defaultdict(float)
     instrument(engine, timings)
     profiler = cProfile.Profile() if args.profile else None
     sync()
-    start = time.perf_counter()
     if profiler is not None:
         profiler.enable()
-    for _ in range(args.steps):
-        engine.step()
+    run(engine, args, rng, timings)
     if profiler is not None:
         profiler.disable()
-    sync()
-    timings["step"] = time.perf_counter() - start
-    timings["host"] = timings["step"] - timings["model"] - timings["logits"]
-    running = len(engine.engine_core.scheduler.running)
-    print(f"{running} running, {args.steps} decode steps, ms per step:")
+    what = f"{args.num_seqs} sequences" if args.kind == "decode" else f"{args.prompt_tokens} tokens"
+    print(f"{args.kind} steps of {what}, {args.steps} timed, ms per step:")
     for key, total in timings.items():
         print(f"  {key:16s} {total / args.steps * 1e3:9.3f}")
-    time_replay(engine)
+    print(f"  {'host (median)':16s} {statistics.median(HOST_PER_STEP) * 1e3:9.3f}")
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     llm.shutdown()
