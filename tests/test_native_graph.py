@@ -1,4 +1,4 @@
-"""CPU graphs (`attnserve.native_graph`): a capture records the native calls it makes and a
+"""CPU graphs (`attnserve.native.graph`): a capture records the native calls it makes and a
 replay repeats them on whatever the captured buffers hold then; any torch op that computes is
 refused by name, since a replay would not repeat it."""
 
@@ -15,7 +15,7 @@ from attnserve.model.layers.layernorm import RMSNorm
 from attnserve.model.layers.rotary_embedding import RotaryEmbedding
 from attnserve.model.quantization.gguf_blocks import from_blocks
 from attnserve.model.quantization.gguf_cpu import NativeWeight
-from attnserve.native_graph import GraphCaptureError, NativeGraph, refuse_in_capture
+from attnserve.native.graph import GraphCaptureError, NativeGraph, refuse_in_capture
 
 Q8_0 = GGMLQuantizationType.Q8_0
 

@@ -12,7 +12,7 @@ from attnserve.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     get_tp_cpu_group,
 )
-from attnserve.native_graph import refuse_in_capture
+from attnserve.native.graph import refuse_in_capture
 
 
 def tensor_model_parallel_all_reduce(tensor: torch.Tensor) -> torch.Tensor:

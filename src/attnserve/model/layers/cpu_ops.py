@@ -1,7 +1,8 @@
-"""The model's small ops in one native call each on the CPU (`cpu_ops.c`, built and loaded by
-`attnserve.native`): RMSNorm with or without the residual add, rotary embedding of q and k, and
-SiLU-and-mul, for float32 tensors. The layers call them where `use_cpu_ops(x)` holds and keep
-their torch code as the other path and the reference (ATTNSERVE_FUSED_OPS=0 keeps torch).
+"""The model's small ops in one native call each on the CPU (`native/cpu_ops.c`, built and loaded
+by `attnserve.native.build`): RMSNorm with or without the residual add, rotary embedding of q
+and k, and SiLU-and-mul, for float32 tensors. The layers call them where `use_cpu_ops(x)` holds
+and keep their torch code as the other path and the reference (ATTNSERVE_FUSED_OPS=0 keeps
+torch).
 """
 
 from __future__ import annotations
@@ -10,14 +11,11 @@ import ctypes
 import functools
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from attnserve.native import load_native
-from attnserve.native_graph import NativeFunction
-
-SOURCE = Path(__file__).with_name("cpu_ops.c")
+from attnserve.native.build import load_native
+from attnserve.native.graph import NativeFunction
 
 
 @dataclass(frozen=True)
@@ -32,7 +30,7 @@ def cpu_ops_library() -> CpuOps | None:
     """The built ops with their signatures, or None where they cannot run here."""
     if os.environ.get("ATTNSERVE_FUSED_OPS", "1") == "0":
         return None
-    library = load_native(SOURCE)
+    library = load_native("cpu_ops.c")
     if library is None:
         return None
     pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

@@ -4,12 +4,12 @@ Python around them, as a CUDA graph replays kernel launches.
 A CPU decode step of a small model is mostly host work: at one sequence the default model's
 30 layers make ~270 native calls, and the module calls, allocations and argument checks between
 them cost more than the kernels' own time. Kernels called through `NativeFunction` (every
-ctypes entry point of `attnserve.native`'s libraries) append their call, arguments as passed,
-to the graph being captured; `NativeGraph.replay` repeats those calls in order, so replaying
-reads the same input buffers and writes the same output buffers as the captured forward did.
-The replay runs in C (`native_graph.c`): each kernel has a `_packed` entry point taking its
-arguments as int64 slots (`native_packed.h`), packed once after the capture, so a replay costs
-one ctypes call instead of ~3 us for each of the ~270.
+ctypes entry point of the libraries `build` loads) append their call, arguments as passed, to
+the graph being captured; `NativeGraph.replay` repeats those calls in order, so replaying reads
+the same input buffers and writes the same output buffers as the captured forward did. The
+replay runs in C (`graph.c`): each kernel has a `_packed` entry point taking its arguments as
+int64 slots (`native_packed.h`), packed once after the capture, so a replay costs one ctypes
+call instead of ~3 us for each of the ~270.
 
 A capture is refused (`GraphCaptureError`, naming the op) when the forward computes anything
 with a torch op instead of a native call: a replay would not repeat it. Only views (ops whose
@@ -27,17 +27,14 @@ import itertools
 import struct
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from attnserve.native import load_native
+from attnserve.native.build import load_native
 from attnserve.profiling import NATIVE_RANGE, marked
-
-REPLAY_SOURCE = Path(__file__).with_name("native_graph.c")
 
 _ALLOCATIONS = {
     torch.ops.aten.empty.memory_format,
@@ -99,8 +96,8 @@ class NativeFunction:
 
 @functools.cache
 def _replayer() -> Any:
-    """`replay_calls` of native_graph.c (a ctypes function)."""
-    library = load_native(REPLAY_SOURCE)
+    """`replay_calls` of graph.c (a ctypes function)."""
+    library = load_native("graph.c")
     if library is None:
         raise RuntimeError("the native replay of CPU graphs is not available here")
     library.replay_calls.argtypes = [ctypes.c_int64, *(ctypes.c_void_p,) * 3]
