@@ -15,7 +15,8 @@ A capture is refused (`GraphCaptureError`, naming the op) when the forward compu
 with a torch op instead of a native call: a replay would not repeat it. Only views (ops whose
 outputs share an input's memory: a `contiguous` or `reshape` that copies is refused) and
 allocations may run; the tensors allocated during the capture are kept alive by the graph,
-since the recorded calls hold their addresses.
+since the recorded calls hold their addresses. A model collective across ranks (which need not
+show as a torch op) refuses too, through the check this module adds to the collectives.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from attnserve.distributed.communication import add_collective_check
 from attnserve.native.build import load_native
 from attnserve.profiling import NATIVE_RANGE, marked
 
@@ -54,11 +56,14 @@ class GraphCaptureError(RuntimeError):
     """The forward did something a replay of its native calls would not repeat."""
 
 
-def refuse_in_capture(what: str) -> None:
+def _refuse_in_capture(what: str) -> None:
     """GraphCaptureError while this thread captures a CPU graph: for work that is no native
     call and may not show as a torch op (a collective)."""
     if _capturing.graph is not None:
         raise GraphCaptureError(f"{what} cannot be replayed from a CPU graph")
+
+
+add_collective_check(_refuse_in_capture)  # added on import: no capture runs before it
 
 
 class NativeFunction:
