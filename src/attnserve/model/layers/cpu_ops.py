@@ -1,15 +1,13 @@
 """The model's small ops in one native call each on the CPU (`native/cpu_ops.c`, built and loaded
 by `attnserve.native.build`): RMSNorm with or without the residual add, rotary embedding of q
-and k, and SiLU-and-mul, for float32 tensors. The layers call them where `use_cpu_ops(x)` holds
-and keep their torch code as the other path and the reference (ATTNSERVE_FUSED_OPS=0 keeps
-torch).
+and k, and SiLU-and-mul, for float32 tensors. The model's ops (`ops`) call them for float32 CPU
+tensors where the library loads (`ops.use_native`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +26,6 @@ class CpuOps:
 @functools.cache
 def cpu_ops_library() -> CpuOps | None:
     """The built ops with their signatures, or None where they cannot run here."""
-    if os.environ.get("ATTNSERVE_FUSED_OPS", "1") == "0":
-        return None
     library = load_native("cpu_ops.c")
     if library is None:
         return None
@@ -47,11 +43,6 @@ def cpu_ops_library() -> CpuOps | None:
     return CpuOps(*(NativeFunction(library, name) for name in names))
 
 
-def use_cpu_ops(x: torch.Tensor) -> bool:
-    """Whether `x` goes through these ops: a float32 CPU tensor where they are built."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu_ops_library() is not None
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """`x` [..., N] as rows [R, N] with a unit inner stride (a view where one exists; `x`
     itself where it is such rows already: a decode step's ops are a few microseconds each)."""
@@ -67,7 +58,7 @@ def _shaped(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 def _library() -> CpuOps:
     library = cpu_ops_library()
     if library is None:
-        raise RuntimeError("the native CPU ops are not available here (use_cpu_ops)")
+        raise RuntimeError("the native CPU ops are not available here (cpu_ops_library)")
     return library
 
 
