@@ -53,7 +53,6 @@ LAYERS: list[tuple[str, ...]] = [
         "host_copy",
         "profiling",
         "native",
-        "native_graph",
     ),
 ]
 # (importer, what it may not import although it lies below)
@@ -285,8 +284,7 @@ def test_the_checks_see_cycles_and_upward_imports(tmp_path: Path) -> None:
     ]
     assert list(forbidden_imports(graph)) == [
         f"{ROOT}.core (layer core/sampling_params/structured_outputs/outputs/config/distributed/"
-        f"host_copy/profiling/native/native_graph) imports {ROOT}.model.config (layer model), "
-        "above it",
+        f"host_copy/profiling/native) imports {ROOT}.model.config (layer model), above it",
         f"{ROOT}.engine.step (layer engine) imports {ROOT}.cli (layer top), above it",
         f"{ROOT}.engine.step imports {ROOT}.worker.batch: it must go through the layer between",
         f"{ROOT}.model.loader (layer model) imports {ROOT}.worker.batch (layer worker), above it",

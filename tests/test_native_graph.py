@@ -1,4 +1,4 @@
-"""CPU graphs (`attnserve.native_graph`): a capture records the native calls it makes and a
+"""CPU graphs (`attnserve.native.graph`): a capture records the native calls it makes and a
 replay repeats them on whatever the captured buffers hold then; any torch op that computes is
 refused by name, since a replay would not repeat it."""
 
@@ -10,12 +10,13 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
+from attnserve.distributed import communication
 from attnserve.model.layers import cpu_ops
 from attnserve.model.layers.layernorm import RMSNorm
 from attnserve.model.layers.rotary_embedding import RotaryEmbedding
 from attnserve.model.quantization.gguf_blocks import from_blocks
 from attnserve.model.quantization.gguf_cpu import NativeWeight
-from attnserve.native_graph import GraphCaptureError, NativeGraph, refuse_in_capture
+from attnserve.native.graph import GraphCaptureError, NativeGraph
 
 Q8_0 = GGMLQuantizationType.Q8_0
 
@@ -128,11 +129,24 @@ def test_an_empty_graph_replays_as_nothing() -> None:
     assert graph.num_calls == 0
 
 
-def test_collectives_refuse_inside_a_capture() -> None:
-    """A collective is no native call (and need not show as a torch op): a capture stops at it."""
-    refuse_in_capture("an all-reduce")  # outside a capture: nothing happens
-    with pytest.raises(GraphCaptureError, match="an all-reduce"), NativeGraph().capture():
-        refuse_in_capture("an all-reduce")
+def test_collectives_refuse_inside_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collective is no native call (and need not show as a torch op): a capture stops at it,
+    before it runs; outside a capture it runs. (Two ranks, as far as the collectives see.)"""
+    ran: list[str] = []
+    monkeypatch.setattr(communication, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(communication.dist, "all_reduce", lambda *_: ran.append("all-reduce"))
+    monkeypatch.setattr(communication.dist, "all_gather", lambda *_: ran.append("all-gather"))
+    x = torch.zeros(4)
+    communication.tensor_model_parallel_all_reduce(x)
+    communication.tensor_model_parallel_all_gather(x)
+    assert ran == ["all-reduce", "all-gather"]
+    for collective, name in (
+        (communication.tensor_model_parallel_all_reduce, "an all-reduce"),
+        (communication.tensor_model_parallel_all_gather, "an all-gather"),
+    ):
+        with pytest.raises(GraphCaptureError, match=name), NativeGraph().capture():
+            collective(x)
+    assert ran == ["all-reduce", "all-gather"]
 
 
 @native

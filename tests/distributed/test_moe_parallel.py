@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from attnserve import SamplingParams
 from attnserve.model.config import ModelConfig
 from attnserve.model.layers import moe
-from attnserve.model.layers.moe import FusedMoE, moe_reference, select_experts
+from attnserve.model.layers.moe import FusedMoE
+from attnserve.model.layers.ops import moe_reference, select_experts
 from attnserve.model.loader import build_model
 from attnserve.model.weights import init_dummy_weights
 from tests.conftest import hf_greedy

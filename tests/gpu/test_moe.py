@@ -25,7 +25,7 @@ import torch
 from attnserve import LLM
 from attnserve.bench.moe import Setup, expert_spec, expert_weights, routed_inputs
 from attnserve.model.layers.fused_moe import fused_experts
-from attnserve.model.layers.moe import moe_reference
+from attnserve.model.layers.ops import moe_reference
 from attnserve.model.presets import preset_hf_config
 from tests.gpu.reference import (
     ENGINE,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnserve.model.layers import cpu_ops
+from attnserve.model.layers import cpu_ops, ops
 from attnserve.model.layers.activation import SiluAndMul
 from attnserve.model.layers.layernorm import RMSNorm
 from attnserve.model.layers.rotary_embedding import RotaryEmbedding
@@ -27,10 +27,14 @@ def test_rms_norm_with_and_without_residual(shape: tuple[int, ...]) -> None:
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * _rand(shape[-1], seed=1))
     x, residual = 3 * _rand(*shape, seed=2), _rand(*shape, seed=3)
-    torch.testing.assert_close(cpu_ops.rms_norm(x, norm.weight, 1e-5), norm._norm(x), **TOL)
+    torch.testing.assert_close(
+        cpu_ops.rms_norm(x, norm.weight, 1e-5), ops.rms_norm_reference(x, norm.weight, 1e-5), **TOL
+    )
     normed, summed = cpu_ops.fused_add_rms_norm(x, residual, norm.weight, 1e-5)
     assert torch.equal(summed, x + residual)
-    torch.testing.assert_close(normed, norm._norm(x + residual), **TOL)
+    torch.testing.assert_close(
+        normed, ops.rms_norm_reference(x + residual, norm.weight, 1e-5), **TOL
+    )
     assert torch.equal(norm(x), cpu_ops.rms_norm(x, norm.weight, 1e-5))  # the layer takes it
 
 
@@ -51,7 +55,9 @@ def test_rms_norm_per_head_of_strided_token_rows() -> None:
     qkv = _rand(5, 4 * 16 + 2 * 32, seed=9)
     heads = qkv[:, :64].reshape(5, 4, 16)
     assert heads.data_ptr() == qkv.data_ptr()  # a view: the kernel reads it in place
-    torch.testing.assert_close(norm(heads), norm._norm(heads.contiguous()), **TOL)
+    torch.testing.assert_close(
+        norm(heads), ops.rms_norm_reference(heads.contiguous(), norm.weight, 1e-6), **TOL
+    )
 
 
 def test_rotary_embedding_against_the_formula() -> None:
@@ -98,5 +104,7 @@ def test_silu_and_mul_against_the_formula(inter: int) -> None:
 
 
 def test_other_dtypes_keep_the_torch_path() -> None:
-    assert not cpu_ops.use_cpu_ops(torch.zeros(2, 4, dtype=torch.bfloat16))
-    assert cpu_ops.use_cpu_ops(torch.zeros(2, 4))
+    x = torch.zeros(2, 4)
+    assert not ops.use_native(torch.zeros(2, 4, dtype=torch.bfloat16))
+    assert not ops.use_native(x, torch.zeros(2, 4, dtype=torch.bfloat16))  # a bfloat16 residual
+    assert ops.use_native(x) and ops.use_native(x, x)

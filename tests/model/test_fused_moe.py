@@ -21,7 +21,7 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # already so via conftest; import-order proof
 pytest.importorskip("triton")
 
-from attnserve.model.layers import moe  # noqa: E402
+from attnserve.model.layers import ops  # noqa: E402
 from attnserve.model.layers.fused_moe import (  # noqa: E402
     MoEKernelConfig,
     default_config,
@@ -34,12 +34,8 @@ from attnserve.model.layers.fused_moe_routing import (  # noqa: E402
     align_with_triton,
     fused_topk,
 )
-from attnserve.model.layers.moe import (  # noqa: E402
-    MoESpec,
-    SparseMoeBlock,
-    moe_reference,
-    select_experts,
-)
+from attnserve.model.layers.moe import MoESpec, SparseMoeBlock  # noqa: E402
+from attnserve.model.layers.ops import moe_reference, select_experts  # noqa: E402
 
 HIDDEN, INTER, EXPERTS = 64, 48, 8
 TOL: dict[torch.dtype, dict[str, float]] = {
@@ -221,7 +217,7 @@ def test_block_matches_hf(case: str, fused: bool, monkeypatch: pytest.MonkeyPatc
     hf_block = _hf_block(config_cls, **settings)
     ours = SparseMoeBlock(spec)
     ours.load_state_dict(hf_block.state_dict())
-    monkeypatch.setattr(moe, "use_triton", lambda x: fused)
+    monkeypatch.setattr(ops, "use_triton", lambda x: fused)
     x = _rand(11, HIDDEN, seed=5).cpu()
     with torch.no_grad():
         expected = hf_block(x[None])[0]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -21,8 +20,8 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # already so via conftest; import-order proof
 pytest.importorskip("triton")
 
-from attnserve.model.layers import activation, layernorm, rotary_embedding  # noqa: E402
 from attnserve.model.layers import fused_ops as ops  # noqa: E402
+from attnserve.model.layers import ops as layer_ops  # noqa: E402
 from attnserve.model.layers.activation import SiluAndMul  # noqa: E402
 from attnserve.model.layers.layernorm import RMSNorm  # noqa: E402
 from attnserve.model.layers.rotary_embedding import RotaryEmbedding, rope_inv_freq  # noqa: E402
@@ -41,6 +40,11 @@ def _rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tor
     return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
 
 
+def _reference(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """The layer's plain-torch norm of `x`."""
+    return layer_ops.rms_norm_reference(x, norm.weight, norm.eps)
+
+
 def _norm(size: int, dtype: torch.dtype) -> RMSNorm:
     norm = RMSNorm(size, EPS).to(DEVICE)
     with torch.no_grad():
@@ -53,7 +57,7 @@ def test_rms_norm_matches_torch(dtype: torch.dtype) -> None:
     norm, x = _norm(HIDDEN, dtype), 3 * _rand(T, HIDDEN, dtype=dtype)
     out = ops.rms_norm(x, norm.weight, EPS)
     assert out.dtype == dtype and out.shape == x.shape
-    torch.testing.assert_close(out, norm._norm(x), **TOL[dtype])
+    torch.testing.assert_close(out, _reference(norm, x), **TOL[dtype])
 
 
 def test_rms_norm_odd_width_and_promotion() -> None:
@@ -61,7 +65,7 @@ def test_rms_norm_odd_width_and_promotion() -> None:
     norm, x = _norm(40, torch.float32), _rand(3, 7, 40, dtype=torch.bfloat16)
     out = ops.rms_norm(x, norm.weight, EPS)
     assert out.dtype == torch.float32 and out.shape == x.shape
-    torch.testing.assert_close(out, norm._norm(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, _reference(norm, x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -73,7 +77,7 @@ def test_per_head_rms_norm_on_a_qkv_split(dtype: torch.dtype) -> None:
     assert not q.is_contiguous()
     out = ops.rms_norm(q, norm.weight, EPS)
     assert out.is_contiguous() and out.shape == q.shape
-    torch.testing.assert_close(out, norm._norm(q), **TOL[dtype])
+    torch.testing.assert_close(out, _reference(norm, q), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -85,7 +89,7 @@ def test_fused_add_rms_norm_matches_torch(dtype: torch.dtype) -> None:
     expected_summed = x + residual
     # The sum is one rounding of the float32 sum to the dtype, exactly as torch's add.
     torch.testing.assert_close(summed, expected_summed, atol=0, rtol=0)
-    torch.testing.assert_close(out, norm._norm(expected_summed), **TOL[dtype])
+    torch.testing.assert_close(out, _reference(norm, expected_summed), **TOL[dtype])
     torch.testing.assert_close((x, residual), before, atol=0, rtol=0)
 
 
@@ -136,7 +140,8 @@ def test_qkv_rotary_embedding_matches_the_separate_layers(dtype: torch.dtype, no
     got = ops.qkv_rotary_embedding(positions, (q, k, v), rope.cos_sin_cache, HEAD, weights, EPS)
     if norms is not None:
         q, k = (
-            n._norm(x.reshape(T, -1, HEAD)).flatten(1) for n, x in zip(norms, (q, k), strict=True)
+            _reference(n, x.reshape(T, -1, HEAD)).flatten(1)
+            for n, x in zip(norms, (q, k), strict=True)
         )
     expected = (*rope(positions, q, k), v)
     for out, ref in zip(got, expected, strict=True):
@@ -168,15 +173,11 @@ def test_empty_batch() -> None:
     assert q.shape == (0, 64) and k.shape == (0, 32)
 
 
-LAYER_MODULES: tuple[ModuleType, ...] = (layernorm, rotary_embedding, activation)
-
-
 @pytest.fixture
 def triton_layers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Route every layer through `fused_ops` (on CPU too), recording which kernels ran."""
     calls: list[str] = []
-    for module in LAYER_MODULES:
-        monkeypatch.setattr(module, "use_triton", lambda x: True)
+    monkeypatch.setattr(layer_ops, "use_triton", lambda x: True)
 
     def spy(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any) -> Any:
@@ -198,10 +199,10 @@ def triton_layers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def test_layers_dispatch_to_triton(triton_layers: list[str]) -> None:
     norm, x = _norm(HIDDEN, torch.bfloat16), _rand(T, HIDDEN, dtype=torch.bfloat16)
-    torch.testing.assert_close(norm(x), norm._norm(x), **TOL[torch.bfloat16])
+    torch.testing.assert_close(norm(x), _reference(norm, x), **TOL[torch.bfloat16])
     normed, summed = norm.forward_with_residual(x, x)
     torch.testing.assert_close(summed, x + x, atol=0, rtol=0)
-    torch.testing.assert_close(normed, norm._norm(x + x), **TOL[torch.bfloat16])
+    torch.testing.assert_close(normed, _reference(norm, x + x), **TOL[torch.bfloat16])
     rope, positions, q, k = _rope(torch.float32)
     q_out, _ = rope(positions, q, k)
     torch.testing.assert_close(

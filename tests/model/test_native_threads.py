@@ -1,4 +1,4 @@
-"""The native kernels on the shared thread pool (`native_pool.c`): on 2 and 3 threads every
+"""The native kernels on the shared thread pool (`native/native_pool.c`): on 2 and 3 threads every
 kernel gives bit for bit what it gives on one (each output is computed whole by one thread),
 including shapes of many chunks and a ragged last one; calls from several Python threads at once
 (one runs on the pool, the others on their own thread) stay correct; and the packed layers'

@@ -32,7 +32,8 @@ from attnserve.bench.bound import matmul_flops_per_s, moe_spec
 from attnserve.bench.common import check_output_files, positive_ints
 from attnserve.bench.kernel_common import as_graph, copy_bandwidth_tbs, median_us
 from attnserve.model.config import ModelConfig
-from attnserve.model.layers.moe import MoESpec, moe_reference, select_experts
+from attnserve.model.layers.moe import MoESpec
+from attnserve.model.layers.ops import moe_reference, select_experts
 
 if TYPE_CHECKING:  # the kernels import Triton: only when a call is made
     from attnserve.model.layers.fused_moe import MoEKernelConfig

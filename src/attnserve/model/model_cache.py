@@ -1,5 +1,5 @@
 """The converted-model cache: its root (~/.cache/attnserve, or $ATTNSERVE_CACHE_DIR; it also
-holds the built native kernels, `attnserve.native`), the lock
+holds the built native kernels, `attnserve.native.build`), the lock
 that lets one process at a time write into it, and listing and clearing it (`attnserve cache`).
 
 Writers take the root's lock (`locked`), build an entry in a staging directory and rename it
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnserve.native import CACHE_ENV, cache_root
+from attnserve.native.build import CACHE_ENV, cache_root
 
 __all__ = [
     "CACHE_ENV",

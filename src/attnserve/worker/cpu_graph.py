@@ -1,5 +1,5 @@
-"""`CPUGraphRunner`: small CPU decode steps replayed from CPU graphs (`attnserve.native_graph`),
-one per batch-size bucket, as `CUDAGraphRunner` replays CUDA graphs.
+"""`CPUGraphRunner`: small CPU decode steps replayed from CPU graphs
+(`attnserve.native.graph`), one per batch-size bucket, as `CUDAGraphRunner` replays CUDA graphs.
 
 At a few sequences a CPU decode step is mostly the Python around its native kernels (module
 calls, allocations, argument checks: ~270 calls for the default model's 30 layers); a replay
@@ -19,7 +19,7 @@ import logging
 import torch
 
 from attnserve.attention import StepMetadata, set_forward_context
-from attnserve.native_graph import GraphCaptureError, NativeGraph
+from attnserve.native.graph import GraphCaptureError, NativeGraph
 from attnserve.worker.graph_runner import GraphRunner
 
 logger = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ class CausalLM(Protocol):
 
 
 class Graph(Protocol):
-    """A captured forward (a CUDA graph, or a CPU one: `attnserve.native_graph`)."""
+    """A captured forward (a CUDA graph, or a CPU one: `attnserve.native.graph`)."""
 
     def replay(self) -> None: ...
 

@@ -1,24 +1,21 @@
-"""The native paged-attention kernel of `cpu_attention.c` (built and loaded by
-`attnserve.native`), called on torch tensors' memory."""
+"""The native paged-attention kernel of `native/cpu_attention.c` (built and
+loaded by `attnserve.native.build`), called on torch tensors' memory."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
-from attnserve.native import load_native
-from attnserve.native_graph import NativeFunction
-
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+from attnserve.native.build import load_native
+from attnserve.native.graph import NativeFunction
 
 
 @functools.cache
 def cpu_attention_library() -> NativeFunction | None:
     """The built kernel with its signature, or None where it cannot run here."""
-    library = load_native(SOURCE)
+    library = load_native("cpu_attention.c")
     if library is None:
         return None
     pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

@@ -1,23 +1,19 @@
-"""The model's small ops in one native call each on the CPU (`cpu_ops.c`, built and loaded by
-`attnserve.native`): RMSNorm with or without the residual add, rotary embedding of q and k, and
-SiLU-and-mul, for float32 tensors. The layers call them where `use_cpu_ops(x)` holds and keep
-their torch code as the other path and the reference (ATTNSERVE_FUSED_OPS=0 keeps torch).
+"""The model's small ops in one native call each on the CPU (`native/cpu_ops.c`, built and loaded
+by `attnserve.native.build`): RMSNorm with or without the residual add, rotary embedding of q
+and k, and SiLU-and-mul, for float32 tensors. The model's ops (`ops`) call them for float32 CPU
+tensors where the library loads (`ops.use_native`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from attnserve.native import load_native
-from attnserve.native_graph import NativeFunction
-
-SOURCE = Path(__file__).with_name("cpu_ops.c")
+from attnserve.native.build import load_native
+from attnserve.native.graph import NativeFunction
 
 
 @dataclass(frozen=True)
@@ -30,9 +26,7 @@ class CpuOps:
 @functools.cache
 def cpu_ops_library() -> CpuOps | None:
     """The built ops with their signatures, or None where they cannot run here."""
-    if os.environ.get("ATTNSERVE_FUSED_OPS", "1") == "0":
-        return None
-    library = load_native(SOURCE)
+    library = load_native("cpu_ops.c")
     if library is None:
         return None
     pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -47,11 +41,6 @@ def cpu_ops_library() -> CpuOps | None:
     for name in names:
         getattr(library, name).restype = None
     return CpuOps(*(NativeFunction(library, name) for name in names))
-
-
-def use_cpu_ops(x: torch.Tensor) -> bool:
-    """Whether `x` goes through these ops: a float32 CPU tensor where they are built."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu_ops_library() is not None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +58,7 @@ def _shaped(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 def _library() -> CpuOps:
     library = cpu_ops_library()
     if library is None:
-        raise RuntimeError("the native CPU ops are not available here (use_cpu_ops)")
+        raise RuntimeError("the native CPU ops are not available here (cpu_ops_library)")
     return library
 
 

@@ -187,7 +187,7 @@ def _topk_kernel(  # type: ignore[no-untyped-def]
 def fused_topk(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe.select_experts` in one launch: (weights [T, top_k] in `weights_dtype`, expert ids
+    """`ops.select_experts` in one launch: (weights [T, top_k] in `weights_dtype`, expert ids
     [T, top_k] int32)."""
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts:

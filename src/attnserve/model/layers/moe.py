@@ -5,9 +5,9 @@ Routing follows HF transformers: router logits in the model dtype, softmax in fl
 optionally renormalised to sum to 1 (`MoESpec.renormalize`); Qwen3-MoE then rounds the weights
 to the model dtype (`weights_in_model_dtype`), Mixtral keeps them in float32. The experts' weights
 are stacked: `gate_up_proj` [E, 2·I, H] (each expert's gate rows, then its up rows) and
-`down_proj` [E, H, I], HF's own layout. On CUDA (with Triton) routing and experts run in the
-fused-MoE kernels (`fused_moe_routing`, `fused_moe`); elsewhere, and as their reference, in plain
-torch, expert by expert in HF's order.
+`down_proj` [E, H, I], HF's own layout. Routing and experts are `ops.moe_topk` and
+`ops.moe_experts`: on CUDA (with Triton) the fused-MoE kernels (`fused_moe_routing`,
+`fused_moe`); elsewhere, and as their reference, plain torch, expert by expert in HF's order.
 
 Tensor parallelism shards every expert's intermediate dimension: each rank keeps rows
 [r·I/tp, (r+1)·I/tp) of each expert's gate and up (column-parallel) and the same columns of its
@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnserve.distributed import (
@@ -29,7 +28,7 @@ from attnserve.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from attnserve.model.layers.layernorm import use_triton
+from attnserve.model.layers import ops
 from attnserve.model.layers.linear import Linear
 from attnserve.model.quantization.weight_utils import (
     LoadedWeight,
@@ -58,45 +57,6 @@ class MoESpec:
             raise ValueError(
                 f"num_experts_per_tok {self.top_k} must be in 1..{self.num_experts} (the experts)"
             )
-
-
-def select_experts(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [T, top_k], expert ids int64 [T, top_k]) of the `top_k` most probable
-    experts of each token, the weights renormalised to sum to 1 when asked."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
-def moe_reference(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """`fused_moe.fused_experts` in plain torch, as HF computes it: expert by expert (in
-    increasing id), each token's down output scaled by its weight and added into the result."""
-    out = torch.zeros_like(hidden)
-    flat = topk_ids.flatten()
-    order = torch.sort(flat, stable=True).indices
-    tokens = order // topk_ids.shape[1]
-    weights = topk_weights.flatten()[order]
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows, scale = tokens[start : start + count], weights[start : start + count, None]
-        gate, up = F.linear(hidden[rows], w13[expert]).chunk(2, dim=-1)
-        down = F.linear(F.silu(gate) * up, w2[expert]) * scale
-        out.index_add_(0, rows, down.to(out.dtype))
-        start += count
-    return out
 
 
 class FusedMoE(nn.Module):
@@ -171,17 +131,7 @@ class FusedMoE(nn.Module):
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        if use_triton(hidden):
-            from attnserve.model.layers.fused_moe import fused_experts
-
-            out = fused_experts(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        else:
-            if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "the torch MoE path (ATTNSERVE_FUSED_OPS=0) syncs with the host and cannot "
-                    "be captured in a CUDA graph: use enforce_eager=True with it"
-                )
-            out = moe_reference(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        out = ops.moe_experts(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         return tensor_model_parallel_all_reduce(out)
 
 
@@ -197,11 +147,5 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits, spec = self.gate(hidden), self.spec
         weights_dtype = hidden.dtype if spec.weights_in_model_dtype else torch.float32
-        if use_triton(hidden):
-            from attnserve.model.layers.fused_moe_routing import fused_topk
-
-            weights, ids = fused_topk(logits, spec.top_k, spec.renormalize, weights_dtype)
-        else:
-            weights, ids = select_experts(logits, spec.top_k, spec.renormalize)
-            weights = weights.to(weights_dtype)
+        weights, ids = ops.moe_topk(logits, spec.top_k, spec.renormalize, weights_dtype)
         return self.experts(hidden, weights, ids)

@@ -1,11 +1,10 @@
 """Rotary position embedding (GPT-NeoX / HF Llama "rotate half" style), plain or Llama-3 scaled.
 
 The cos/sin table for every position up to `max_position` is built once, in float32, on the
-module's device; a forward gathers the rows of the batch's positions. On CUDA (with Triton) a
-forward is one fused Triton kernel for q and k (`fused_ops.rotary_embedding`), the same math;
-on the CPU in float32, one native call (`cpu_ops.rotary_embedding`). `forward_qkv` readies an
-attention layer's whole q, k, v: Qwen3's per-head q/k norm, the rotation and the copy of v in
-one launch on CUDA (`fused_ops.qkv_rotary_embedding`).
+module's device; a forward gathers the rows of the batch's positions (`ops.rotary_embedding`:
+one fused Triton kernel for q and k on CUDA, one native call on the CPU in float32, plain torch
+elsewhere). `forward_qkv` readies an attention layer's whole q, k, v: Qwen3's per-head q/k norm,
+the rotation and the copy of v (`ops.qkv_rotary_embedding`: one launch on CUDA).
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnserve.model.layers import cpu_ops
-from attnserve.model.layers.layernorm import RMSNorm, use_triton
+from attnserve.model.layers import ops
+from attnserve.model.layers.layernorm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -52,12 +51,6 @@ def rope_inv_freq(
     return inv_freq
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] float32; cos/sin [T, 1, D/2]."""
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -82,20 +75,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate query [T, H*D] and key [T, Hkv*D] by their tokens' positions [T]; returns new
         tensors (the inputs are left as they are)."""
-        if use_triton(query):
-            from attnserve.model.layers.fused_ops import rotary_embedding
-
-            return rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
-        if cpu_ops.use_cpu_ops(query) and key.dtype == torch.float32:
-            return cpu_ops.rotary_embedding(
-                positions, query, key, self.cos_sin_cache, self.head_size
-            )
-        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-        rotated = []
-        for x in (query, key):
-            heads = x.view(x.shape[0], -1, self.head_size).float()
-            rotated.append(_rotate(heads, cos, sin).to(x.dtype).flatten(1))
-        return rotated[0], rotated[1]
+        return ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
 
     def forward_qkv(
         self,
@@ -105,28 +85,9 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """An attention layer's q, k, v [T, H*D] (splits of its qkv projection) ready for
         attention: q and k per-head normalised by `head_norms` (Qwen3's q/k norm) when given,
-        then rotated; v contiguous. One fused launch on CUDA, one native call on the CPU (after
-        the head norms), the separate layers elsewhere."""
-        query, key, value = qkv
-        weights = None if head_norms is None else (head_norms[0].weight, head_norms[1].weight)
-        if use_triton(query) and (weights is None or weights[0].dtype == query.dtype):
-            from attnserve.model.layers.fused_ops import qkv_rotary_embedding
-
-            eps = 0.0 if head_norms is None else head_norms[0].eps
-            return qkv_rotary_embedding(
-                positions, qkv, self.cos_sin_cache, self.head_size, weights, eps
-            )
+        then rotated; v contiguous."""
+        norms = None
         if head_norms is not None:
-            query, key = (
-                _per_head(norm, x, self.head_size)
-                for norm, x in zip(head_norms, (query, key), strict=True)
-            )
-        if cpu_ops.use_cpu_ops(query) and key.dtype == value.dtype == torch.float32:
-            return cpu_ops.rotary_embedding_qkv(
-                positions, (query, key, value), self.cos_sin_cache, self.head_size
-            )
-        return (*self.forward(positions, query, key), value.contiguous())
-
-
-def _per_head(norm: RMSNorm, x: torch.Tensor, head_size: int) -> torch.Tensor:
-    return norm(x.reshape(x.shape[0], -1, head_size)).flatten(1)
+            q_norm, k_norm = head_norms
+            norms = ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps))
+        return ops.qkv_rotary_embedding(positions, qkv, self.cos_sin_cache, self.head_size, norms)

@@ -1,6 +1,6 @@
-"""The native GGUF kernels of `gguf_cpu.c` (built and loaded by `attnserve.native`), bound to
-torch tensors: where they cannot run, `native_library()` is None and the packed GGUF layers use
-torch's int4 kernel instead (`gguf_torch`).
+"""The native GGUF kernels of `native/gguf_cpu.c` (built and loaded by `attnserve.native.build`),
+bound to torch tensors: where they cannot run, `native_library()` is None and the packed GGUF
+layers use torch's int4 kernel instead (`gguf_torch`).
 """
 
 from __future__ import annotations
@@ -8,16 +8,14 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from attnserve.model.quantization.gguf_blocks import CODES_AT, GGUFWeight
-from attnserve.native import load_native
-from attnserve.native_graph import NativeFunction
+from attnserve.native.build import load_native
+from attnserve.native.graph import NativeFunction
 
-SOURCE = Path(__file__).with_name("gguf_cpu.c")
 TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 
 
@@ -30,7 +28,7 @@ class GGUFKernels:
 @functools.cache
 def native_library() -> GGUFKernels | None:
     """The built kernels with their signatures, or None where they cannot run here."""
-    library = load_native(SOURCE)
+    library = load_native("gguf_cpu.c")
     if library is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64

@@ -4,18 +4,19 @@ Python around them, as a CUDA graph replays kernel launches.
 A CPU decode step of a small model is mostly host work: at one sequence the default model's
 30 layers make ~270 native calls, and the module calls, allocations and argument checks between
 them cost more than the kernels' own time. Kernels called through `NativeFunction` (every
-ctypes entry point of `attnserve.native`'s libraries) append their call, arguments as passed,
-to the graph being captured; `NativeGraph.replay` repeats those calls in order, so replaying
-reads the same input buffers and writes the same output buffers as the captured forward did.
-The replay runs in C (`native_graph.c`): each kernel has a `_packed` entry point taking its
-arguments as int64 slots (`native_packed.h`), packed once after the capture, so a replay costs
-one ctypes call instead of ~3 us for each of the ~270.
+ctypes entry point of the libraries `build` loads) append their call, arguments as passed, to
+the graph being captured; `NativeGraph.replay` repeats those calls in order, so replaying reads
+the same input buffers and writes the same output buffers as the captured forward did. The
+replay runs in C (`graph.c`): each kernel has a `_packed` entry point taking its arguments as
+int64 slots (`native_packed.h`), packed once after the capture, so a replay costs one ctypes
+call instead of ~3 us for each of the ~270.
 
 A capture is refused (`GraphCaptureError`, naming the op) when the forward computes anything
 with a torch op instead of a native call: a replay would not repeat it. Only views (ops whose
 outputs share an input's memory: a `contiguous` or `reshape` that copies is refused) and
 allocations may run; the tensors allocated during the capture are kept alive by the graph,
-since the recorded calls hold their addresses.
+since the recorded calls hold their addresses. A model collective across ranks (which need not
+show as a torch op) refuses too, through the check this module adds to the collectives.
 """
 
 from __future__ import annotations
@@ -27,17 +28,15 @@ import itertools
 import struct
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from attnserve.native import load_native
+from attnserve.distributed.communication import add_collective_check
+from attnserve.native.build import load_native
 from attnserve.profiling import NATIVE_RANGE, marked
-
-REPLAY_SOURCE = Path(__file__).with_name("native_graph.c")
 
 _ALLOCATIONS = {
     torch.ops.aten.empty.memory_format,
@@ -57,11 +56,14 @@ class GraphCaptureError(RuntimeError):
     """The forward did something a replay of its native calls would not repeat."""
 
 
-def refuse_in_capture(what: str) -> None:
+def _refuse_in_capture(what: str) -> None:
     """GraphCaptureError while this thread captures a CPU graph: for work that is no native
     call and may not show as a torch op (a collective)."""
     if _capturing.graph is not None:
         raise GraphCaptureError(f"{what} cannot be replayed from a CPU graph")
+
+
+add_collective_check(_refuse_in_capture)  # added on import: no capture runs before it
 
 
 class NativeFunction:
@@ -99,8 +101,8 @@ class NativeFunction:
 
 @functools.cache
 def _replayer() -> Any:
-    """`replay_calls` of native_graph.c (a ctypes function)."""
-    library = load_native(REPLAY_SOURCE)
+    """`replay_calls` of graph.c (a ctypes function)."""
+    library = load_native("graph.c")
     if library is None:
         raise RuntimeError("the native replay of CPU graphs is not available here")
     library.replay_calls.argtypes = [ctypes.c_int64, *(ctypes.c_void_p,) * 3]

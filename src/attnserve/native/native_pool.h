@@ -1,5 +1,5 @@
 /* The thread pool the native kernels share (native_pool.c, its own library: see
- * attnserve.native). `pool_run` splits `items` into chunks of `chunk` items and runs
+ * attnserve.native.build). `pool_run` splits `items` into chunks of `chunk` items and runs
  * `task(job, first, end)` on each; the caller works too and returns once every chunk is done.
  */
 #ifndef ATTNSERVE_NATIVE_POOL_H

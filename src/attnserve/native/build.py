@@ -1,5 +1,5 @@
-"""Native CPU kernels: C sources built once per machine with the system C compiler and called
-through ctypes on torch tensors' memory.
+"""The loader of the native CPU kernels: the package's C sources built once per machine with
+the system C compiler, to be called through ctypes on torch tensors' memory.
 
 A library is built into `<cache>/kernels/` ($ATTNSERVE_CACHE_DIR or ~/.cache/attnserve), keyed by
 its source, flags and compiler, written whole or not at all (a staging file renamed into place).
@@ -29,10 +29,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "ATTNSERVE_CACHE_DIR"
-POOL_SOURCE = Path(__file__).with_name("native_pool.c")
-HEADERS = tuple(
-    POOL_SOURCE.with_name(name) for name in ("native_pool.h", "native_math.h", "native_packed.h")
-)
+SOURCES = Path(__file__).parent  # the C sources and headers (this package)
+POOL_SOURCE = SOURCES / "native_pool.c"
+HEADERS = tuple(SOURCES / name for name in ("native_pool.h", "native_math.h", "native_packed.h"))
 ISA = ("-mavx2", "-mfma", "-mf16c")
 FLAGS = ("-O3", *ISA, "-ffp-contract=off", "-fopenmp-simd", "-shared", "-fPIC")
 _CAPABLE = ("AVX2", "AVX512")
@@ -46,8 +45,12 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 @functools.cache
-def load_native(source: Path) -> ctypes.CDLL | None:
-    """The built library of `source`, or None where it cannot run here (see the module)."""
+def load_native(name: str) -> ctypes.CDLL | None:
+    """The built library of the package's C source `name` ("cpu_ops.c"), or None where it
+    cannot run here (see the module)."""
+    source = SOURCES / name
+    if not source.is_file():
+        raise ValueError(f"no native source {name!r} in {SOURCES}")
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in _CAPABLE:
         logger.info("native kernels of %s off: CPU capability %s", source.name, capability)
@@ -69,7 +72,7 @@ def load_native(source: Path) -> ctypes.CDLL | None:
 def _built(source: Path, compiler: str, libraries: tuple[str, ...]) -> Path:
     """The shared library in the cache, compiled first if it is not there yet; linked against
     `libraries` (paths of built ones: their names hold their sources' digests)."""
-    include = ("-I", str(POOL_SOURCE.parent))
+    include = ("-I", str(SOURCES))
     headers = b"".join(header.read_bytes() for header in HEADERS)
     key = source.read_bytes() + headers + " ".join((compiler, *FLAGS, *libraries)).encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
