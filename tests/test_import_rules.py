@@ -1,13 +1,13 @@
 """The layering rule, "arrows only down": cli / bench / entrypoints -> engine -> executor ->
-worker -> engine_config -> model -> attention -> the leaf modules (core, sampling_params,
+worker -> engine_config -> model -> attention -> the leaf modules (step_types, sampling_params,
 config, distributed, ...). A module may import its own layer and the layers below it, never one
 above; the engine reaches the ranks only through the executor (it imports nothing from worker/);
 no modules import each other in a circle, and no folders do.
 
 Folders: the parts of a package are its `__init__` (its public face, free to re-export what lies
 below it), each subpackage with everything under it, and the package's own modules taken
-together; the root package's modules (cli, core, engine_config, ...) stand in different layers,
-so each of them is a part of its own. An import from one part of a package to another is an
+together; the root package's modules (cli, step_types, engine_config, ...) stand in different
+layers, so each of them is a part of its own. An import from one part of a package to another is an
 arrow between the two (a subpackage's imports of its parent's modules or of its parent's
 `__init__` included), and in no package do these arrows go round in a circle. So, for instance,
 the backends (`attention/backends/`) import the contract in `attention/`, and nothing in
@@ -30,7 +30,7 @@ import attnserve
 
 PACKAGE = Path(attnserve.__file__).parent
 ROOT = PACKAGE.name
-CORE = f"{ROOT}.core"
+STEP_TYPES = f"{ROOT}.step_types"
 
 ImportGraph = dict[str, set[str]]
 
@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("model",),
     ("attention",),
     (
-        "core",
+        "step_types",
         "sampling_params",
         "structured_outputs",
         "outputs",
@@ -247,8 +247,9 @@ def test_no_upward_imports(graph: ImportGraph) -> None:
 
 
 def test_the_step_types_module_is_a_leaf(graph: ImportGraph) -> None:
-    """core, below engine, executor, worker and model alike, imports only sampling_params."""
-    assert graph.get(CORE) == {f"{ROOT}.sampling_params"}
+    """step_types, below engine, executor, worker and model alike, imports only
+    sampling_params."""
+    assert graph.get(STEP_TYPES) == {f"{ROOT}.sampling_params"}
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:
@@ -264,7 +265,7 @@ def test_the_checks_see_cycles_and_upward_imports(tmp_path: Path) -> None:
         tmp_path / ROOT,
         {
             "__init__.py": "",
-            "core.py": "from attnserve.model import config\n",
+            "step_types.py": "from attnserve.model import config\n",
             "model/__init__.py": "from attnserve.model import config\n",
             "model/config.py": "def f():\n    from attnserve.model.loader import load\n",
             "model/loader.py": "from . import config\nfrom ..worker import batch\n",
@@ -283,11 +284,12 @@ def test_the_checks_see_cycles_and_upward_imports(tmp_path: Path) -> None:
         [f"{ROOT}.model.config", f"{ROOT}.model.loader", f"{ROOT}.model.config"]
     ]
     assert list(forbidden_imports(graph)) == [
-        f"{ROOT}.core (layer core/sampling_params/structured_outputs/outputs/config/distributed/"
-        f"host_copy/profiling/native) imports {ROOT}.model.config (layer model), above it",
         f"{ROOT}.engine.step (layer engine) imports {ROOT}.cli (layer top), above it",
         f"{ROOT}.engine.step imports {ROOT}.worker.batch: it must go through the layer between",
         f"{ROOT}.model.loader (layer model) imports {ROOT}.worker.batch (layer worker), above it",
+        f"{ROOT}.step_types (layer step_types/sampling_params/structured_outputs/outputs/config/"
+        f"distributed/host_copy/profiling/native) imports {ROOT}.model.config (layer model), "
+        "above it",
     ]
 
 

@@ -10,9 +10,10 @@ prefix-cache hits):
   (one token drawn each, so the next call only reads the draws back).
 Each phase's method is wrapped to add up its time; methods a tree lacks are skipped, so the same
 script measures an older checkout (`PYTHONPATH=<old>/src python tools/step_profile.py`) for a
-before/after. Only the engine's `step()` calls are timed. "host" is a step's time minus the model's forward, its logits and the wait for the
-device's tokens: the engine's own work around the model (scheduling, the step plan, inputs,
-metadata, sampling bookkeeping, outputs). On the CPU the forward and logits are the model's
+before/after. Only the engine's `step()` calls are timed. "host" is a step's time minus the
+model's forward, its logits and the wait for the device's tokens: the engine's own work around
+the model (scheduling, the step plan, inputs, metadata, sampling bookkeeping, outputs); "host
+(median)" is the median step's. On the CPU the forward and logits are the model's
 compute; on a GPU every launch is asynchronous and "wait for tokens" is where the host waits for
 the device. With CUDA graphs on, decode steps run as graph replays ("graph run").
 --profile adds a cProfile of the timed steps, sorted by own time.
@@ -56,7 +57,7 @@ WRAPPED = [
     ("sampler", "executor.driver_runner.sampler", "draw"),
     ("graph run", "executor.driver_runner.graphs", "run"),
 ]
-# (key, module, attribute path, method): module-level functions and classes
+# (key, module, attribute path, method): module-level functions and classes (older trees too)
 WRAPPED_GLOBALS = [
     ("build_batch", "attnserve.engine.engine_core", "", "build_batch"),
     ("build_metadata", "attnserve.worker.model_runner", "", "build_metadata"),
@@ -91,7 +92,10 @@ def instrument(engine: LLMEngine, timings: Timings) -> None:
         if owner is not None and hasattr(owner, method):
             wrap(owner, method, key, timings)
     for key, module, path, method in WRAPPED_GLOBALS:
-        owner = _resolve(importlib.import_module(module), path)
+        try:
+            owner = _resolve(importlib.import_module(module), path)
+        except ModuleNotFoundError:  # a tree without it
+            continue
         if owner is not None and hasattr(owner, method):
             wrap(owner, method, key, timings)
 

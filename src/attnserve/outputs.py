@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from attnserve.core import TokenLogprobs
+from attnserve.step_types import TokenLogprobs
 
 
 @dataclass

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnserve.engine.block_allocator import BlockAllocator, OutOfBlocksError
-from attnserve.engine.block_table import BlockTable
+from attnserve.engine.core.block_allocator import BlockAllocator, OutOfBlocksError
+from attnserve.engine.core.block_table import BlockTable
 
 
 def test_allocate_free_roundtrip() -> None:

@@ -8,13 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnserve.config import SchedulerConfig
-from attnserve.core import SampleOutput
-from attnserve.engine.block_allocator import BlockAllocator, chain_hash
-from attnserve.engine.block_table import BlockTable
-from attnserve.engine.scheduler import ScheduledSequence, Scheduler
-from attnserve.engine.sequence import Sequence, SequenceStatus
-from attnserve.engine.step_planner import StepPlanner
+from attnserve.engine.core.block_allocator import BlockAllocator, chain_hash
+from attnserve.engine.core.block_table import BlockTable
+from attnserve.engine.core.scheduler import ScheduledSequence, Scheduler
+from attnserve.engine.core.sequence import Sequence, SequenceStatus
+from attnserve.engine.core.step_planner import StepPlanner
 from attnserve.sampling_params import SamplingParams
+from attnserve.step_types import SampleOutput
 
 EOS = 0
 

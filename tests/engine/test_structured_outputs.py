@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from attnserve import LLM, SamplingParams, StructuredOutputsParams
-from attnserve.core import TokenBitmask
-from attnserve.engine.grammar import grammar_cache
-from attnserve.model.sampler import Sampler
-from tests.engine.rows import Row
+from attnserve.engine.core.grammar import grammar_cache
+from attnserve.step_types import TokenBitmask
+from attnserve.worker.sampler import Sampler
+from tests.worker.rows import Row
 from tests.entrypoints.openai_server import tiny_model_with_tokenizer
 
 PERSON = {

@@ -53,7 +53,7 @@ def test_the_engine_core_is_a_process_of_its_own_that_imports_no_server() -> Non
     """What the core process imports (its module's import closure): no web stack, no output
     processing (detokenizing, stop strings)."""
     probe = (
-        "import sys, attnserve.engine.core_loop\n"
+        "import sys, attnserve.engine.core.loop\n"
         "banned = ('fastapi', 'uvicorn', 'starlette', 'pydantic', 'httpx', 'prometheus_client',"
         " 'attnserve.entrypoints', 'attnserve.engine.output_processor',"
         " 'attnserve.engine.async_llm_engine', 'attnserve.engine.llm_engine')\n"

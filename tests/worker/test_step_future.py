@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attnserve.core import SampleOutput
+from attnserve.step_types import SampleOutput
 from attnserve.worker.step_future import StepFuture
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from attnserve.core import is_prefill
 from attnserve.host_copy import to_device
+from attnserve.step_types import is_prefill
 
 
 @dataclass(frozen=True)

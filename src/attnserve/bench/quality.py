@@ -19,11 +19,11 @@ import statistics
 from typing import Any
 
 from attnserve.bench.common import check_output_files, print_scalars, progress, write_json
-from attnserve.core import TokenLogprobs
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.entrypoints.llm import LLM
 from attnserve.model.quantization.resolve import QUANTIZATION_METHODS
 from attnserve.sampling_params import SamplingParams
+from attnserve.step_types import TokenLogprobs
 
 TOP_LOGPROBS = 5
 QUESTIONS = [

@@ -18,8 +18,8 @@ from typing import Any
 
 from attnserve.bench.common import progress, report
 from attnserve.engine.arg_utils import EngineArgs
-from attnserve.engine.grammar import GrammarCache
-from attnserve.engine.sequence_grammar import SequenceGrammar, token_bitmask
+from attnserve.engine.core.grammar import GrammarCache
+from attnserve.engine.core.sequence_grammar import SequenceGrammar, token_bitmask
 from attnserve.model.tokenizer import load_tokenizer
 from attnserve.structured_outputs import StructuredOutputsParams
 

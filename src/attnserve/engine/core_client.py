@@ -21,7 +21,7 @@ import threading
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
-from attnserve.engine.core_messages import (
+from attnserve.engine.core.messages import (
     CallReply,
     Command,
     CoreCommand,
@@ -34,7 +34,7 @@ from attnserve.engine.core_messages import (
 from attnserve.engine_config import EngineConfig
 
 if TYPE_CHECKING:
-    from attnserve.engine.engine_core import EngineCore
+    from attnserve.engine.core.engine_core import EngineCore
 
 CALL_TIMEOUT_S = 300.0  # a call waits for the step in flight; past this the core is stuck
 SHUTDOWN_TIMEOUT_S = 10.0  # for the core thread to stop
@@ -92,7 +92,7 @@ class InprocClient(EngineCoreClient):
     """The core in this thread: every call runs at once (not thread-safe)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from attnserve.engine.engine_core import EngineCore
+        from attnserve.engine.core.engine_core import EngineCore
 
         self.core = EngineCore(config)
         self.ready = self.core.ready_message()
@@ -231,7 +231,7 @@ class ThreadClient(ChannelClient):
     `AsyncLLMEngine`): the same commands and outputs as a core process, no pickling."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from attnserve.engine.engine_core import EngineCore
+        from attnserve.engine.core.engine_core import EngineCore
 
         super().__init__()
         self.core = EngineCore(config)
@@ -245,7 +245,7 @@ class ThreadClient(ChannelClient):
         return self.core
 
     def _run(self) -> None:
-        from attnserve.engine.core_loop import run_core
+        from attnserve.engine.core.loop import run_core
 
         run_core(self.core, self._take, self._dispatch)
         self._die(self._end_reason())

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from attnserve.engine.core.messages import EngineCoreOutputs, EngineCoreRequest
 from attnserve.engine.core_client import EngineCoreClient, EngineDeadError
-from attnserve.engine.core_messages import EngineCoreOutputs, EngineCoreRequest
 from attnserve.engine.proc_client import ProcClient, core_num_threads
 from attnserve.engine_config import EngineConfig
 

@@ -28,7 +28,7 @@ from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the model's half: imported only where the core runs
-    from attnserve.engine.engine_core import EngineCore
+    from attnserve.engine.core.engine_core import EngineCore
     from attnserve.executor import ExecutorBase
 
 logger = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from attnserve.core import TokenLogprobs
-from attnserve.engine.core_messages import EngineCoreOutput, EngineCoreOutputs
+from attnserve.engine.core.messages import EngineCoreOutput, EngineCoreOutputs
 from attnserve.engine.detokenizer import IncrementalDetokenizer
 from attnserve.outputs import CompletionOutput, RequestOutput
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
+from attnserve.step_types import TokenLogprobs
 
 
 class _Completion:

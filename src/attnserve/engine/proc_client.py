@@ -25,8 +25,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
-from attnserve.engine.core_client import ChannelClient, EngineDeadError
-from attnserve.engine.core_messages import (
+from attnserve.engine.core.messages import (
     PICKLE_PROTOCOL,
     Command,
     CoreAlive,
@@ -34,6 +33,7 @@ from attnserve.engine.core_messages import (
     CoreFailed,
     CoreReady,
 )
+from attnserve.engine.core_client import ChannelClient, EngineDeadError
 from attnserve.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class ProcClient(ChannelClient):
         num_threads: int | None = None,
         name: str = "attnserve-engine-core",
     ) -> None:
-        from attnserve.engine.core_loop import run_engine_core_process
+        from attnserve.engine.core.loop import run_engine_core_process
 
         super().__init__(outputs)
         context = multiprocessing.get_context("spawn")

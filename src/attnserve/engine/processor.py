@@ -15,8 +15,8 @@ import itertools
 
 from transformers import PreTrainedTokenizerBase
 
-from attnserve.engine.core_messages import EngineCoreRequest
-from attnserve.engine.grammar import grammar_cache
+from attnserve.engine.core.grammar import grammar_cache
+from attnserve.engine.core.messages import EngineCoreRequest
 from attnserve.model.config import ModelConfig
 from attnserve.sampling_params import SamplingParams
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from attnserve.core import AsyncStepOutput, StepPlan, StepResults
 from attnserve.engine_config import EngineConfig
+from attnserve.step_types import AsyncStepOutput, StepPlan, StepResults
 from attnserve.worker.model_runner import ModelRunner
 from attnserve.worker.step_future import StepFuture
 

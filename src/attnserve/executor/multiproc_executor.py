@@ -24,12 +24,12 @@ from typing import NoReturn
 
 import torch
 
-from attnserve.core import StepPlan, StepResults
 from attnserve.distributed import get_distributed_init_method, get_open_port
 from attnserve.distributed.parallel_state import abort_distributed_environment
 from attnserve.engine_config import EngineConfig
 from attnserve.executor.executor_base import ExecutorBase
 from attnserve.executor.parent_watch import exit_with_parent
+from attnserve.step_types import StepPlan, StepResults
 from attnserve.worker.model_runner import ModelRunner
 from attnserve.worker.worker import Worker
 

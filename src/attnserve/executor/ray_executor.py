@@ -16,11 +16,11 @@ from typing import Any, NoReturn
 
 import torch
 
-from attnserve.core import StepPlan, StepResults
 from attnserve.distributed import get_distributed_init_method, get_open_port
 from attnserve.distributed.utils import get_ip
 from attnserve.engine_config import EngineConfig
 from attnserve.executor.executor_base import ExecutorBase
+from attnserve.step_types import StepPlan, StepResults
 from attnserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from attnserve.core import StepPlan, StepResults
 from attnserve.distributed import model_parallel_is_initialized
 from attnserve.engine_config import EngineConfig
 from attnserve.executor.executor_base import ExecutorBase
+from attnserve.step_types import StepPlan, StepResults
 from attnserve.worker.model_runner import ModelRunner
 from attnserve.worker.step_future import StepFuture
 from attnserve.worker.worker import Worker

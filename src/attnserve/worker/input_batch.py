@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from attnserve.attention import StepLayout, layout_from_arrays
-from attnserve.core import NewSequence, StepPlan
 from attnserve.host_copy import to_device
+from attnserve.step_types import NewSequence, StepPlan
 
 INITIAL_SLOTS = 64
 SEED_MASK = 2**62 - 1

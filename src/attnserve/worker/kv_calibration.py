@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from attnserve.core import StepPlan
+from attnserve.step_types import StepPlan
 from attnserve.worker.profile_run import start_up_sequence
 
 CALIBRATION_TOKENS = 2048

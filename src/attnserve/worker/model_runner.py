@@ -41,14 +41,13 @@ from attnserve.attention import (
     set_forward_context,
 )
 from attnserve.config import DEFAULT_CPU_KV_CACHE_BYTES
-from attnserve.core import SampleOutput, StepPlan, StepResults
 from attnserve.distributed import get_tensor_model_parallel_world_size
 from attnserve.distributed.communication import tensor_model_parallel_all_reduce_min
 from attnserve.engine_config import EngineConfig
 from attnserve.host_copy import device_tensor, to_device
 from attnserve.model.loader import load_model
-from attnserve.model.sampler import Sampler, top_logprobs
 from attnserve.profiling import SAMPLING_RANGE, marked
+from attnserve.step_types import SampleOutput, StepPlan, StepResults
 from attnserve.worker.cache_engine import CacheEngine, gpu_kv_cache_budget, num_blocks_for_budget
 from attnserve.worker.cpu_graph import MAX_GRAPH_SEQS, CPUGraphRunner
 from attnserve.worker.cuda_graph import CUDAGraphRunner
@@ -57,6 +56,7 @@ from attnserve.worker.input_batch import InputBatch, PreparedStep
 from attnserve.worker.kv_calibration import calibration_plan
 from attnserve.worker.piecewise_graph import PiecewiseGraphRunner
 from attnserve.worker.profile_run import profile_plan, warm_up_plans
+from attnserve.worker.sampler import Sampler, top_logprobs
 from attnserve.worker.step_future import StepFuture
 
 logger = logging.getLogger(__name__)

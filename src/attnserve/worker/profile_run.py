@@ -18,8 +18,8 @@ also write only block 0, of the real cache: a block is written by its owner befo
 
 from __future__ import annotations
 
-from attnserve.core import NewSequence, StepPlan
 from attnserve.sampling_params import SamplingParams
+from attnserve.step_types import NewSequence, StepPlan
 
 # top-k and top-p both on: the sampler's sort and its filters run (greedy would skip them)
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from attnserve.core import SampleOutput, StepResults
+from attnserve.step_types import SampleOutput, StepResults
 
 
 class StepFuture:

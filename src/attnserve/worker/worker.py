@@ -16,13 +16,13 @@ import logging
 
 import torch
 
-from attnserve.core import StepPlan, StepResults
 from attnserve.distributed import (
     broadcast_object,
     destroy_distributed_environment,
     init_distributed_environment,
 )
 from attnserve.engine_config import EngineConfig
+from attnserve.step_types import StepPlan, StepResults
 from attnserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,6 @@ from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from attnserve.core import TokenLogprobs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
 from attnserve.entrypoints.openai.errors import ApiError
 from attnserve.entrypoints.openai.metrics import ServerMetrics
@@ -40,6 +39,7 @@ from attnserve.entrypoints.openai.serving_engine import (
 from attnserve.entrypoints.openai.structured import constraint_field
 from attnserve.entrypoints.openai.tool_choice import ToolPlan, tool_plan
 from attnserve.entrypoints.openai.tool_parsers import ToolCallStream, merged_calls
+from attnserve.step_types import TokenLogprobs
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from attnserve.core import TokenLogprobs
 from attnserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -29,6 +28,7 @@ from attnserve.entrypoints.openai.serving_engine import (
     usage,
 )
 from attnserve.entrypoints.openai.structured import constraint_field
+from attnserve.step_types import TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from attnserve.core import TokenLogprobs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestEndedError
 from attnserve.entrypoints.openai.errors import ApiError, error_body
 from attnserve.entrypoints.openai.merge_streams import Batch, merge_streams, one_stream
@@ -33,6 +32,7 @@ from attnserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from attnserve.entrypoints.openai.request_fields import unsupported_field
 from attnserve.entrypoints.openai.structured import structured_outputs
 from attnserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from attnserve.step_types import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 

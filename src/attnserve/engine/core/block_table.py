@@ -8,7 +8,7 @@ blocks appended or replaced since the last one.
 
 from __future__ import annotations
 
-from attnserve.engine.block_allocator import BlockAllocator, OutOfBlocksError, chain_hash
+from attnserve.engine.core.block_allocator import BlockAllocator, OutOfBlocksError, chain_hash
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

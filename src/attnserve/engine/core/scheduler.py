@@ -26,9 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from attnserve.config import SchedulerConfig
-from attnserve.core import BlockPairs, SampleOutput, TokenLogprobs, is_prefill
-from attnserve.engine.block_allocator import BlockAllocator, OutOfBlocksError
-from attnserve.engine.sequence import Sequence, SequenceStatus
+from attnserve.engine.core.block_allocator import BlockAllocator, OutOfBlocksError
+from attnserve.engine.core.sequence import Sequence, SequenceStatus
+from attnserve.step_types import BlockPairs, SampleOutput, TokenLogprobs, is_prefill
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from attnserve.engine.grammar import CompiledGrammar, GrammarCache, grammar_cache
-from attnserve.engine.sequence import Sequence
-from attnserve.engine.sequence_grammar import SequenceGrammar
+from attnserve.engine.core.grammar import CompiledGrammar, GrammarCache, grammar_cache
+from attnserve.engine.core.sequence import Sequence
+from attnserve.engine.core.sequence_grammar import SequenceGrammar
 from attnserve.model.config import ModelConfig
 from attnserve.structured_outputs import StructuredOutputsParams
 

@@ -18,8 +18,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from attnserve.core import TokenLogprobs
 from attnserve.sampling_params import SamplingParams
+from attnserve.step_types import TokenLogprobs
 
 PICKLE_PROTOCOL = 5  # of every message over a pipe (out-of-band buffers, fast bytes)
 # What a call may ask the core for (methods of `EngineCore` without arguments).

@@ -29,7 +29,8 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from attnserve.engine.core_messages import (
+from attnserve.engine.core.engine_core import EngineCore
+from attnserve.engine.core.messages import (
     CALLABLE_METHODS,
     HEARTBEAT_INTERVAL_S,
     PICKLE_PROTOCOL,
@@ -40,7 +41,6 @@ from attnserve.engine.core_messages import (
     CoreFailed,
     CoreMessage,
 )
-from attnserve.engine.engine_core import EngineCore
 from attnserve.engine_config import EngineConfig
 from attnserve.executor.parent_watch import exit_with_parent
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnserve.core import NewSequence, StepPlan, is_prefill
+from attnserve.step_types import NewSequence, StepPlan, is_prefill
 
 
 def test_is_prefill_on_ints() -> None:

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from attnserve.core import TokenBitmask
-from attnserve.engine.grammar import CompiledGrammar, GrammarCache
+from attnserve.engine.core.grammar import CompiledGrammar, GrammarCache
+from attnserve.step_types import TokenBitmask
 
 
 class SequenceGrammar:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnserve.model.sampler import Sampler
 from attnserve.sampling_params import SamplingParams
-from tests.engine.rows import Row
+from attnserve.worker.sampler import Sampler
+from tests.worker.rows import Row
 
 PROBS = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
 

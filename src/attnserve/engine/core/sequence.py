@@ -15,10 +15,10 @@ from __future__ import annotations
 import enum
 import itertools
 
-from attnserve.core import TokenLogprobs
-from attnserve.engine.block_table import BlockTable
-from attnserve.engine.sequence_grammar import SequenceGrammar
+from attnserve.engine.core.block_table import BlockTable
+from attnserve.engine.core.sequence_grammar import SequenceGrammar
 from attnserve.sampling_params import SamplingParams
+from attnserve.step_types import TokenLogprobs
 
 _seq_ids = itertools.count()
 

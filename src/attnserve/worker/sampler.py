@@ -20,9 +20,9 @@ from typing import Protocol
 
 import torch
 
-from attnserve.core import SampleOutput, TokenBitmask, TokenLogprobs
 from attnserve.host_copy import device_tensor, to_device
 from attnserve.sampling_params import SamplingParams
+from attnserve.step_types import SampleOutput, TokenBitmask, TokenLogprobs
 from attnserve.structured_outputs import load_xgrammar
 
 

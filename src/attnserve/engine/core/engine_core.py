@@ -15,18 +15,18 @@ import time
 
 import torch
 
-from attnserve.engine.block_allocator import BlockAllocator
-from attnserve.engine.block_table import BlockTable
-from attnserve.engine.core_messages import (
+from attnserve.engine.core.block_allocator import BlockAllocator
+from attnserve.engine.core.block_table import BlockTable
+from attnserve.engine.core.messages import (
     CoreReady,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
 )
-from attnserve.engine.scheduler import Scheduler, SchedulerOutput
-from attnserve.engine.sequence import Sequence
-from attnserve.engine.step_pipeline import StepPipeline
-from attnserve.engine.structured_output import StructuredOutputManager
+from attnserve.engine.core.scheduler import Scheduler, SchedulerOutput
+from attnserve.engine.core.sequence import Sequence
+from attnserve.engine.core.step_pipeline import StepPipeline
+from attnserve.engine.core.structured_output import StructuredOutputManager
 from attnserve.engine_config import EngineConfig
 from attnserve.executor import get_executor_class
 

@@ -10,12 +10,12 @@ them), then advances the grammars of constrained sequences.
 
 from __future__ import annotations
 
-from attnserve.core import AsyncStepOutput
-from attnserve.engine.scheduler import Scheduler, SchedulerOutput
-from attnserve.engine.sequence import Sequence
-from attnserve.engine.step_planner import StepPlanner
-from attnserve.engine.structured_output import StructuredOutputManager
+from attnserve.engine.core.scheduler import Scheduler, SchedulerOutput
+from attnserve.engine.core.sequence import Sequence
+from attnserve.engine.core.step_planner import StepPlanner
+from attnserve.engine.core.structured_output import StructuredOutputManager
 from attnserve.executor.executor_base import ExecutorBase
+from attnserve.step_types import AsyncStepOutput
 
 
 class StepPipeline:

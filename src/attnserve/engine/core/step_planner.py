@@ -9,10 +9,10 @@ the ranks drop them before anything else.
 
 from __future__ import annotations
 
-from attnserve.core import BlockUpdate, NewSequence, StepPlan
-from attnserve.engine.scheduler import SchedulerOutput
-from attnserve.engine.sequence import Sequence, SequenceStatus
-from attnserve.engine.sequence_grammar import token_bitmask
+from attnserve.engine.core.scheduler import SchedulerOutput
+from attnserve.engine.core.sequence import Sequence, SequenceStatus
+from attnserve.engine.core.sequence_grammar import token_bitmask
+from attnserve.step_types import BlockUpdate, NewSequence, StepPlan
 
 
 def _new_sequence(seq: Sequence) -> NewSequence:
