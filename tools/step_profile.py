@@ -16,6 +16,8 @@ the model (scheduling, the step plan, inputs, metadata, sampling bookkeeping, ou
 (median)" is the median step's. On the CPU the forward and logits are the model's
 compute; on a GPU every launch is asynchronous and "wait for tokens" is where the host waits for
 the device. With CUDA graphs on, decode steps run as graph replays ("graph run").
+--stub-model swaps the forward and logits for zeros of their shapes, so a CPU before/after of
+the host work is not lost in the noise the compute leaves (caches, allocator).
 --profile adds a cProfile of the timed steps, sorted by own time.
 
     PYTHONPATH=src python tools/step_profile.py                     # llama-tiny on the CPU
@@ -98,6 +100,24 @@ def instrument(engine: LLMEngine, timings: Timings) -> None:
             continue
         if owner is not None and hasattr(owner, method):
             wrap(owner, method, key, timings)
+
+
+def stub_model(engine: LLMEngine) -> None:
+    """Replace the model's forward and logits with zeros of their shapes: what is left of a
+    step is the engine's own host work alone, undisturbed by the compute (for a steady CPU
+    before/after; nothing real is generated)."""
+    runner = engine.executor.driver_runner
+    config, device = engine.model_config, runner.device
+    dtype = config.dtype
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(input_ids), config.hidden_size, dtype=dtype, device=device)
+
+    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(hidden), config.vocab_size, dtype=torch.float32, device=device)
+
+    runner.model.forward = forward
+    runner.model.compute_logits = compute_logits
 
 
 def sync() -> None:
@@ -192,9 +212,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=40, help="steps to time")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed steps")
+    parser.add_argument(
+        "--stub-model", action="store_true",
+        help="zeros for the model's forward and logits: time the engine's host work alone",
+    )  # fmt: skip
     args = parser.parse_args()
     llm = _llm(args)
     engine = llm.llm_engine
+    if args.stub_model:
+        stub_model(engine)
     rng = random.Random(0)
     run = run_decode_steps
     if args.kind == "decode":
