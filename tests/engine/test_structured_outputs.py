@@ -23,8 +23,8 @@ from attnserve import LLM, SamplingParams, StructuredOutputsParams
 from attnserve.engine.core.grammar import grammar_cache
 from attnserve.step_types import TokenBitmask
 from attnserve.worker.sampler import Sampler
-from tests.worker.rows import Row
 from tests.entrypoints.openai_server import tiny_model_with_tokenizer
+from tests.worker.rows import Row
 
 PERSON = {
     "type": "object",

@@ -1,0 +1,132 @@
+"""`InputBatch`: the worker's persistent batch. Each step's layout and token ids must equal what
+the plain `build_step_layout` gives for the same sequences spelled out in full; tokens drawn by a
+step reach the next one from the device before the host knows them; a late result never lands
+in a slot reused by another sequence; bad plans are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnserve.attention import StepLayout, build_step_layout
+from attnserve.sampling_params import SamplingParams
+from attnserve.step_types import BlockUpdate, NewSequence, StepPlan
+from attnserve.worker.input_batch import INITIAL_SLOTS, InputBatch
+
+GREEDY = SamplingParams(temperature=0)
+BLOCK = 4
+
+
+def _batch() -> InputBatch:
+    return InputBatch(
+        max_model_len=64, block_size=BLOCK, eos_token_ids=[2], device=torch.device("cpu")
+    )
+
+
+def _new(
+    seq_id: int, tokens: list[int], computed: int, blocks: list[int], **kwargs: object
+) -> NewSequence:
+    return NewSequence(seq_id, tokens, len(tokens), computed, blocks, GREEDY, **kwargs)  # type: ignore[arg-type]
+
+
+def _same_layout(got: StepLayout, tables: list[list[int]], ctx: list[int], qry: list[int]) -> None:
+    want = build_step_layout(tables, ctx, qry, BLOCK)
+    for name in ("query_start_loc", "context_lens", "seq_lens", "slot_mapping", "token_pos"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.num_prefills == want.num_prefills
+
+
+def test_a_step_of_new_sequences_matches_the_spelled_out_layout() -> None:
+    batch = _batch()
+    plan = StepPlan.of_new([_new(7, [5, 6, 7, 8, 9], 0, [3, 1]), _new(9, [4, 4, 4], 2, [0])])
+    batch.apply(plan)
+    step = batch.prepare(plan)
+    _same_layout(step.layout, [[3, 1], [0]], [0, 2], [5, 1])
+    assert step.token_ids.tolist() == [5, 6, 7, 8, 9, 4]
+    assert step.sample_rows == [0, 1] and step.carried is None
+
+
+def test_a_drawn_token_feeds_the_next_step_from_the_device_until_it_is_read() -> None:
+    batch = _batch()
+    batch.apply(StepPlan.of_new([_new(1, [5, 6, 7], 0, [0])]))
+    first = batch.prepare(StepPlan([1], [3]))
+    pending = batch.advance(first, torch.tensor([42]))
+    decode = StepPlan([1], [1])
+    step = batch.prepare(decode)  # the draw is still on the device
+    _same_layout(step.layout, [[0]], [3], [1])
+    assert step.carried is not None
+    index, values = step.carried
+    assert index.tolist() == [0] and values.tolist() == [42]
+    batch.advance(step, torch.tensor([43]))
+    batch.record(pending, [42])
+    assert batch.states[1].prompt_token_ids == [5, 6, 7]
+    assert batch.token_ids[batch.states[1].slot, :4].tolist() == [5, 6, 7, 42]
+    with pytest.raises(RuntimeError, match="still on the device"):
+        batch.states[1].output_token_ids  # noqa: B018 (43 is not read yet)
+
+
+def test_a_late_result_does_not_land_in_a_reused_slot() -> None:
+    batch = _batch()
+    batch.apply(StepPlan.of_new([_new(1, [5, 6], 0, [0])]))
+    pending = batch.advance(batch.prepare(StepPlan([1], [2])), torch.tensor([9]))
+    plan = StepPlan([2], [2], new_seqs=[_new(2, [3, 3], 0, [1])], released_seq_ids=[1])
+    batch.apply(plan)
+    assert batch.states[2].slot == pending.slots[0]  # the freed slot is taken again
+    batch.record(pending, [9])
+    assert batch.prepare(plan).token_ids.tolist() == [3, 3]
+    assert int(batch.num_host_tokens[batch.states[2].slot]) == 2
+
+
+def test_block_updates_keep_a_prefix_and_append() -> None:
+    batch = _batch()
+    batch.apply(StepPlan.of_new([_new(1, list(range(6)), 0, [4, 5])]))
+    batch.advance(batch.prepare(StepPlan([1], [6])), None)
+    batch.record(
+        batch.advance(batch.prepare(StepPlan([1], [0 + 0 + 0])), None), []
+    ) if False else None
+    update = StepPlan([1], [0], block_updates=[BlockUpdate(1, 1, [8, 9])])
+    batch.apply(update)
+    assert batch.block_table[batch.states[1].slot, :3].tolist() == [4, 8, 9]
+
+
+def test_the_batch_grows_past_its_first_slots() -> None:
+    batch = _batch()
+    seqs = [_new(i, [i + 3, 1], 0, [i]) for i in range(INITIAL_SLOTS + 3)]
+    plan = StepPlan.of_new(seqs)
+    batch.apply(plan)
+    step = batch.prepare(plan)
+    assert step.token_ids.tolist() == [t for i in range(INITIAL_SLOTS + 3) for t in (i + 3, 1)]
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (StepPlan([5], [1]), "sequence 5 is not held"),
+        (StepPlan([1], [4]), "computes tokens its sequences do not have"),
+        (StepPlan([], [], new_seqs=[_new(1, [1], 0, [0])]), "already held"),
+        (StepPlan([], [], new_seqs=[_new(3, [1, 2], 2, [0])]), "one left to compute"),
+        (StepPlan([], [], new_seqs=[_new(4, [1], 0, list(range(17)))]), "17 blocks"),
+        (StepPlan([], [], block_updates=[BlockUpdate(8, 0, [1])]), "sequence 8 is not held"),
+    ],
+    ids=["unknown", "too-many-tokens", "twice", "all-computed", "too-many-blocks", "update"],
+)
+def test_bad_plans_are_refused_by_name(plan: StepPlan, message: str) -> None:
+    batch = _batch()
+    batch.apply(StepPlan.of_new([_new(1, [1, 2, 3], 0, [0])]))
+    with pytest.raises(ValueError, match=message):
+        batch.apply(plan)
+        batch.prepare(plan)
+
+
+def test_sampling_rows_follow_the_sequence() -> None:
+    batch = _batch()
+    params = SamplingParams(seed=11, min_tokens=2, stop_token_ids=[5], prompt_logprobs=1)
+    batch.apply(StepPlan.of_new([_new(1, [7, 8, 9], 0, [0], index=1)]))
+    batch.states[1].sampling = params
+    state = batch.states[1]
+    assert state.banned_token_ids == (5, 2)  # the stop token, then EOS, before min_tokens
+    seed = state.sample_seed
+    assert seed == hash((11, 1, 0)) & (2**62 - 1)
+    batch.advance(batch.prepare(StepPlan([1], [3])), torch.tensor([4]))
+    assert state.sample_seed != seed and state.num_output_tokens == 1
+    assert state.prompt_logprob_targets(0, 3) == []  # index 1: only the first completion
