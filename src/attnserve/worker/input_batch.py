@@ -30,7 +30,7 @@ class SequenceState:
     """One held sequence's fixed facts, and what the sampler asks of its row (`SamplingRow`),
     read from the batch's arrays when asked."""
 
-    __slots__ = ("_batch", "index", "num_first_draws", "num_prompt_tokens", "sampling", "slot")
+    __slots__ = ("_batch", "index", "num_prompt_tokens", "num_samples", "sampling", "slot")
 
     def __init__(self, batch: InputBatch, slot: int, seq: NewSequence) -> None:
         self._batch = batch
@@ -38,16 +38,12 @@ class SequenceState:
         self.sampling = seq.sampling
         self.index = seq.index
         self.num_prompt_tokens = seq.num_prompt_tokens
-        self.num_first_draws = seq.num_first_draws
+        self.num_samples = seq.num_first_draws  # this step's draws; 1 after the first
 
     @property
     def num_output_tokens(self) -> int:
         """Tokens past the prompt, drawn ones still on the device included."""
         return int(self._batch.num_tokens[self.slot]) - self.num_prompt_tokens
-
-    @property
-    def num_samples(self) -> int:
-        return self.num_first_draws
 
     @property
     def sample_seed(self) -> int | None:
@@ -256,7 +252,7 @@ class InputBatch:
         positions = self.num_tokens[drew].copy()
         self.num_tokens[drew] += 1
         for state in step.sampling:
-            state.num_first_draws = 1
+            state.num_samples = 1
         if first_draws is not None and len(drew):
             self.last_sampled[to_device(torch.from_numpy(drew), self.device)] = first_draws
         return PendingDraws(drew, positions, self.generation[drew].copy())

@@ -27,6 +27,7 @@ import functools
 import logging
 import time
 from collections.abc import Iterator
+from itertools import accumulate
 
 import torch
 
@@ -331,10 +332,7 @@ class ModelRunner:
             self.input_batch.release([seq.seq_id for seq in plan.new_seqs])
 
     def _first_draws(self, counts: list[int]) -> torch.Tensor:
-        starts = [0]
-        for count in counts[:-1]:
-            starts.append(starts[-1] + count)
-        return device_tensor(starts, self.device)
+        return device_tensor([0, *accumulate(counts)][:-1], self.device)
 
     def _last_hidden(
         self, hidden: torch.Tensor, starts: list[int], rows: list[int]
