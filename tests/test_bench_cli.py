@@ -137,3 +137,34 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(
     tokenizer = ["--tokenizer", str(default_model_dir())]
     assert main(["bench", "throughput", *TINY, *tokenizer, "--num-prompts", "1"]) == 2
     assert "49152 tokens, more than the 512" in capsys.readouterr().err
+
+
+def test_the_profiled_engine_is_built_after_the_timed_one_is_freed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The profile rebuilds the engine with enforce_eager; on a GPU the first engine's KV cache
+    must be gone by then, or the second one's memory budget is negative."""
+    import gc
+    import weakref
+
+    from attnserve.bench import throughput
+
+    runners: list[weakref.ref[Any]] = []
+    build = throughput.LLM.from_engine_args
+    eager = throughput._eager_engine
+
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        llm = build(*args, **kwargs)
+        runners.append(weakref.ref(llm.llm_engine.executor.driver_runner))
+        return llm
+
+    def eager_after_the_first_is_freed(*args: Any, **kwargs: Any) -> Any:
+        gc.collect()
+        assert [r() for r in runners] == [None]
+        return eager(*args, **kwargs)
+
+    monkeypatch.setattr(throughput.LLM, "from_engine_args", tracked)
+    monkeypatch.setattr(throughput, "_eager_engine", eager_after_the_first_is_freed)
+    workload = ["--num-prompts", "2", "--min-len", "8", "--max-len", "8", "--profile-steps", "2"]
+    assert main(["bench", "throughput", *TINY, *workload]) == 0
+    assert len(runners) == 2

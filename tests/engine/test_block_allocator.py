@@ -48,6 +48,18 @@ def test_double_free_and_bad_ids_are_value_errors() -> None:
         pool.share([7])
 
 
+def test_a_block_freed_twice_in_one_call_changes_nothing() -> None:
+    pool = BlockAllocator(3)
+    first, second = pool.allocate(2)
+    with pytest.raises(ValueError, match="freed more often than held"):
+        pool.free([second, first, first])
+    assert pool.ref_count(first) == pool.ref_count(second) == 1 and pool.num_free_blocks == 1
+    with pytest.raises(ValueError, match="out of range"):
+        pool.free([first, -1])
+    pool.free([first, second])
+    assert pool.num_free_blocks == 3 and sorted(pool.allocate(3)) == [0, 1, 2]
+
+
 def test_block_table_grows_and_frees() -> None:
     pool = BlockAllocator(8)
     table = BlockTable(pool, block_size=4)

@@ -23,6 +23,7 @@ from attnserve import LLM, SamplingParams, StructuredOutputsParams
 from attnserve.engine.core.grammar import grammar_cache
 from attnserve.step_types import TokenBitmask
 from attnserve.worker.sampler import Sampler
+from attnserve.worker.sampling_metadata import SamplingMetadata
 from tests.entrypoints.openai_server import tiny_model_with_tokenizer
 from tests.worker.rows import Row
 
@@ -232,7 +233,8 @@ def test_the_sampler_masks_constrained_rows_only() -> None:
     logits = torch.randn(3, vocab)
     allowed = {0: [5, 64, 69], 2: [1]}  # rows 0 and 2 constrained
     inputs = [Row(SamplingParams(temperature=0)) for _ in range(3)]
-    draws = Sampler().draw(logits.clone(), inputs, _bitmask(allowed, vocab))
+    metadata = SamplingMetadata.from_rows(inputs, "cpu")
+    draws = Sampler().draw(logits.clone(), inputs, metadata, _bitmask(allowed, vocab))
     reference = [
         max(allowed[0], key=lambda t: logits[0, t].item()),
         int(logits[1].argmax()),
@@ -256,7 +258,10 @@ def test_a_bias_or_penalty_cannot_unmask_a_forbidden_token() -> None:
         SamplingParams(temperature=0, logit_bias=biases, repetition_penalty=2.0),
     ]
     inputs = [Row(p, prompt_token_ids=[3], output_token_ids=[5]) for p in params]
-    draws = Sampler().draw(logits.clone(), inputs, _bitmask({0: allowed, 1: allowed}, vocab))
+    bitmask = _bitmask({0: allowed, 1: allowed}, vocab)
+    draws = Sampler().draw(
+        logits.clone(), inputs, SamplingMetadata.from_rows(inputs, "cpu"), bitmask
+    )
     biased = logits.clone()
     biased[:, 64] += 0.5
     penalised = biased[1, 5].item()

@@ -8,10 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnserve.attention import StepLayout, build_step_layout
+from attnserve.attention import StepLayout, build_step_layout, pad_for_graph
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import BlockUpdate, NewSequence, StepPlan
+from attnserve.worker.device_block_table import DeviceBlockTable
 from attnserve.worker.input_batch import INITIAL_SLOTS, InputBatch
+from attnserve.worker.sampling_metadata import SamplingMetadata
+from tests.worker.rows import Row
 
 GREEDY = SamplingParams(temperature=0)
 BLOCK = 4
@@ -130,3 +133,71 @@ def test_sampling_rows_follow_the_sequence() -> None:
     batch.advance(batch.prepare(StepPlan([1], [3])), torch.tensor([4]))
     assert state.sample_seed != seed and state.num_output_tokens == 1
     assert state.prompt_logprob_targets(0, 3) == []  # index 1: only the first completion
+
+
+def _metadata_fields(metadata: SamplingMetadata) -> tuple[object, ...]:
+    params = None if metadata.params is None else metadata.params.tolist()
+    flags = (metadata.any_bias, metadata.any_penalties, metadata.any_min_tokens)
+    flags += (metadata.any_seed, metadata.any_logprobs, metadata.any_filters)
+    return params, metadata.num_samples.tolist(), flags
+
+
+def test_sampling_parameters_are_gathered_from_the_persistent_table() -> None:
+    """A step's sampling metadata, gathered from the slots' rows, is what the same parameters
+    give spelled out (`from_rows`), whichever slots the sequences landed in; a fork's first
+    draws count once, then one each."""
+    batch = _batch()
+    kinds = [
+        SamplingParams(temperature=0.7, top_k=5, n=2),
+        GREEDY,
+        SamplingParams(top_p=0.5, seed=3, logprobs=1),
+        SamplingParams(temperature=0, logit_bias={4: 1.0}, min_tokens=1),
+        SamplingParams(min_p=0.1, repetition_penalty=1.2),
+    ]
+    filler = [_new(100 + i, [1, 2], 0, [0]) for i in range(INITIAL_SLOTS)]
+    batch.apply(StepPlan.of_new(filler))  # the next sequences land in grown slots
+    batch.release([100, 105])  # and in two freed ones
+    seqs = [
+        NewSequence(i, [3, 4, 5], 3, 0, [1], params, num_first_draws=params.n)
+        for i, params in enumerate(kinds)
+    ]
+    plan = StepPlan.of_new(seqs[::-1])
+    batch.apply(plan)
+    step = batch.prepare(plan)
+    rows = [Row(p, num_samples=p.n) for p in kinds[::-1]]
+    assert _metadata_fields(step.sampling_metadata) == _metadata_fields(
+        SamplingMetadata.from_rows(rows, "cpu")
+    )
+    batch.advance(step, torch.zeros(5, dtype=torch.int64))
+    decode = batch.prepare(StepPlan([0, 1], [1, 1]))
+    assert decode.sampling_metadata.num_samples.tolist() == [1, 1]
+    greedy = batch.prepare(StepPlan([1], [1]))
+    assert greedy.sampling_metadata.all_greedy and greedy.sampling_metadata.params is None
+
+
+def test_the_device_block_table_follows_the_host_one() -> None:
+    """On an accelerator the batch keeps its block tables on the device too (here a CPU tensor
+    stands in for it): after new sequences, appended and replaced blocks, slot reuse and growth,
+    each step's gathered table equals the host one, and a padded graph step pads it with block 0."""
+    batch = _batch()
+    batch.device_table = DeviceBlockTable(batch.max_blocks, torch.device("cpu"))
+    batch.device_table.grow(INITIAL_SLOTS)
+    filler = [_new(100 + i, [1, 2, 3], 0, [i % 9, 5]) for i in range(INITIAL_SLOTS)]
+    batch.apply(StepPlan.of_new(filler))
+    plans = [
+        StepPlan.of_new([_new(1, [5] * 6, 0, [3, 7]), _new(2, [4] * 9, 4, [8, 1, 6])]),
+        StepPlan([1, 2], [1, 1], block_updates=[BlockUpdate(1, 1, [11, 12])]),
+        StepPlan([3, 2], [2, 1], new_seqs=[_new(3, [9, 9], 0, [13])], released_seq_ids=[104]),
+    ]
+    for plan in plans:
+        batch.apply(plan)
+        step = batch.prepare(plan)
+        batch.advance(step, torch.zeros(len(step.sample_rows), dtype=torch.int64))
+        layout = step.layout
+        assert layout.device_block_table is not None
+        assert torch.equal(layout.device_block_table, layout.block_table.to(torch.int32))
+        assert torch.equal(layout.int32_block_table("cpu"), layout.block_table.to(torch.int32))
+    decode = batch.prepare(StepPlan([1, 2], [1, 1])).layout
+    padded = pad_for_graph(decode, 4)
+    assert padded.device_block_table is not None
+    assert torch.equal(padded.device_block_table, padded.block_table.to(torch.int32))

@@ -7,6 +7,7 @@ import torch
 
 from attnserve.sampling_params import SamplingParams
 from attnserve.worker.sampler import Sampler
+from attnserve.worker.sampling_metadata import SamplingMetadata
 from tests.worker.rows import Row
 
 PROBS = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
@@ -15,7 +16,11 @@ PROBS = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
 def _draw(params: SamplingParams, n: int = 4000) -> torch.Tensor:
     torch.manual_seed(0)
     logits = PROBS.log().repeat(n, 1)
-    return Sampler().sample(logits, [params] * n, [None] * n)
+    return Sampler().sample(logits, _metadata([params] * n))
+
+
+def _metadata(params: list[SamplingParams]) -> SamplingMetadata:
+    return SamplingMetadata.from_rows([Row(p) for p in params], "cpu")
 
 
 def _frequencies(tokens: torch.Tensor) -> torch.Tensor:
@@ -24,7 +29,7 @@ def _frequencies(tokens: torch.Tensor) -> torch.Tensor:
 
 def test_greedy_is_argmax() -> None:
     logits = torch.randn(6, 50)
-    tokens = Sampler().sample(logits, [SamplingParams(temperature=0)] * 6, [None] * 6)
+    tokens = Sampler().sample(logits, _metadata([SamplingParams(temperature=0)] * 6))
     assert torch.equal(tokens, logits.argmax(-1))
 
 
@@ -51,10 +56,10 @@ def test_min_p_drops_unlikely_tokens() -> None:
 def test_seeded_draws_do_not_depend_on_the_batch() -> None:
     logits = torch.randn(3, 100)
     params = [SamplingParams(temperature=1.0, seed=1)] * 3
-    alone = Sampler().sample(logits[1:2], params[:1], [42])
-    batched = Sampler().sample(logits, params, [7, 42, None])
+    alone = Sampler().sample(logits[1:2], _metadata(params[:1]), [42])
+    batched = Sampler().sample(logits, _metadata(params), [7, 42, None])
     assert batched[1] == alone[0]
-    again = Sampler().sample(logits, params, [7, 42, None])
+    again = Sampler().sample(logits, _metadata(params), [7, 42, None])
     assert again[0] == batched[0]
 
 
@@ -64,7 +69,8 @@ def _input(params: SamplingParams, **kwargs: object) -> Row:
 
 def test_banned_tokens_are_never_drawn() -> None:
     logits = PROBS.log()[None]
-    (out,) = Sampler()(logits, [_input(SamplingParams(temperature=0), banned_token_ids=(0, 1))])
+    params = SamplingParams(temperature=0, min_tokens=1)  # bans come before min_tokens
+    (out,) = Sampler()(logits, [_input(params, banned_token_ids=(0, 1))])
     assert out.token_ids == [2]
 
 

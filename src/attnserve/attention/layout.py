@@ -38,10 +38,19 @@ class StepLayout:
     token_seq: torch.Tensor  # [T] int64: sequence index of each new token
     token_pos: torch.Tensor  # [T] int64: position of each new token in its sequence
     slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token
+    # [B, W] int32 on the step's device: the block table, where the model runner keeps one there
+    device_block_table: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.numel())
+
+    def int32_block_table(self, device: torch.device | str) -> torch.Tensor:
+        """The [B, W] block table as int32 on `device`: the model runner's persistent device
+        copy where it keeps one (no transfer), else copied from the host now."""
+        if self.device_block_table is not None:
+            return self.device_block_table
+        return to_device(self.block_table.to(torch.int32), device)
 
     def common_metadata(self, device: torch.device | str) -> dict[str, Any]:
         """The fields of `AttentionMetadata` (every backend's metadata starts with them): the
@@ -126,8 +135,8 @@ def layout_from_arrays(
     np.cumsum(qry, out=start_loc[1:])
     num_tokens = int(start_loc[-1])
     token_seq = np.repeat(np.arange(len(qry)), qry)
-    token_pos = np.arange(num_tokens) - start_loc[token_seq] + ctx[token_seq]
-    token_blocks = table[token_seq, token_pos // block_size]
+    token_pos = np.arange(num_tokens) + np.repeat(ctx - start_loc[:-1], qry)
+    token_blocks = table.ravel()[token_seq * table.shape[1] + token_pos // block_size]
     num_prefill_tokens = int(start_loc[num_prefills])
     as_tensor = torch.from_numpy
     return StepLayout(
@@ -189,6 +198,9 @@ def pad_for_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
         return torch.from_numpy(out)
 
     rows = torch.from_numpy(np.arange(num_padded_seqs + 1))
+    device_table = layout.device_block_table
+    if device_table is not None:
+        device_table = torch.nn.functional.pad(device_table, (0, 0, 0, num_padded_seqs - num_seqs))
     return StepLayout(
         num_prefills=0,
         num_prefill_tokens=0,
@@ -201,6 +213,7 @@ def pad_for_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
         token_seq=rows[:-1],
         token_pos=padded(layout.token_pos, 0),
         slot_mapping=padded(layout.slot_mapping, -1),
+        device_block_table=device_table,
     )
 
 

@@ -133,6 +133,13 @@ def _sweep(
     return rows
 
 
+def _cache_facts(llm: LLM, block_size: int) -> dict[str, Any]:
+    """The attention backend and the KV cache's size in tokens. No reference to the runner
+    outlives this call: a benchmark that drops the engine to build another must free its cache."""
+    runner = llm.llm_engine.executor.driver_runner
+    return {"backend": runner.backend.get_name(), "kv_cache_tokens": runner.num_blocks * block_size}
+
+
 def _eager_engine(engine_args: EngineArgs, workload: Workload) -> LLM:
     """A warmed-up engine without CUDA or CPU graphs (they hide kernels from the profiler)."""
     progress("rebuilding the engine with enforce_eager for the profile")
@@ -235,14 +242,12 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
     seconds = run_engine(llm, workload)
     after = llm.llm_engine.stats()
     progress(f"attnserve: {workload.output_tokens / seconds:,.0f} output tok/s ({seconds:.2f} s)")
-    runner = llm.llm_engine.executor.driver_runner
     steps = after["num_steps"] - before["num_steps"]
     result: dict[str, Any] = {
         "model": model_config.model,
         "device": str(device),
-        "backend": runner.backend.get_name(),
+        **_cache_facts(llm, config.cache_config.block_size),
         "kv_cache_dtype": engine_args.kv_cache_dtype,
-        "kv_cache_tokens": runner.num_blocks * config.cache_config.block_size,
         "requests": len(workload.prompts),
         "output_tokens": workload.output_tokens,
         "seconds": seconds,

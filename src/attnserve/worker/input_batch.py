@@ -13,6 +13,7 @@ sequence has gone.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,8 @@ import torch
 from attnserve.attention import StepLayout, layout_from_arrays
 from attnserve.host_copy import to_device
 from attnserve.step_types import NewSequence, StepPlan
+from attnserve.worker.device_block_table import DeviceBlockTable
+from attnserve.worker.sampling_metadata import SamplingMetadata, SamplingTable
 
 INITIAL_SLOTS = 64
 SEED_MASK = 2**62 - 1
@@ -30,7 +33,7 @@ class SequenceState:
     """One held sequence's fixed facts, and what the sampler asks of its row (`SamplingRow`),
     read from the batch's arrays when asked."""
 
-    __slots__ = ("_batch", "index", "num_prompt_tokens", "num_samples", "sampling", "slot")
+    __slots__ = ("_batch", "index", "num_prompt_tokens", "sampling", "slot")
 
     def __init__(self, batch: InputBatch, slot: int, seq: NewSequence) -> None:
         self._batch = batch
@@ -38,7 +41,11 @@ class SequenceState:
         self.sampling = seq.sampling
         self.index = seq.index
         self.num_prompt_tokens = seq.num_prompt_tokens
-        self.num_samples = seq.num_first_draws  # this step's draws; 1 after the first
+
+    @property
+    def num_samples(self) -> int:
+        """Draws at the next sampling step: `num_first_draws` at the first, then 1."""
+        return int(self._batch.sampling_table.num_samples[self.slot])
 
     @property
     def num_output_tokens(self) -> int:
@@ -100,6 +107,7 @@ class PreparedStep:
     states: list[SequenceState]  # [B]
     sample_rows: list[int]  # the sequences that draw this step
     sampling: list[SequenceState]  # their states, in the same order
+    sampling_metadata: SamplingMetadata  # their parameters
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,10 @@ class InputBatch:
         self.generation = np.zeros(0, dtype=np.int64)
         self.samples = np.zeros(0, dtype=np.bool_)  # has sampling params
         self.last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
+        self.sampling_table = SamplingTable(0)
+        self.device_table = (
+            None if device.type == "cpu" else DeviceBlockTable(self.max_blocks, device)
+        )
         self._grow(INITIAL_SLOTS)
 
     def _grow(self, capacity: int) -> None:
@@ -157,19 +169,25 @@ class InputBatch:
         sampled = torch.zeros(capacity, dtype=torch.int64, device=self.device)
         sampled[:old] = self.last_sampled
         self.last_sampled = sampled
+        self.sampling_table.grow(capacity)
+        if self.device_table is not None:
+            self.device_table.grow(capacity)
         self._free_slots += reversed(range(old, capacity))
 
     def apply(self, plan: StepPlan) -> None:
         """Drop the released sequences, take in the new ones, update block tables."""
         self.release(plan.released_seq_ids)
-        for seq in plan.new_seqs:
-            self._add(seq)
+        changed = [self._add(seq) for seq in plan.new_seqs]
         for update in plan.block_updates:
             slot = self._slot(update.seq_id)
             end = update.num_kept + len(update.appended)
             self._check_blocks(update.seq_id, end)
             self.block_table[slot, update.num_kept : end] = update.appended
             self.num_blocks[slot] = end
+            changed.append(slot)
+        if self.device_table is not None and changed:
+            slots = np.asarray(changed, dtype=np.int64)
+            self.device_table.write(slots, self.block_table[slots])
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
@@ -191,7 +209,8 @@ class InputBatch:
                 f"({self.max_blocks})"
             )
 
-    def _add(self, seq: NewSequence) -> None:
+    def _add(self, seq: NewSequence) -> int:
+        """Hold `seq` in a free slot; return the slot."""
         num_tokens = len(seq.token_ids)
         if seq.seq_id in self.states:
             raise ValueError(f"sequence {seq.seq_id} is already held")
@@ -204,16 +223,19 @@ class InputBatch:
         if not self._free_slots:
             self._grow(2 * len(self.num_tokens))
         slot = self._free_slots.pop()
-        self.token_ids[slot, :num_tokens] = seq.token_ids
+        self.token_ids[slot, :num_tokens] = np.fromiter(seq.token_ids, np.int64, num_tokens)
         self.num_host_tokens[slot] = self.num_tokens[slot] = num_tokens
         self.num_computed[slot] = seq.num_computed_tokens
         self.block_table[slot, : len(seq.block_ids)] = seq.block_ids
         self.num_blocks[slot] = len(seq.block_ids)
         self.generation[slot] += 1
         self.samples[slot] = seq.sampling is not None
+        if seq.sampling is not None:
+            self.sampling_table.set(slot, seq.sampling, seq.num_first_draws)
         self.states[seq.seq_id] = SequenceState(self, slot, seq)
         if seq.sampling is not None and seq.sampling.prompt_logprobs is not None:
             self.prompt_logprob_seqs.add(seq.seq_id)
+        return slot
 
     def prepare(self, plan: StepPlan) -> PreparedStep:
         """The step's inputs from the held state (after `apply`)."""
@@ -231,6 +253,10 @@ class InputBatch:
         layout = layout_from_arrays(
             self.block_table[slots, :width], self.num_blocks[slots], context, query, self.block_size
         )
+        if self.device_table is not None:
+            device_slots = to_device(torch.from_numpy(slots), self.device)
+            table = self.device_table.gather(device_slots, width)
+            layout = dataclasses.replace(layout, device_block_table=table)
         token_slots = slots[layout.token_seq.numpy()]
         positions = layout.token_pos.numpy()
         token_ids = torch.from_numpy(self.token_ids[token_slots, positions])
@@ -240,9 +266,13 @@ class InputBatch:
             index = to_device(torch.from_numpy(carried_at), self.device)
             source = to_device(torch.from_numpy(token_slots[carried_at]), self.device)
             carried = (index, self.last_sampled[source])
-        sample_rows = np.flatnonzero((context + query == total) & self.samples[slots]).tolist()
+        rows = np.flatnonzero((context + query == total) & self.samples[slots])
+        sample_rows: list[int] = rows.tolist()
         sampling = [states[row] for row in sample_rows]
-        return PreparedStep(layout, token_ids, carried, slots, states, sample_rows, sampling)
+        metadata = self.sampling_table.gather(slots[rows], self.device)
+        return PreparedStep(
+            layout, token_ids, carried, slots, states, sample_rows, sampling, metadata
+        )
 
     def advance(self, step: PreparedStep, first_draws: torch.Tensor | None) -> PendingDraws:
         """Count the step's tokens as computed and its draws (`first_draws`: each sampling row's
@@ -251,8 +281,7 @@ class InputBatch:
         drew = step.slots[step.sample_rows]
         positions = self.num_tokens[drew].copy()
         self.num_tokens[drew] += 1
-        for state in step.sampling:
-            state.num_samples = 1
+        self.sampling_table.num_samples[drew] = 1
         if first_draws is not None and len(drew):
             self.last_sampled[to_device(torch.from_numpy(drew), self.device)] = first_draws
         return PendingDraws(drew, positions, self.generation[drew].copy())

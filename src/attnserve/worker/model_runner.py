@@ -272,7 +272,9 @@ class ModelRunner:
             return StepFuture(num_seqs, ready=results)
         logits = self.model.compute_logits(self._last_hidden(hidden, starts, rows))
         with marked(SAMPLING_RANGE), self._sampling_threads():
-            draw = self.sampler.draw(logits, step.sampling, plan.token_bitmask)
+            draw = self.sampler.draw(
+                logits, step.sampling, step.sampling_metadata, plan.token_bitmask
+            )
         tokens = draw.tokens
         one_draw_each = len(tokens) == len(rows)
         firsts = tokens if one_draw_each else tokens[self._first_draws(draw.counts)]

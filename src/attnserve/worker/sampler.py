@@ -24,6 +24,13 @@ from attnserve.host_copy import device_tensor, to_device
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import SampleOutput, TokenBitmask, TokenLogprobs
 from attnserve.structured_outputs import load_xgrammar
+from attnserve.worker.sampling_metadata import (
+    MIN_P,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    SamplingMetadata,
+)
 
 
 def top_logprobs(
@@ -96,34 +103,48 @@ class Sampler:
         token_bitmask: TokenBitmask | None = None,
     ) -> list[SampleOutput]:
         """logits [N, V] float32, one row per input that samples -> one result per input."""
-        draw = self.draw(logits, inputs, token_bitmask)
+        metadata = SamplingMetadata.from_rows(inputs, logits.device)
+        draw = self.draw(logits, inputs, metadata, token_bitmask)
         return self.split(draw.tokens.tolist(), draw.token_logprobs.tolist(), draw.top, draw.counts)
 
     def draw(
         self,
         logits: torch.Tensor,
         inputs: Sequence[SamplingRow],
+        metadata: SamplingMetadata,
         token_bitmask: TokenBitmask | None = None,
     ) -> Draws:
-        """Each input's draws (see `Draws`); `token_bitmask` rows index `inputs`."""
-        params = [s.sampling for s in inputs if s.sampling is not None]
-        if len(params) != len(inputs):
-            raise ValueError("every input given to the sampler must carry sampling params")
-        logits = self._apply_penalties(self._ban(self._apply_bias(logits, inputs), inputs), inputs)
+        """Each input's draws (see `Draws`); `metadata` holds the inputs' parameters in their
+        order, and `token_bitmask` rows index `inputs`. A per-row pass runs only for the
+        features `metadata` says some input uses."""
+        if metadata.any_bias:
+            logits = self._apply_bias(logits, inputs)
+        if metadata.any_min_tokens:
+            logits = self._ban(logits, inputs)
+        if metadata.any_penalties:
+            logits = self._apply_penalties(logits, inputs)
         logits = self._constrain(logits, token_bitmask)
-        counts = [s.num_samples for s in inputs]
+        counts: list[int] = metadata.num_samples.tolist()
         draws = logits
-        if max(counts) > 1:
+        if max(counts, default=1) > 1:
             draws = logits.repeat_interleave(device_tensor(counts, logits.device), dim=0)
-        draw_params = [p for p, n in zip(params, counts, strict=True) for _ in range(n)]
-        seeds = [
-            None if s.sample_seed is None else s.sample_seed + d
-            for s in inputs
-            for d in range(s.num_samples)
-        ]
-        tokens = self.sample(draws, draw_params, seeds)
+        seeds = self._seeds(inputs, counts) if metadata.any_seed else None
+        tokens = self.sample(draws, metadata.repeated(), seeds)
         chosen = draws.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(draws, dim=-1)
-        return Draws(tokens, chosen, self._top(draws, tokens, chosen, draw_params), counts)
+        top = None
+        if metadata.any_logprobs:
+            ks = [_num_logprobs(s) for s, n in zip(inputs, counts, strict=True) for _ in range(n)]
+            top = top_logprobs(torch.log_softmax(draws, dim=-1), tokens, ks, chosen)
+        return Draws(tokens, chosen, top, counts)
+
+    @staticmethod
+    def _seeds(inputs: Sequence[SamplingRow], counts: list[int]) -> list[int | None]:
+        """Each draw's seed: its row's, plus the draw's index among the row's draws."""
+        return [
+            None if s.sample_seed is None else s.sample_seed + d
+            for s, n in zip(inputs, counts, strict=True)
+            for d in range(n)
+        ]
 
     @staticmethod
     def split(
@@ -147,19 +168,24 @@ class Sampler:
         return results
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        seeds: list[int | None] | None = None,
     ) -> torch.Tensor:
-        """One draw per row of `logits` [N, V] -> token ids [N] (int64)."""
+        """One draw per row of `logits` [N, V] (`metadata` has a row each; `seeds`: each
+        row's, None for the global generator) -> token ids [N] (int64)."""
         greedy_tokens = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
+        if metadata.all_greedy:
             return greedy_tokens
-        device = logits.device
-        temperature = device_tensor([p.temperature or 1.0 for p in params], device)
-        probs = torch.softmax(self._filter(logits / temperature[:, None], params), dim=-1)
+        temperature = metadata.column(TEMPERATURE)
+        scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+        if metadata.any_filters:
+            scaled = self._filter(scaled, metadata)
+        probs = torch.softmax(scaled, dim=-1)
         noise = self._exponential_noise(probs, seeds)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = device_tensor([p.greedy for p in params], device)
-        return torch.where(is_greedy, greedy_tokens, sampled)
+        return torch.where(temperature == 0, greedy_tokens, sampled)
 
     @staticmethod
     def _constrain(logits: torch.Tensor, token_bitmask: TokenBitmask | None) -> torch.Tensor:
@@ -231,25 +257,13 @@ class Sampler:
         return logits.index_copy(0, device_tensor(rows, device), penalised)
 
     @staticmethod
-    def _top(
-        logits: torch.Tensor,
-        tokens: torch.Tensor,
-        chosen: torch.Tensor,
-        params: list[SamplingParams],
-    ) -> list[TokenLogprobs] | None:
-        if all(p.logprobs is None for p in params):
-            return None
-        ks = [p.logprobs or 0 for p in params]
-        return top_logprobs(torch.log_softmax(logits, dim=-1), tokens, ks, chosen)
-
-    @staticmethod
-    def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def _filter(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Mask out tokens outside each row's top-k, top-p nucleus and min-p floor."""
         vocab = logits.shape[-1]
         device = logits.device
-        top_k = device_tensor([p.top_k if p.top_k > 0 else vocab for p in params], device)
-        top_p = device_tensor([p.top_p for p in params], device)
-        min_p = device_tensor([p.min_p for p in params], device)
+        top_k = metadata.column(TOP_K)
+        top_k = torch.where(top_k > 0, top_k, vocab)
+        top_p, min_p = metadata.column(TOP_P), metadata.column(MIN_P)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
@@ -261,13 +275,17 @@ class Sampler:
         return torch.empty_like(logits).scatter_(-1, order, masked)
 
     @staticmethod
-    def _exponential_noise(probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+    def _exponential_noise(probs: torch.Tensor, seeds: list[int | None] | None) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_()
-        for row, seed in enumerate(seeds):
+        for row, seed in enumerate(seeds or ()):
             if seed is not None:
                 generator = torch.Generator(device=probs.device).manual_seed(seed)
                 noise[row].exponential_(generator=generator)
         return noise
+
+
+def _num_logprobs(row: SamplingRow) -> int:
+    return (row.sampling.logprobs or 0) if row.sampling is not None else 0
 
 
 def _flat_index(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -81,7 +81,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         decode_lens = layout.seq_lens[layout.num_prefills :]
         return TritonMetadata(
             **layout.common_metadata(self.device),
-            block_table=self._int32(layout.block_table),
+            block_table=layout.int32_block_table(self.device),
             seq_lens=self._int32(layout.seq_lens),
             query_start_loc=self._int32(layout.query_start_loc),
             max_query_len=int(prefill_lens.max()) if prefill_lens.numel() else 0,
@@ -112,7 +112,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             raise RuntimeError("call init_graph_buffers before build_for_graph")
         size = layout.num_seqs
         rows, width = slice(0, size), layout.block_table.shape[1]
-        buffers.block_table[rows, :width].copy_(layout.block_table, non_blocking=True)
+        buffers.block_table[rows, :width].copy_(
+            layout.int32_block_table(self.device), non_blocking=True
+        )
         buffers.seq_lens[rows].copy_(layout.seq_lens, non_blocking=True)
         buffers.slot_mapping[rows].copy_(layout.slot_mapping, non_blocking=True)
         return TritonMetadata(

@@ -7,12 +7,13 @@ preempt; it is never a crash.
 With prefix caching, a full block can be registered under the chained hash of its tokens. When
 its last holder frees it, it keeps its contents and stays findable (an evictable block) until an
 allocation needs the space: free, unhashed blocks go first, then evictable ones, least recently
-used first.
+used first. A sequence's whole table is taken, shared or freed in one call: free ids come off a
+stack in one slice, and the range and holder checks run over the whole table at once.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable
 
 
@@ -31,7 +32,7 @@ class BlockAllocator:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the next block is last
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._ref_counts = [0] * num_blocks
         self._hash_of: dict[int, int] = {}
@@ -60,35 +61,49 @@ class BlockAllocator:
             raise OutOfBlocksError(
                 f"need {num_blocks} KV blocks, {self.num_free_blocks} of {self.num_blocks} free"
             )
-        blocks = [self._take_one() for _ in range(num_blocks)]
+        start = max(len(self._free) - num_blocks, 0)
+        blocks = self._free[start:][::-1]
+        del self._free[start:]
+        blocks += [self._evict_one() for _ in range(num_blocks - len(blocks))]
+        counts = self._ref_counts
         for block in blocks:
-            self._ref_counts[block] = 1
+            counts[block] = 1
         return blocks
 
-    def _take_one(self) -> int:
-        if self._free:
-            return self._free.popleft()
+    def _evict_one(self) -> int:
         block, _ = self._evictable.popitem(last=False)
         self._forget_hash(block)
         return block
 
     def share(self, blocks: Iterable[int]) -> None:
         """Add one holder to each of `blocks` (they must be allocated)."""
-        for block in blocks:
-            self._check_held(block)
-            self._ref_counts[block] += 1
+        counts = self._ref_counts
+        for block in self._held(blocks):
+            counts[block] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one holder from each of `blocks`; a block with no holder left is free again
-        (kept findable if it is registered in the prefix cache)."""
-        for block in blocks:
-            self._check_held(block)
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                if block in self._hash_of:
-                    self._evictable[block] = None
-                else:
-                    self._free.append(block)
+        (kept findable if it is registered in the prefix cache). Nothing changes if any of
+        them is not held (as often as it appears)."""
+        held = self._held(blocks)
+        counts = self._ref_counts
+        released = []
+        for block in held:
+            counts[block] -= 1
+            if not counts[block]:
+                released.append(block)
+        if min(map(counts.__getitem__, held), default=0) < 0:
+            for block in held:
+                counts[block] += 1
+            raise ValueError(f"blocks {held} freed more often than held (double free?)")
+        if not self._hash_of:
+            self._free += released
+            return
+        for block in released:
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
@@ -122,8 +137,14 @@ class BlockAllocator:
         del self._block_of[block_hash]
         del self._tokens_of[block]
 
-    def _check_held(self, block: int) -> None:
-        if not 0 <= block < self.num_blocks:
+    def _held(self, blocks: Iterable[int]) -> list[int]:
+        """`blocks` as a list, each checked to be in range and allocated (the checks run over
+        the whole list at once; the first bad block is named)."""
+        held = list(blocks)
+        if held and not (min(held) >= 0 and max(held) < self.num_blocks):
+            block = next(b for b in held if not 0 <= b < self.num_blocks)
             raise ValueError(f"block {block} out of range 0..{self.num_blocks - 1}")
-        if self._ref_counts[block] == 0:
+        if 0 in map(self._ref_counts.__getitem__, held):
+            block = next(b for b in held if not self._ref_counts[b])
             raise ValueError(f"block {block} is not allocated (double free?)")
+        return held
