@@ -97,8 +97,8 @@ def _chat(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     try:
-        with line_editing():
-            chat_loop(engine, _sampling(args), _model_name(args), system=args.system)
+        with line_editing() as read:
+            chat_loop(engine, _sampling(args), _model_name(args), read, system=args.system)
     finally:
         engine.shutdown()
     return 0

@@ -1,6 +1,7 @@
 """The terminal chat on the embedded default model, with scripted lines: the banner, empty lines
-ignored, /reset, /help and /quit, and Ctrl-C (a real SIGINT) stopping a reply (nothing more shown
-once pressed), then leaving."""
+ignored, /reset, /help and /quit, Ctrl-C (a real SIGINT) stopping a reply (nothing more shown
+once pressed), then leaving, and Ctrl-C at the prompt clearing a typed line or, on an empty one,
+leaving. (test_chat_terminal.py presses the keys in a real terminal.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from attnserve import LLM, SamplingParams
 from attnserve.engine.llm_engine import LLMEngine
-from attnserve.entrypoints.chat import chat_loop
+from attnserve.entrypoints.chat import HELP, KEYS, LineCleared, chat_loop, read_edited_line
 from attnserve.outputs import RequestOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -125,12 +126,39 @@ def test_a_second_ctrl_c_leaves(engine: LLMEngine) -> None:
 
 
 @pytest.mark.parametrize("key", [EOFError, KeyboardInterrupt], ids=["ctrl-d", "ctrl-c"])
-def test_ctrl_d_or_ctrl_c_at_the_prompt_leaves_on_a_new_line(
+def test_ctrl_d_or_ctrl_c_on_an_empty_line_leaves_on_a_new_line(
     engine: LLMEngine, key: type[BaseException]
 ) -> None:
     out = io.StringIO()
     chat_loop(engine, GREEDY, "m", Script(key, QUESTION), out=out)
     assert out.getvalue().count("\n") == 2 and out.getvalue().endswith("\n")
+
+
+def test_ctrl_c_on_a_typed_line_clears_it_and_the_chat_goes_on(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = _record_prompts(engine, monkeypatch)
+    script = Script(LineCleared, "/help", "/quit")
+    out = io.StringIO()
+    chat_loop(engine, GREEDY, "m", script, out=out)
+    assert out.getvalue().splitlines()[1:] == ["", f"{HELP}; {KEYS}"]  # a new line, a new prompt
+    assert script.prompts == ["you> "] * 3 and prompts == []
+
+
+@pytest.mark.parametrize(("typed", "raised"), [("not sent", LineCleared), ("", KeyboardInterrupt)])
+def test_the_terminal_reader_tells_a_typed_line_from_an_empty_one(
+    monkeypatch: pytest.MonkeyPatch, typed: str, raised: type[BaseException]
+) -> None:
+    """Ctrl-C during `input`: what readline holds on the line then decides."""
+    readline = pytest.importorskip("readline")
+
+    def ctrl_c(prompt: str) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", ctrl_c)
+    monkeypatch.setattr(readline, "get_line_buffer", lambda: typed)
+    with pytest.raises(raised):
+        read_edited_line("you> ")
 
 
 def test_help_lists_the_commands_and_goes_to_no_model(

@@ -2,10 +2,12 @@
 
 A one-line banner names the model and the commands (`/reset` forgets the conversation, `/help`
 lists the commands, `/quit` leaves); empty lines are ignored. In a terminal, lines are read
-through readline (editing, and a history kept in $XDG_STATE_HOME/attnserve/chat_history). Ctrl-C
-during a reply stops it (the request is aborted between engine steps, nothing more is shown, and
-what was shown stays in the conversation) and returns to the prompt; Ctrl-C at the prompt, a
-second Ctrl-C before a reply has stopped, Ctrl-D or `/quit` leave, on a new line.
+through readline (editing, and a history kept in $XDG_STATE_HOME/attnserve/chat_history), and
+Ctrl-C at the prompt with text typed on the line drops that text and shows a new prompt on a new
+line, the chat going on. Ctrl-C during a reply stops it (the request is aborted between engine
+steps, nothing more is shown, and what was shown stays in the conversation) and returns to the
+prompt. Ctrl-C on an empty line (or at any prompt when stdin is not a terminal), a second Ctrl-C
+before a reply has stopped, Ctrl-D on an empty line or `/quit` leave, on a new line.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ from attnserve.sampling_params import RequestOutputKind, SamplingParams
 
 HISTORY_LENGTH = 1000
 HELP = "/reset forgets the conversation, /help shows this, /quit leaves"
+KEYS = "Ctrl-C stops a reply or clears a typed line, Ctrl-C on an empty line or Ctrl-D leaves"
 Reader = Callable[[str], str]  # like `input`: the line without its newline; EOFError at the end
+
+
+class LineCleared(Exception):
+    """From a `Reader`: Ctrl-C with text typed on the line; the text is dropped, the chat goes on.
+    (Ctrl-C on an empty line is a KeyboardInterrupt.)"""
 
 
 def stream_reply(
@@ -83,11 +91,25 @@ def history_file() -> Path:
     return Path(state) / "attnserve" / "chat_history"
 
 
+def read_edited_line(prompt: str) -> str:
+    """`input` through readline, where Ctrl-C with text typed on the line raises LineCleared:
+    readline still holds that text when the KeyboardInterrupt arrives."""
+    import readline
+
+    try:
+        return input(prompt)
+    except KeyboardInterrupt:
+        if readline.get_line_buffer():
+            raise LineCleared from None
+        raise
+
+
 @contextlib.contextmanager
-def line_editing() -> Iterator[None]:
-    """readline editing and a kept history for `input`, when stdin is a terminal."""
+def line_editing() -> Iterator[Reader]:
+    """The chat's `Reader`: when stdin is a terminal, `read_edited_line` (readline editing, a
+    kept history, Ctrl-C clearing a typed line); otherwise plain `input`."""
     if not sys.stdin.isatty():
-        yield
+        yield input
         return
     import readline
 
@@ -96,7 +118,7 @@ def line_editing() -> Iterator[None]:
         readline.read_history_file(path)
     readline.set_history_length(HISTORY_LENGTH)
     try:
-        yield
+        yield read_edited_line
     finally:
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +133,8 @@ def chat_loop(
     system: str | None = None,
     out: TextIO = sys.stdout,
 ) -> None:
-    """Read user turns with `read` until /quit, its end or Ctrl-C; keep the conversation."""
+    """Read user turns with `read` until /quit, its end or Ctrl-C on an empty line (a cleared
+    line goes on to a new prompt); keep the conversation."""
     tokenizer = engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
@@ -122,6 +145,9 @@ def chat_loop(
     for turn in itertools.count():
         try:
             line = read("you> ").strip()
+        except LineCleared:
+            out.write("\n")
+            continue
         except (EOFError, KeyboardInterrupt):
             out.write("\n")
             return
@@ -130,7 +156,7 @@ def chat_loop(
         if line == "/quit":
             return
         if line == "/help":
-            out.write(f"{HELP}; Ctrl-C stops a reply, Ctrl-D leaves\n")
+            out.write(f"{HELP}; {KEYS}\n")
             continue
         if line == "/reset":
             history = list(start)
