@@ -51,6 +51,7 @@ WRAPPED = [
     ("schedule", "engine_core.scheduler", "schedule"),
     ("plan", "engine_core.pipeline.planner", "plan"),
     ("execute", "executor.driver_runner", "execute_async"),
+    ("apply plan", "executor.driver_runner.input_batch", "apply"),
     ("inputs", "executor.driver_runner.input_batch", "prepare"),
     ("layout", "executor.driver_runner", "_layout"),
     ("forward", "executor.driver_runner", "_forward"),
@@ -103,18 +104,21 @@ def instrument(engine: LLMEngine, timings: Timings) -> None:
 
 
 def stub_model(engine: LLMEngine) -> None:
-    """Replace the model's forward and logits with zeros of their shapes: what is left of a
-    step is the engine's own host work alone, undisturbed by the compute (for a steady CPU
-    before/after; nothing real is generated)."""
+    """Replace the model's forward and logits with views of zero buffers made once: what is
+    left of a step is the engine's own host work alone, undisturbed by the compute and by
+    fresh allocations of its outputs (for a steady CPU before/after; nothing real is
+    generated)."""
     runner = engine.executor.driver_runner
     config, device = engine.model_config, runner.device
-    dtype = config.dtype
+    rows = engine.config.scheduler_config.max_num_batched_tokens
+    hidden_states = torch.zeros(rows, config.hidden_size, dtype=config.dtype, device=device)
+    logits = torch.zeros(rows, config.vocab_size, dtype=torch.float32, device=device)
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(len(input_ids), config.hidden_size, dtype=dtype, device=device)
+        return hidden_states[: len(input_ids)]
 
     def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(len(hidden), config.vocab_size, dtype=torch.float32, device=device)
+        return logits[: len(hidden)]
 
     runner.model.forward = forward
     runner.model.compute_logits = compute_logits
@@ -244,6 +248,7 @@ def main() -> None:
     for key, total in timings.items():
         print(f"  {key:16s} {total / args.steps * 1e3:9.3f}")
     print(f"  {'host (median)':16s} {statistics.median(HOST_PER_STEP) * 1e3:9.3f}")
+    print(f"  {'host (min)':16s} {min(HOST_PER_STEP) * 1e3:9.3f}")
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     llm.shutdown()

@@ -136,7 +136,9 @@ def layout_from_arrays(
     num_tokens = int(start_loc[-1])
     token_seq = np.repeat(np.arange(len(qry)), qry)
     token_pos = np.arange(num_tokens) + np.repeat(ctx - start_loc[:-1], qry)
-    token_blocks = table.ravel()[token_seq * table.shape[1] + token_pos // block_size]
+    block_index, offset = _block_and_offset(token_pos, block_size)
+    block_index += token_seq * table.shape[1]
+    slot_mapping = table.ravel().take(block_index) * block_size + offset
     num_prefill_tokens = int(start_loc[num_prefills])
     as_tensor = torch.from_numpy
     return StepLayout(
@@ -150,8 +152,16 @@ def layout_from_arrays(
         block_table=as_tensor(table),
         token_seq=as_tensor(token_seq),
         token_pos=as_tensor(token_pos),
-        slot_mapping=as_tensor(token_blocks * block_size + token_pos % block_size),
+        slot_mapping=as_tensor(slot_mapping),
     )
+
+
+def _block_and_offset(token_pos: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each position's block index and offset in it (shifts and masks for a power of two,
+    several times faster than integer division)."""
+    if block_size & (block_size - 1):
+        return np.divmod(token_pos, block_size)
+    return token_pos >> (block_size.bit_length() - 1), token_pos & (block_size - 1)
 
 
 @dataclass(frozen=True)

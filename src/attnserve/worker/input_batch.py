@@ -257,15 +257,10 @@ class InputBatch:
             device_slots = to_device(torch.from_numpy(slots), self.device)
             table = self.device_table.gather(device_slots, width)
             layout = dataclasses.replace(layout, device_block_table=table)
-        token_slots = slots[layout.token_seq.numpy()]
-        positions = layout.token_pos.numpy()
-        token_ids = torch.from_numpy(self.token_ids[token_slots, positions])
-        carried_at = np.flatnonzero(positions >= self.num_host_tokens[token_slots])
-        carried = None
-        if len(carried_at):
-            index = to_device(torch.from_numpy(carried_at), self.device)
-            source = to_device(torch.from_numpy(token_slots[carried_at]), self.device)
-            carried = (index, self.last_sampled[source])
+        token_seq, positions = layout.token_seq.numpy(), layout.token_pos.numpy()
+        flat_index = (slots * self.max_tokens).take(token_seq) + positions
+        token_ids = torch.from_numpy(self.token_ids.ravel().take(flat_index))
+        carried = self._carried(slots, context + query, token_seq, positions)
         rows = np.flatnonzero((context + query == total) & self.samples[slots])
         sample_rows: list[int] = rows.tolist()
         sampling = [states[row] for row in sample_rows]
@@ -273,6 +268,23 @@ class InputBatch:
         return PreparedStep(
             layout, token_ids, carried, slots, states, sample_rows, sampling, metadata
         )
+
+    def _carried(
+        self,
+        slots: np.ndarray,
+        ends: np.ndarray,
+        token_seq: np.ndarray,
+        positions: np.ndarray,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the step's tokens that only the device knows go (flat token index), and those
+        tokens; None when the host knows every token the step reads."""
+        known = self.num_host_tokens[slots]
+        if (ends <= known).all():
+            return None
+        carried_at = np.flatnonzero(positions >= known.take(token_seq))
+        index = to_device(torch.from_numpy(carried_at), self.device)
+        source = to_device(torch.from_numpy(slots.take(token_seq[carried_at])), self.device)
+        return index, self.last_sampled[source]
 
     def advance(self, step: PreparedStep, first_draws: torch.Tensor | None) -> PendingDraws:
         """Count the step's tokens as computed and its draws (`first_draws`: each sampling row's
