@@ -137,9 +137,18 @@ class MultiprocExecutor(ExecutorBase):
     def execute_model(self, plan: StepPlan) -> StepResults:
         self.check_health()
         try:
+            self._check_workers_alive()
             return self.driver.execute_model(plan)
         except BaseException as error:  # even an interrupt leaves the ranks out of step
             self._fail(error)
+
+    def _check_workers_alive(self) -> None:
+        """A worker already dead fails the step before its broadcast, whether or not the
+        monitor has woken yet: gloo does not always see a dead peer, and a broadcast to one
+        could then block for good."""
+        for rank, process in enumerate(self.processes, 1):
+            if not process.is_alive():
+                raise RuntimeError(f"tensor-parallel worker rank {rank} is not alive")
 
     def _wait_for_failure(self) -> str | None:
         """The monitor's finding, given a moment: a dead peer fails our collective first."""
