@@ -9,6 +9,10 @@ scale), activations quantized dynamically per token, in either of two spellings:
   symmetric, with dynamic per-token 8-bit float input activations; scales in `weight_scale`.
 Everything else is refused by name (block-wise scales, static activation scales, weight-only
 schemes, other methods, `ignore` lists beyond the LM head, which is never quantized here).
+A checkpoint's fp8 KV-cache scales (`self_attn.k_scale` / `v_scale`, or a compressed-tensors
+`kv_cache_scheme` of static 8-bit float scales per tensor or per KV head, stored as
+`self_attn.k_proj.output_scale` / `v_proj.output_scale`) are used with kv_cache_dtype 'fp8'
+instead of calibrating them.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ def _check_compressed_tensors(config: dict[str, Any]) -> None:
     _check_weights(group.get("weights") or {})
     _check_activations(group.get("input_activations"))
     _check_ignored(config.get("ignore"))
+    _check_kv_cache_scheme(config.get("kv_cache_scheme"))
 
 
 def _check_weights(weights: dict[str, Any]) -> None:
@@ -104,6 +109,23 @@ def _check_activations(activations: dict[str, Any] | None) -> None:
         raise ValueError(
             f"compressed-tensors input_activations {activations}: only dynamic per-token 8-bit "
             "float activations are supported"
+        )
+
+
+def _check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
+    """The fp8 KV-cache scales a checkpoint carries (`self_attn.k_proj.output_scale`): static
+    8-bit float, per tensor or per KV head (used with kv_cache_dtype 'fp8')."""
+    if scheme is None:
+        return
+    if (
+        scheme.get("type") != "float"
+        or scheme.get("num_bits") != 8
+        or scheme.get("dynamic")
+        or scheme.get("strategy") not in ("tensor", "attn_head")
+    ):
+        raise ValueError(
+            f"compressed-tensors kv_cache_scheme {scheme}: only static 8-bit float scales per "
+            "tensor or per KV head ('attn_head') are supported"
         )
 
 
