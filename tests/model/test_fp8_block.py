@@ -6,14 +6,12 @@ configs and unsplittable layers refused by name."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from attnserve import LLM
 from attnserve.model import ModelConfig
@@ -25,7 +23,13 @@ from attnserve.model.quantization.fp8_block import fp8_block_linear
 from attnserve.model.quantization.fp8_checkpoint import Fp8Scheme, fp8_checkpoint_scheme
 from attnserve.model.quantization.weight_utils import load_weight
 from tests.distributed.test_parallel_layers import as_rank
-from tests.model.test_fp8 import CHANNEL, GAP_MAX, GAP_MEAN, LINEARS, _prompt_scores
+from tests.model.test_fp8 import (
+    CHANNEL,
+    GAP_MAX,
+    GAP_MEAN,
+    _prompt_scores,
+    write_quantized_checkpoint,
+)
 
 BLOCK = (48, 32)  # rows need not divide a weight (64 rows: 48 + 16); columns must
 HF_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
@@ -69,29 +73,18 @@ def dequantized(
     return quantized.double() * per_element.double().repeat_interleave(block[1], 1)
 
 
-def _write_block_checkpoint(source: Path, target: Path, config: dict[str, Any]) -> None:
-    shutil.copytree(source, target)
-    tensors = load_file(str(source / "model.safetensors"))
-    scale_name = "_scale_inv" if config["quant_method"] == "fp8" else "_scale"
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if any(f".{p}." in name for p in LINEARS):
-            out[name], out[name + scale_name] = quantize_blocks(tensor, BLOCK)
-        else:
-            out[name] = tensor
-    for file in target.glob("*.safetensors"):
-        file.unlink()
-    save_file(out, str(target / "model.safetensors"))
-    settings = json.loads((target / "config.json").read_text())
-    (target / "config.json").write_text(json.dumps({**settings, "quantization_config": config}))
-
-
 @pytest.fixture(scope="module", params=["hf", "compressed-tensors"])
 def block_checkpoint(
     request: pytest.FixtureRequest, tiny_llama_dir: Path, tmp_path_factory: Any
 ) -> Path:
     target = tmp_path_factory.mktemp("fp8_block") / request.param
-    _write_block_checkpoint(tiny_llama_dir, target, HF_BLOCK if request.param == "hf" else CT_BLOCK)
+    hf = request.param == "hf"
+    suffix = "_scale_inv" if hf else "_scale"
+
+    def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        return dict(zip(("", suffix), quantize_blocks(weight, BLOCK), strict=True))
+
+    write_quantized_checkpoint(tiny_llama_dir, target, HF_BLOCK if hf else CT_BLOCK, quantize)
     return target
 
 
