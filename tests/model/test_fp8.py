@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +75,14 @@ def test_fp8_linear_is_the_product_of_its_rounded_operands(m: int) -> None:
     assert (got - exact).norm() / exact.norm() < 0.05  # the activations' FP8 rounding
 
 
-def _write_fp8_checkpoint(
-    source: Path, target: Path, config: dict[str, Any], channel: bool
+def write_quantized_checkpoint(
+    source: Path,
+    target: Path,
+    config: dict[str, Any],
+    quantize: Callable[[torch.Tensor], dict[str, torch.Tensor]],
 ) -> None:
-    """`source`'s linear weights as E4M3 with float32 scales (per channel [N, 1] as
-    compressed-tensors writes them, or one per tensor as `weight_scale_inv`)."""
+    """`source` with each linear weight replaced by what `quantize` makes of it (name suffix ->
+    tensor: "" the weight, others its scales) and `config` as its quantization_config."""
     shutil.copytree(source, target)
     tensors = load_file(str(source / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
@@ -86,18 +90,24 @@ def _write_fp8_checkpoint(
         if not any(f".{p}." in name for p in LINEARS):
             out[name] = tensor
             continue
-        if channel:
-            quantized, scale = quantize_rows(tensor)
-            out[name], out[name + "_scale"] = quantized, scale[:, None].contiguous()
-        else:
-            scale = tensor.abs().amax() / FP8_MAX
-            out[name] = (tensor / scale).to(FP8)
-            out[name + "_scale_inv"] = scale.reshape(())
+        out |= {name + suffix: value for suffix, value in quantize(tensor).items()}
     for file in target.glob("*.safetensors"):
         file.unlink()
     save_file(out, str(target / "model.safetensors"))
     settings = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps({**settings, "quantization_config": config}))
+
+
+def _per_channel(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """E4M3 with a scale per row [N, 1], as compressed-tensors writes them."""
+    quantized, scale = quantize_rows(weight)
+    return {"": quantized, "_scale": scale[:, None].contiguous()}
+
+
+def _per_tensor(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """E4M3 with one scale, as `weight_scale_inv`."""
+    scale = weight.abs().amax() / FP8_MAX
+    return {"": (weight / scale).to(FP8), "_scale_inv": scale.reshape(())}
 
 
 @pytest.fixture(scope="module", params=["weight_scale", "weight_scale_inv"])
@@ -107,7 +117,8 @@ def fp8_checkpoint(
     """(the checkpoint, its scales' name): per channel, or per tensor."""
     target = tmp_path_factory.mktemp("fp8") / request.param
     channel = request.param == "weight_scale"
-    _write_fp8_checkpoint(tiny_llama_dir, target, CHANNEL if channel else PER_TENSOR, channel)
+    config, quantize = (CHANNEL, _per_channel) if channel else (PER_TENSOR, _per_tensor)
+    write_quantized_checkpoint(tiny_llama_dir, target, config, quantize)
     return target, request.param
 
 

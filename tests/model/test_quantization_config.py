@@ -68,7 +68,7 @@ def _with_quantization_config(source: Path, target: Path, config: dict[str, obje
     [
         ({"quant_method": "awq", "bits": 4}, "quantized with 'awq'"),
         ({"quant_method": "fp8", "activation_scheme": "static"}, "only 'dynamic'"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 0]}, r"weight_block_size \[128, 0\]"),
         (
             {"quant_method": "fp8", "modules_to_not_convert": ["model.layers.0.mlp"]},
             "keeps \\['model.layers.0.mlp'\\] unquantized",

@@ -26,6 +26,7 @@ from attnserve.attention.layer import (
     bind_attention_backend,
     bind_kv_caches,
     calibrating_kv_scales,
+    kv_scales_from_checkpoint,
 )
 from attnserve.attention.layout import (
     StepLayout,
@@ -61,6 +62,7 @@ __all__ = [
     "get_attn_backend",
     "get_backend_cls",
     "get_model_attn_backend",
+    "kv_scales_from_checkpoint",
     "layout_from_arrays",
     "metadata_builders",
     "pad_for_graph",

@@ -6,7 +6,9 @@ magnitude its keys (values) reach while the scales calibrate, times `HEADROOM`, 
 e4m3's largest finite value. The model runner calibrates once, before the cache holds anything
 it keeps and before any CUDA graph is captured (`ModelRunner.calibrate_kv_scales`): a prefill of
 random tokens inside `calibrating(...)`, where each `Attention` layer observes the keys and
-values it is about to write.
+values it is about to write. A checkpoint that carries its scales (`k_scale` / `v_scale`, per
+tensor or per KV head, as vLLM and llm-compressor write them) gives them instead (`load`), and
+then nothing calibrates.
 
 The scales are one device tensor [2, num_kv_heads] (float32; row 0 keys, row 1 values) that the
 kernels read by address: a captured graph reads the values it holds at replay, and because they
@@ -34,6 +36,36 @@ class KVCacheScales:
         self.scales = torch.ones(2, num_kv_heads, dtype=torch.float32, device=device)
         self._amax = torch.zeros_like(self.scales)
         self.calibrating = False
+        self._from_checkpoint = [False, False]  # keys, values
+
+    @property
+    def from_checkpoint(self) -> bool:
+        """Whether both the key and the value scales were loaded (`load`): no calibration."""
+        return all(self._from_checkpoint)
+
+    @property
+    def partly_from_checkpoint(self) -> bool:
+        return any(self._from_checkpoint)
+
+    def load(self, index: int, scale: torch.Tensor, first_head: int) -> None:
+        """A checkpoint's key (`index` 0) or value (1) scale: one for the whole tensor, or one
+        per KV head of the model, of which this layer keeps `first_head` onwards (its rank's
+        heads). ValueError for another shape or a scale that is not positive and finite."""
+        heads = self.scales.shape[1]
+        values = scale.detach().float().reshape(-1)
+        if values.numel() == 1:
+            values = values.expand(heads)
+        elif first_head + heads <= values.numel():
+            values = values[first_head : first_head + heads]
+        else:
+            raise ValueError(
+                f"a KV-cache scale of shape {list(scale.shape)}: one per tensor or one per KV "
+                f"head expected (this layer keeps heads {first_head}..{first_head + heads - 1})"
+            )
+        if not bool(torch.isfinite(values).all() and (values > 0).all()):
+            raise ValueError(f"KV-cache scales must be positive and finite, got {values.tolist()}")
+        self.scales[index].copy_(values)
+        self._from_checkpoint[index] = True
 
     @property
     def k_scale(self) -> torch.Tensor:

@@ -136,6 +136,22 @@ def calibrating_kv_scales(model: nn.Module) -> AbstractContextManager[None]:
     return calibrating(layer.kv_scales for layer in layers if layer.kv_scales is not None)
 
 
+def kv_scales_from_checkpoint(model: nn.Module) -> bool:
+    """Whether every fp8-cache layer of `model` has the checkpoint's key and value scales (then
+    none calibrates); ValueError when only some have them."""
+    scales = [layer.kv_scales for layer in attention_layers(model) if layer.kv_scales is not None]
+    if scales and all(s.from_checkpoint for s in scales):
+        return True
+    partial = [i for i, s in enumerate(scales) if s.partly_from_checkpoint]
+    if partial:
+        raise ValueError(
+            f"the checkpoint has fp8 KV-cache scales (k_scale / v_scale) for attention layer "
+            f"{partial[0]} but not for all of them (and both k and v): give every layer both, "
+            "or none (then they are calibrated)"
+        )
+    return False
+
+
 def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
     """Give each attention layer of `model` its cache tensor, in module order."""
     layers = attention_layers(model)

@@ -38,6 +38,7 @@ from attnserve.attention import (
     build_metadata,
     calibrating_kv_scales,
     get_model_attn_backend,
+    kv_scales_from_checkpoint,
     metadata_builders,
     set_forward_context,
 )
@@ -191,8 +192,12 @@ class ModelRunner:
 
     def calibrate_kv_scales(self) -> None:
         """An fp8 cache's scales, from one prefill of random tokens (`calibration_plan`), before
-        the cache holds anything kept and before any graph is captured."""
+        the cache holds anything kept and before any graph is captured; none where the
+        checkpoint gave them."""
         if self.cache_config.kv_cache_dtype != "fp8":
+            return
+        if kv_scales_from_checkpoint(self.model):
+            logger.info("fp8 KV cache: the checkpoint's k_scale / v_scale, no calibration")
             return
         plan = calibration_plan(
             self.model_config.vocab_size,

@@ -198,7 +198,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         else:
             self.num_kv_heads, replicas = divide(total_num_kv_heads, tp_size), 1
         q_size, kv_size = self.num_heads * head_size, self.num_kv_heads * head_size
-        kv_start = (tp_rank // replicas) * kv_size
+        self.kv_head_start = (tp_rank // replicas) * self.num_kv_heads  # this rank's first
+        kv_start = self.kv_head_start * head_size
         super().__init__(
             hidden_size,
             [total_num_heads * head_size] + [total_num_kv_heads * head_size] * 2,

@@ -9,6 +9,7 @@ column/row-parallel scheme) and each parameter's weight loader keeps only its ra
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -27,7 +28,9 @@ from attnserve.model.layers.linear import (
 )
 from attnserve.model.layers.rotary_embedding import RotaryEmbedding
 from attnserve.model.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from attnserve.model.quantization.weight_utils import LoadedWeight, load_weight
+from attnserve.model.quantization.weight_utils import LoadedWeight, full_weight, load_weight
+
+logger = logging.getLogger(__name__)
 
 # (merged parameter, HF projection, shard name)
 STACKED_PARAMS = (
@@ -37,6 +40,13 @@ STACKED_PARAMS = (
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
 )
+# fp8 KV-cache scales by checkpoint name: 0 keys, 1 values
+KV_SCALE_SUFFIXES = {
+    ".self_attn.k_scale": 0,
+    ".self_attn.v_scale": 1,
+    ".self_attn.k_proj.output_scale": 0,
+    ".self_attn.v_proj.output_scale": 1,
+}
 
 
 class LlamaMLP(nn.Module):
@@ -99,6 +109,15 @@ class LlamaAttention(nn.Module):
             kv_cache_dtype=parts.kv_cache_dtype,
             block_size=parts.block_size,
         )
+
+    def load_kv_scale(self, index: int, weight: LoadedWeight) -> bool:
+        """A checkpoint's fp8 KV-cache key (`index` 0) or value (1) scale for this rank's KV
+        heads; False (unused) where the cache is not fp8."""
+        scales = self.attn.kv_scales
+        if scales is None:
+            return False
+        scales.load(index, full_weight(weight), self.qkv_proj.kv_head_start)
+        return True
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
@@ -195,15 +214,32 @@ class LlamaForCausalLM(nn.Module):
         or missing ones."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        unused_kv_scales = 0
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (
                 self.tie_word_embeddings and name == "lm_head.weight"
             ):
                 continue
+            kv_scale = _kv_scale_of(name)
+            if kv_scale is not None:
+                attention, index = kv_scale
+                unused_kv_scales += not self._attention(attention).load_kv_scale(index, tensor)
+                continue
             loaded.add(self._load_one(params, name, tensor))
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+        if unused_kv_scales:
+            logger.info("the checkpoint's fp8 KV-cache scales are unused: the KV cache is not fp8")
+
+    def _attention(self, name: str) -> LlamaAttention:
+        try:
+            module = self.get_submodule(name)
+        except AttributeError:
+            module = None
+        if not isinstance(module, LlamaAttention):
+            raise ValueError(f"checkpoint KV-cache scale of {name!r}: no such attention layer")
+        return module
 
     def _load_one(self, params: dict[str, nn.Parameter], name: str, weight: LoadedWeight) -> str:
         for merged, part, shard in STACKED_PARAMS:
@@ -219,6 +255,16 @@ class LlamaForCausalLM(nn.Module):
         if name not in params:
             raise ValueError(f"checkpoint weight {name!r} has no parameter in this model")
         return params[name]
+
+
+def _kv_scale_of(name: str) -> tuple[str, int] | None:
+    """(the attention module, 0 for keys or 1 for values) of an fp8 KV-cache scale's
+    checkpoint name (vLLM's `self_attn.k_scale`, llm-compressor's `self_attn.k_proj.output_scale`),
+    or None for any other weight."""
+    for suffix, index in KV_SCALE_SUFFIXES.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + ".self_attn", index
+    return None
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -174,6 +174,10 @@ class Fp8Config(QuantizationConfig):
     def linear_method(self, layer: nn.Module) -> LinearMethod:
         """The model's projections in FP8; replicated layers (MoE routers, whose logits pick
         the experts) stay in the model's dtype, as in vLLM."""
-        if getattr(type(layer), "tensor_parallel", False):
-            return Fp8LinearMethod(self.scheme)
-        return UnquantizedLinearMethod()
+        if not getattr(type(layer), "tensor_parallel", False):
+            return UnquantizedLinearMethod()
+        if self.scheme is not None and self.scheme.block_size is not None:
+            from attnserve.model.quantization.fp8_block import Fp8BlockLinearMethod
+
+            return Fp8BlockLinearMethod(self.scheme)
+        return Fp8LinearMethod(self.scheme)
