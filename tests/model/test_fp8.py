@@ -21,8 +21,9 @@ from attnserve.model.layers.linear import Linear, QKVParallelLinear, RowParallel
 from attnserve.model.loader import load_model
 from attnserve.model.quantization import active_quantization, process_weights_after_loading
 from attnserve.model.quantization.base import UnquantizedLinearMethod
-from attnserve.model.quantization.fp8 import FP8, FP8_MAX, Fp8Config, fp8_linear, quantize_rows
+from attnserve.model.quantization.fp8 import FP8, FP8_MAX, fp8_linear, quantize_rows
 from attnserve.model.quantization.fp8_checkpoint import Fp8Scheme
+from attnserve.model.quantization.fp8_config import Fp8Config
 from attnserve.model.quantization.weight_utils import load_weight
 from tests.distributed.test_parallel_layers import as_rank
 

@@ -18,9 +18,10 @@ from attnserve.model import ModelConfig
 from attnserve.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from attnserve.model.loader import load_model
 from attnserve.model.quantization import active_quantization, process_weights_after_loading
-from attnserve.model.quantization.fp8 import FP8, FP8_MAX, Fp8Config, quantize_rows
+from attnserve.model.quantization.fp8 import FP8, FP8_MAX, quantize_rows
 from attnserve.model.quantization.fp8_block import fp8_block_linear
 from attnserve.model.quantization.fp8_checkpoint import Fp8Scheme, fp8_checkpoint_scheme
+from attnserve.model.quantization.fp8_config import Fp8Config
 from attnserve.model.quantization.weight_utils import load_weight
 from tests.distributed.test_parallel_layers import as_rank
 from tests.model.test_fp8 import (

@@ -21,11 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnserve.model.quantization.base import (
-    LinearMethod,
-    QuantizationConfig,
-    UnquantizedLinearMethod,
-)
+from attnserve.model.quantization.base import LinearMethod
 from attnserve.model.quantization.fp8_checkpoint import Fp8Scheme
 from attnserve.model.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE
 from attnserve.model.quantization.weight_utils import (
@@ -163,21 +159,3 @@ class Fp8LinearMethod(LinearMethod):
 
     def dense_weight(self, layer: nn.Module) -> torch.Tensor:
         return self.weight.float() * self.scale[:, None]
-
-
-class Fp8Config(QuantizationConfig):
-    name = "fp8"
-
-    def __init__(self, scheme: Fp8Scheme | None) -> None:
-        self.scheme = scheme
-
-    def linear_method(self, layer: nn.Module) -> LinearMethod:
-        """The model's projections in FP8; replicated layers (MoE routers, whose logits pick
-        the experts) stay in the model's dtype, as in vLLM."""
-        if not getattr(type(layer), "tensor_parallel", False):
-            return UnquantizedLinearMethod()
-        if self.scheme is not None and self.scheme.block_size is not None:
-            from attnserve.model.quantization.fp8_block import Fp8BlockLinearMethod
-
-            return Fp8BlockLinearMethod(self.scheme)
-        return Fp8LinearMethod(self.scheme)

@@ -120,8 +120,8 @@ def quantization_config(
         from attnserve.model.quantization.gguf import GGUFConfig
 
         return GGUFConfig()
-    from attnserve.model.quantization.fp8 import Fp8Config
     from attnserve.model.quantization.fp8_checkpoint import fp8_checkpoint_scheme
+    from attnserve.model.quantization.fp8_config import Fp8Config
 
     scheme = None if weights_path is None else fp8_checkpoint_scheme(hf_config, weights_path)
     return Fp8Config(scheme)
