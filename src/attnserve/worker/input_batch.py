@@ -3,8 +3,11 @@ built from it.
 
 The engine sends only what changed (`StepPlan`); this keeps the rest, one row (a slot) per held
 sequence in persistent host arrays: its token ids, how many are known on the host and in all,
-how many are in the cache, its block table. A step's layout, token ids and sampling rows come
-from those arrays with a few vectorised gathers (no per-sequence lists). The first token each
+how many are in the cache, its block table, and its sampling parameters (`SamplingTable`). On
+an accelerator the block tables are mirrored on the device (`DeviceBlockTable`: rows rewritten
+only where a plan changed them). A step's layout (with its device block table), token ids,
+sampling rows and `SamplingMetadata` come from those arrays with a few vectorised gathers (no
+per-sequence lists). The first token each
 sequence draws stays on the device (`last_sampled`): the next step reads it from there (a token
 the host does not know yet, with async scheduling), and the host copy is written when the step's
 future resolves (`record`). Slots are reused; a slot's generation tells a late result that its
