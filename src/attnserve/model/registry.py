@@ -7,6 +7,7 @@ here, and the models import the model config); `model.loader.get_model_cls` impo
 from __future__ import annotations
 
 _MODELS: dict[str, tuple[str, str]] = {
+    "Gemma2ForCausalLM": ("attnserve.model.models.gemma", "Gemma2ForCausalLM"),
     "LlamaForCausalLM": ("attnserve.model.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("attnserve.model.models.llama", "MistralForCausalLM"),
     "MixtralForCausalLM": ("attnserve.model.models.moe", "MixtralForCausalLM"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -40,12 +40,18 @@ STACKED_PARAMS = (
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        act_fn: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         sizes = [intermediate_size, intermediate_size]
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, ["gate", "up"], bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = act_fn if act_fn is not None else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -60,6 +66,7 @@ class LayerParts:
     block_size: int
     variant: type[LlamaForCausalLM]
     rotary_emb: RotaryEmbedding
+    local_rotary_emb: RotaryEmbedding  # sliding-window layers' table (Gemma 3's own base)
 
 
 class LlamaAttention(nn.Module):
@@ -86,16 +93,18 @@ class LlamaAttention(nn.Module):
         self.q_norm = self.k_norm = None
         self.head_norms: tuple[RMSNorm, RMSNorm] | None = None
         if parts.variant.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, hf.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_size, hf.rms_norm_eps)
+            self.q_norm = parts.variant.make_norm(self.head_size, hf.rms_norm_eps)
+            self.k_norm = parts.variant.make_norm(self.head_size, hf.rms_norm_eps)
             self.head_norms = (self.q_norm, self.k_norm)
-        self.rotary_emb = parts.rotary_emb
+        window = layer_sliding_windows(hf)[layer_index]
+        self.rotary_emb = parts.rotary_emb if window is None else parts.local_rotary_emb
         self.attn = Attention(
             self.num_heads,
             self.head_size,
-            self.head_size**-0.5,
+            parts.variant.attention_scale(config),
             self.num_kv_heads,
-            sliding_window=layer_sliding_windows(hf)[layer_index],
+            sliding_window=window,
+            logits_soft_cap=parts.variant.attention_soft_cap(hf),
             kv_cache_dtype=parts.kv_cache_dtype,
             block_size=parts.block_size,
         )
@@ -116,19 +125,26 @@ class LlamaDecoderLayer(nn.Module):
         config, hf = parts.config, parts.config.hf_config
         self.self_attn = LlamaAttention(parts, layer_index)
         self.mlp = parts.variant.make_mlp(config, layer_index)
-        self.input_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
+        self.input_layernorm = parts.variant.make_norm(config.hidden_size, hf.rms_norm_eps)
+        self.post_attention_layernorm = parts.variant.make_norm(config.hidden_size, hf.rms_norm_eps)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.attend(positions, hidden, residual)
+        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
+        return self.mlp(hidden), residual
+
+    def attend(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention output, residual stream): `residual` (if any) added to `hidden`, the sum
+        normalised and attended over."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.self_attn(positions, hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -141,14 +157,18 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        theta, scaling = rope_settings(config.hf_config)
-        rotary_emb = RotaryEmbedding(config.head_size, config.max_model_len, theta, scaling)
-        parts = LayerParts(config, kv_cache_dtype, block_size, variant, rotary_emb)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(parts, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.hf_config.rms_norm_eps)
+        self.embed_scale = variant.embedding_scale(config)
+        rotary_embs = variant.make_rotary_embs(config)
+        parts = LayerParts(config, kv_cache_dtype, block_size, variant, *rotary_embs)
+        self.layers = nn.ModuleList(
+            variant.make_decoder_layer(parts, i) for i in range(config.num_layers)
+        )
+        self.norm = variant.make_norm(config.hidden_size, config.hf_config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
@@ -173,6 +193,39 @@ class LlamaForCausalLM(nn.Module):
             if self.tie_word_embeddings
             else ParallelLMHead(config.vocab_size, config.hidden_size)
         )
+
+    @classmethod
+    def make_decoder_layer(cls, parts: LayerParts, layer_index: int) -> nn.Module:
+        """Decoder layer `layer_index`: forward(positions, hidden, residual | None) ->
+        (hidden, residual)."""
+        return LlamaDecoderLayer(parts, layer_index)
+
+    @classmethod
+    def make_norm(cls, hidden_size: int, eps: float) -> RMSNorm:
+        """The model's RMSNorm (every layer norm, the final norm and any q/k norms)."""
+        return RMSNorm(hidden_size, eps)
+
+    @classmethod
+    def make_rotary_embs(cls, config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding]:
+        """The rotary tables of (full-attention layers, sliding-window layers): one shared."""
+        theta, scaling = rope_settings(config.hf_config)
+        rotary_emb = RotaryEmbedding(config.head_size, config.max_model_len, theta, scaling)
+        return rotary_emb, rotary_emb
+
+    @classmethod
+    def attention_scale(cls, config: ModelConfig) -> float:
+        """The factor on q.k before the softmax."""
+        return float(config.head_size**-0.5)
+
+    @classmethod
+    def attention_soft_cap(cls, hf_config: Any) -> float | None:
+        """The attention logits' soft-cap (None: none)."""
+        return None
+
+    @classmethod
+    def embedding_scale(cls, config: ModelConfig) -> float | None:
+        """The factor on the token embeddings (None: none)."""
+        return None
 
     @classmethod
     def make_mlp(cls, config: ModelConfig, layer_index: int) -> nn.Module:
