@@ -44,9 +44,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope scaling dict or None) from a transformers 4.x or 5.x config."""
+LAYER_KINDS = ("full_attention", "sliding_attention")  # HF's `layer_types` values
+
+
+def rope_settings(
+    hf_config: Any, layer_kind: str = "full_attention"
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope scaling dict or None) from a transformers 4.x or 5.x config, for the
+    layers of `layer_kind` where the config gives each kind its own (Gemma 3)."""
     params = getattr(hf_config, "rope_parameters", None)
+    if params and layer_kind in params:
+        params = params[layer_kind]
     if params:
         scaling = None if params.get("rope_type", "default") == "default" else dict(params)
         return float(params["rope_theta"]), scaling
@@ -256,10 +264,13 @@ def _validate_hf_config(hf_config: Any) -> None:
         raise ValueError("the model config names no architecture (config.json 'architectures')")
     check_architecture(architectures[0])
     _validate_experts(hf_config)
-    _, scaling = rope_settings(hf_config)
-    rope_type = (scaling or {}).get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    for kind in LAYER_KINDS:
+        _, scaling = rope_settings(hf_config, kind)
+        rope_type = (scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+            )
 
 
 def _validate_experts(hf_config: Any) -> None:

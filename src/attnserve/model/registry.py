@@ -8,12 +8,22 @@ from __future__ import annotations
 
 _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("attnserve.model.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("attnserve.model.models.gemma", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("attnserve.model.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("attnserve.model.models.llama", "MistralForCausalLM"),
     "MixtralForCausalLM": ("attnserve.model.models.moe", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("attnserve.model.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("attnserve.model.models.llama", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("attnserve.model.models.moe", "Qwen3MoeForCausalLM"),
+}
+
+# architectures refused with a reason of their own
+_REFUSED: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": (
+        "a multimodal Gemma 3 checkpoint (its SigLIP vision tower `vision_tower` and "
+        "`multi_modal_projector` are not supported); serve a text-only Gemma3ForCausalLM "
+        "checkpoint (config model_type 'gemma3_text')"
+    ),
 }
 
 
@@ -23,6 +33,10 @@ def supported_architectures() -> list[str]:
 
 def check_architecture(architecture: str) -> None:
     """ValueError naming `architecture` when no registered model implements it."""
+    if architecture in _REFUSED:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}: {_REFUSED[architecture]}"
+        )
     if architecture not in _MODELS:
         raise ValueError(
             f"unsupported model architecture {architecture!r}; supported: "

@@ -6,6 +6,8 @@ the CPU in float32, plain torch elsewhere and as their reference), and Gemma's `
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -13,6 +15,9 @@ from attnserve.model.layers import ops
 
 
 class RMSNorm(nn.Module):
+    # whether `ops.qkv_rotary_embedding` may apply it as a q/k head norm from (weight, eps)
+    fusable_head_norm: ClassVar[bool] = True
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -32,6 +37,8 @@ class RMSNorm(nn.Module):
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm, as HF computes it: x / rms(x) * (1 + weight), all in float32, rounded
     to x's dtype once at the end (plain torch; the stored weight is the offset from one)."""
+
+    fusable_head_norm: ClassVar[bool] = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

@@ -87,3 +87,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3 (text): q/k head norms, five sliding layers per global one, the sliding layers'
+    own rotary base (10k; global 1M, linearly scaled), no soft-caps (absent from its config)."""
+
+    qk_norm = True

@@ -17,7 +17,12 @@ import torch
 from torch import nn
 
 from attnserve.attention import Attention
-from attnserve.model.config import ModelConfig, layer_sliding_windows, rope_settings
+from attnserve.model.config import (
+    LAYER_KINDS,
+    ModelConfig,
+    layer_sliding_windows,
+    rope_settings,
+)
 from attnserve.model.layers.activation import SiluAndMul
 from attnserve.model.layers.layernorm import RMSNorm
 from attnserve.model.layers.linear import (
@@ -95,7 +100,8 @@ class LlamaAttention(nn.Module):
         if parts.variant.qk_norm:
             self.q_norm = parts.variant.make_norm(self.head_size, hf.rms_norm_eps)
             self.k_norm = parts.variant.make_norm(self.head_size, hf.rms_norm_eps)
-            self.head_norms = (self.q_norm, self.k_norm)
+            if self.q_norm.fusable_head_norm:
+                self.head_norms = (self.q_norm, self.k_norm)
         window = layer_sliding_windows(hf)[layer_index]
         self.rotary_emb = parts.rotary_emb if window is None else parts.local_rotary_emb
         self.attn = Attention(
@@ -110,8 +116,12 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q, k, v = self.rotary_emb.forward_qkv(positions, qkv, self.head_norms)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
+        if self.q_norm is not None and self.k_norm is not None and self.head_norms is None:
+            heads = (-1, self.head_size)  # q/k head norms the fused op cannot apply
+            q = self.q_norm(q.unflatten(-1, heads)).flatten(1)
+            k = self.k_norm(k.unflatten(-1, heads)).flatten(1)
+        q, k, v = self.rotary_emb.forward_qkv(positions, (q, k, v), self.head_norms)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -207,10 +217,14 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def make_rotary_embs(cls, config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding]:
-        """The rotary tables of (full-attention layers, sliding-window layers): one shared."""
-        theta, scaling = rope_settings(config.hf_config)
-        rotary_emb = RotaryEmbedding(config.head_size, config.max_model_len, theta, scaling)
-        return rotary_emb, rotary_emb
+        """The rotary tables of (full-attention layers, sliding-window layers): one shared
+        unless the config gives sliding layers their own settings (Gemma 3)."""
+        full, sliding = (rope_settings(config.hf_config, kind) for kind in LAYER_KINDS)
+        size, max_len = config.head_size, config.max_model_len
+        rotary_emb = RotaryEmbedding(size, max_len, *full)
+        return rotary_emb, rotary_emb if sliding == full else RotaryEmbedding(
+            size, max_len, *sliding
+        )
 
     @classmethod
     def attention_scale(cls, config: ModelConfig) -> float:
