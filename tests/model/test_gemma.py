@@ -20,6 +20,7 @@ from attnserve.attention import Attention
 from attnserve.model import ModelConfig
 from attnserve.model.config import layer_sliding_windows, rope_settings
 from attnserve.model.loader import build_model
+from attnserve.model.models.hf_export import to_hf_model
 from tests.conftest import hf_greedy
 from tests.model.paged import PagedRunner, load_reference_model
 
@@ -108,20 +109,34 @@ def expected(
     }
 
 
-@pytest.mark.parametrize("arch", MODELS)
-def test_logits_match_hf(checkpoints: dict[str, tuple[Path, Any]], arch: str) -> None:
-    """Each sequence but its last 3 tokens in one prefill step, then those 3 as decode steps."""
-    path, hf_model = checkpoints[arch]
-    config = ModelConfig.resolve(str(path), dtype="float32")
-    assert config.architecture == arch
+def _assert_logits_match(model: Any, config: ModelConfig, hf_model: Any) -> None:
+    """Ours through the paged cache (each sequence but its last 3 tokens in one prefill step,
+    then those 3 as decode steps) against HF's forward, at every position."""
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 256, (n,), generator=gen) for n in (6, 14, 23)]
-    runner = PagedRunner(load_reference_model(config), config, max_len=23, seqs=len(seqs))
+    runner = PagedRunner(model, config, max_len=23, seqs=len(seqs))
     ours = runner.run([s[:-3].tolist() for s in seqs], [s[-3:].tolist() for s in seqs])
     for got, seq in zip(ours, seqs, strict=True):
         with torch.no_grad():
             want = hf_model(seq[None]).logits[0]
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_logits_match_hf(checkpoints: dict[str, tuple[Path, Any]], arch: str) -> None:
+    path, hf_model = checkpoints[arch]
+    config = ModelConfig.resolve(str(path), dtype="float32")
+    assert config.architecture == arch
+    _assert_logits_match(load_reference_model(config), config, hf_model)
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_dummy_weights_export_to_hf(checkpoints: dict[str, tuple[Path, Any]], arch: str) -> None:
+    """Our dummy weights under HF's names (`to_hf_model`, the benchmarks' HF baseline) give
+    HF our logits: the norms' weights mean the same (1 + weight) to both."""
+    config = ModelConfig.resolve(str(checkpoints[arch][0]), dtype="float32", load_format="dummy")
+    model = load_reference_model(config)
+    _assert_logits_match(model, config, to_hf_model(model, config))
 
 
 @pytest.mark.parametrize("setup", ENGINE_SETUPS)
