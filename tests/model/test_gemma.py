@@ -22,6 +22,7 @@ from attnserve.model.config import layer_sliding_windows, rope_settings
 from attnserve.model.loader import build_model
 from attnserve.model.models.hf_export import to_hf_model
 from tests.conftest import hf_greedy
+from tests.distributed.test_tensor_parallel import token_ids
 from tests.model.paged import PagedRunner, load_reference_model
 
 WINDOW = 8
@@ -211,3 +212,16 @@ def test_multimodal_gemma3_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**config, "text_config": text}))
     with pytest.raises(ValueError, match="vision tower"):
         ModelConfig.resolve(str(tmp_path), load_format="dummy")
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_tp2_greedy_matches_hf(
+    checkpoints: dict[str, tuple[Path, Any]],
+    prompts: list[list[int]],
+    expected: dict[str, list[list[int]]],
+    arch: str,
+) -> None:
+    """Two ranks (gloo, one process each): heads, MLP and vocabulary sharded, norms replicated,
+    the final soft-cap after the logits' gather."""
+    got = token_ids(prompts, GREEDY, model=str(checkpoints[arch][0]), tensor_parallel_size=2)
+    assert [list(tokens) for tokens, _, _ in got] == expected[arch]
