@@ -1,12 +1,12 @@
 """Gemma 2 and Gemma 3 (text) against HF transformers on the same tiny random weights, in float32
 on the CPU: logits at every position through the paged KV cache, and greedy tokens through `LLM`
 for prompts longer than the sliding window, with and without prefix caching and with chunked
-prefill; the dummy presets at their real configs (config and a meta build only, no weights);
-a multimodal Gemma 3 checkpoint refused by name."""
+prefill, and at tensor parallel 2; dummy weights exported to HF; the dummy presets at their real
+configs (config and a meta build only, no weights); a multimodal Gemma 3 checkpoint served as
+its text model."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -68,12 +68,16 @@ ENGINE_SETUPS: dict[str, dict[str, Any]] = {
 }
 
 
-def save_random_hf(path: Path, config: Any) -> Any:
+def save_random_hf(path: Path, config: Any, model_cls: Any = None) -> Any:
     """An HF causal LM of `config` with random weights, saved as safetensors in `path`: std 0.2,
     the (tied, sqrt(hidden)-scaled) embeddings' 0.05 so that they do not drown the layers (the
     greedy tokens would repeat the last one)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if model_cls is None:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = model_cls(config).float()
+    model.eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(0, 0.05 if "embed_tokens" in name else 0.2)
@@ -206,12 +210,30 @@ def test_gemma3_preset_is_the_real_config() -> None:
     assert {layer.scale for layer in layers} == {256**-0.5}
 
 
-def test_multimodal_gemma3_is_refused(tmp_path: Path) -> None:
-    text = {"model_type": "gemma3_text", **MODELS["Gemma3ForCausalLM"][1]}
-    config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}
-    (tmp_path / "config.json").write_text(json.dumps({**config, "text_config": text}))
-    with pytest.raises(ValueError, match="vision tower"):
-        ModelConfig.resolve(str(tmp_path), load_format="dummy")
+def test_multimodal_gemma3_serves_its_text_model(tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration checkpoint (HF's names: `language_model.model.*`,
+    `vision_tower.*`, `multi_modal_projector.*`) loads as its text model: HF's logits on text."""
+    text = transformers.Gemma3TextConfig(**MODELS["Gemma3ForCausalLM"][1])
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=255,
+        eos_token_id=[1, 106],
+    )
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    hf_model = save_random_hf(tmp_path, config, transformers.Gemma3ForConditionalGeneration)
+    ours = ModelConfig.resolve(str(tmp_path), dtype="float32")
+    assert ours.architecture == "Gemma3ForCausalLM" and ours.eos_token_ids == [1, 106]
+    _assert_logits_match(load_reference_model(ours), ours, hf_model)
 
 
 @pytest.mark.parametrize("arch", MODELS)

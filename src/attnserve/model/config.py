@@ -9,6 +9,7 @@ a ValueError raised here, before any weight is read.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from attnserve.model.layers.rotary_embedding import SUPPORTED_ROPE_TYPES
 from attnserve.model.presets import DUMMY_PRESETS, preset_hf_config
 from attnserve.model.quantization.fp8_checkpoint import fp8_checkpoint_scheme
 from attnserve.model.quantization.resolve import resolve_quantization
-from attnserve.model.registry import check_architecture
+from attnserve.model.registry import TEXT_MODELS, check_architecture
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -247,7 +248,7 @@ def _describe_hf_dir(path: Path, load_format: str) -> tuple[Any, str | None, str
         raise ValueError(f"model directory {path} has no config.json")
     if load_format == "gguf":
         raise ValueError(f"{path} is a directory: load_format 'gguf' needs a .gguf file")
-    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    hf_config = _text_model_config(AutoConfig.from_pretrained(str(path), local_files_only=True))
     _validate_hf_config(hf_config)
     has_tokenizer = any((path / name).is_file() for name in _TOKENIZER_FILES)
     tokenizer = str(path) if has_tokenizer else None
@@ -256,6 +257,21 @@ def _describe_hf_dir(path: Path, load_format: str) -> tuple[Any, str | None, str
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"model directory {path} has no *.safetensors weights")
     return hf_config, tokenizer, "safetensors", str(path)
+
+
+def _text_model_config(hf_config: Any) -> Any:
+    """A multimodal checkpoint's text model config (`TEXT_MODELS`: token ids in, the vision
+    tower not loaded; its special ids kept), other configs as they are."""
+    architectures = getattr(hf_config, "architectures", None) or [None]
+    text_architecture = TEXT_MODELS.get(architectures[0])
+    if text_architecture is None:
+        return hf_config
+    text = copy.deepcopy(hf_config.get_text_config())
+    text.architectures = [text_architecture]
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(text, key, None) is None:
+            setattr(text, key, getattr(hf_config, key, None))
+    return text
 
 
 def _validate_hf_config(hf_config: Any) -> None:

@@ -16,15 +16,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("attnserve.model.models.llama", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("attnserve.model.models.moe", "Qwen3MoeForCausalLM"),
 }
-
-# architectures refused with a reason of their own
-_REFUSED: dict[str, str] = {
-    "Gemma3ForConditionalGeneration": (
-        "a multimodal Gemma 3 checkpoint (its SigLIP vision tower `vision_tower` and "
-        "`multi_modal_projector` are not supported); serve a text-only Gemma3ForCausalLM "
-        "checkpoint (config model_type 'gemma3_text')"
-    ),
-}
+# multimodal architectures served as their text model (the vision tower is not loaded)
+TEXT_MODELS: dict[str, str] = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
@@ -33,10 +26,6 @@ def supported_architectures() -> list[str]:
 
 def check_architecture(architecture: str) -> None:
     """ValueError naming `architecture` when no registered model implements it."""
-    if architecture in _REFUSED:
-        raise ValueError(
-            f"unsupported model architecture {architecture!r}: {_REFUSED[architecture]}"
-        )
     if architecture not in _MODELS:
         raise ValueError(
             f"unsupported model architecture {architecture!r}; supported: "

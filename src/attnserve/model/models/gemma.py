@@ -5,11 +5,13 @@ model dtype), RMSNorms scaling by (1 + weight) in float32, a GeGLU feed-forward 
 GELU), a norm after attention and around the feed-forward block (pre- and post-), attention
 scaled by `query_pre_attn_scalar`**-0.5, tied embeddings, and a per-layer sliding window
 (`layer_types`). Gemma 2 soft-caps attention logits and final logits; Gemma 3 instead normalises
-q and k per head and gives its sliding layers their own rotary base.
+q and k per head and gives its sliding layers their own rotary base; a multimodal Gemma 3
+checkpoint loads as its text model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from attnserve.model.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
 )
+from attnserve.model.quantization.weight_utils import LoadedWeight
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):
@@ -94,3 +97,35 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     own rotary base (10k; global 1M, linearly scaled), no soft-caps (absent from its config)."""
 
     qk_norm = True
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> None:
+        """Also a multimodal checkpoint's text model (`language_model.model.*`, or
+        `model.language_model.*`), its vision tower and projector left out."""
+        super().load_weights(
+            (_TEXT_PREFIXES.get(prefix, "") + rest, weight)
+            for name, weight in weights
+            for prefix, rest in [_split_prefix(name)]
+            if prefix not in _VISION_PREFIXES
+        )
+
+
+# checkpoint prefix of a multimodal Gemma 3's text weights -> this model's
+_TEXT_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def _split_prefix(name: str) -> tuple[str, str]:
+    """(the name's multimodal prefix, or "" for a text model's name; the rest)."""
+    for prefix in (*_TEXT_PREFIXES, *_VISION_PREFIXES):
+        if name.startswith(prefix):
+            return prefix, name.removeprefix(prefix)
+    return "", name
