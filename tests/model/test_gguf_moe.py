@@ -75,9 +75,8 @@ def _gguf_tensors(hf_model: Any, arch: Any) -> dict[str, tuple[np.ndarray, Any]]
     return tensors
 
 
-def _write(path: Path, hf_model: Any, arch: Any) -> None:
-    config = hf_model.config
-    writer = GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+def write_shape(writer: GGUFWriter, config: Any) -> None:
+    """The metadata of the model's shape, as llama.cpp's converter writes it."""
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -85,8 +84,14 @@ def _write(path: Path, hf_model: Any, arch: Any) -> None:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim or config.hidden_size // config.num_attention_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
+def _write(path: Path, hf_model: Any, arch: Any) -> None:
+    config = hf_model.config
+    writer = GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    write_shape(writer, config)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
     writer.add_expert_count(config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)

@@ -32,6 +32,14 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
+# small soft-caps, so that they bite on random weights; a window shorter than the prompts
+GEMMA2 = {
+    "head_dim": 16,
+    "sliding_window": 4,
+    "query_pre_attn_scalar": 24,
+    "attn_logit_softcapping": 2.0,
+    "final_logit_softcapping": 3.0,
+}
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3-rope-bias": (
         "LlamaConfig",
@@ -40,6 +48,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-sliding": ("MistralConfig", {"sliding_window": 4, "head_dim": 16}),
     "qwen2-tied": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3-qknorm": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}),
+    "gemma2-softcap-sliding": ("Gemma2Config", GEMMA2),
 }
 PROMPT_LENS = (7, 11, 5)
 DECODE_STEPS = 4
@@ -80,7 +89,8 @@ def test_logits_match_hf(case: str, tmp_path: Path) -> None:
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_sliding_window_case_is_exercised() -> None:
-    """The Mistral case only checks the window if prompts are longer than it."""
-    window = CASES["mistral-sliding"][1]["sliding_window"]
+@pytest.mark.parametrize("case", ["mistral-sliding", "gemma2-softcap-sliding"])
+def test_sliding_window_case_is_exercised(case: str) -> None:
+    """A sliding-window case only checks the window if prompts are longer than it."""
+    window = CASES[case][1]["sliding_window"]
     assert min(PROMPT_LENS) > window

@@ -9,6 +9,7 @@ a ValueError raised here, before any weight is read.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from attnserve.model.layers.rotary_embedding import SUPPORTED_ROPE_TYPES
 from attnserve.model.presets import DUMMY_PRESETS, preset_hf_config
 from attnserve.model.quantization.fp8_checkpoint import fp8_checkpoint_scheme
 from attnserve.model.quantization.resolve import resolve_quantization
-from attnserve.model.registry import check_architecture
+from attnserve.model.registry import TEXT_MODELS, check_architecture
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,9 +45,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope scaling dict or None) from a transformers 4.x or 5.x config."""
+LAYER_KINDS = ("full_attention", "sliding_attention")  # HF's `layer_types` values
+
+
+def rope_settings(
+    hf_config: Any, layer_kind: str = "full_attention"
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope scaling dict or None) from a transformers 4.x or 5.x config, for the
+    layers of `layer_kind` where the config gives each kind its own (Gemma 3)."""
     params = getattr(hf_config, "rope_parameters", None)
+    if params and layer_kind in params:
+        params = params[layer_kind]
     if params:
         scaling = None if params.get("rope_type", "default") == "default" else dict(params)
         return float(params["rope_theta"]), scaling
@@ -239,7 +248,7 @@ def _describe_hf_dir(path: Path, load_format: str) -> tuple[Any, str | None, str
         raise ValueError(f"model directory {path} has no config.json")
     if load_format == "gguf":
         raise ValueError(f"{path} is a directory: load_format 'gguf' needs a .gguf file")
-    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    hf_config = _text_model_config(AutoConfig.from_pretrained(str(path), local_files_only=True))
     _validate_hf_config(hf_config)
     has_tokenizer = any((path / name).is_file() for name in _TOKENIZER_FILES)
     tokenizer = str(path) if has_tokenizer else None
@@ -250,16 +259,34 @@ def _describe_hf_dir(path: Path, load_format: str) -> tuple[Any, str | None, str
     return hf_config, tokenizer, "safetensors", str(path)
 
 
+def _text_model_config(hf_config: Any) -> Any:
+    """A multimodal checkpoint's text model config (`TEXT_MODELS`: token ids in, the vision
+    tower not loaded; its special ids kept), other configs as they are."""
+    architectures = getattr(hf_config, "architectures", None) or [None]
+    text_architecture = TEXT_MODELS.get(architectures[0])
+    if text_architecture is None:
+        return hf_config
+    text = copy.deepcopy(hf_config.get_text_config())
+    text.architectures = [text_architecture]
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(text, key, None) is None:
+            setattr(text, key, getattr(hf_config, key, None))
+    return text
+
+
 def _validate_hf_config(hf_config: Any) -> None:
     architectures = getattr(hf_config, "architectures", None)
     if not architectures:
         raise ValueError("the model config names no architecture (config.json 'architectures')")
     check_architecture(architectures[0])
     _validate_experts(hf_config)
-    _, scaling = rope_settings(hf_config)
-    rope_type = (scaling or {}).get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    for kind in LAYER_KINDS:
+        _, scaling = rope_settings(hf_config, kind)
+        rope_type = (scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+            )
 
 
 def _validate_experts(hf_config: Any) -> None:

@@ -1,7 +1,8 @@
 """Reading llama.cpp GGUF files: metadata -> an HF config, tensors -> HF weights, dequantized
 or (with `keep_packed`) Q4_0/Q4_1/Q8_0 matrices kept as their blocks (`GGUFWeight`).
 
-Architectures: `llama` (Llama, and Mixtral when it has experts) and `qwen3moe`. Tensor names map
+Architectures: `llama` (Llama, and Mixtral when it has experts), `qwen3moe`, `gemma2` and
+`gemma3` (text; norms stored as 1 + weight, as llama.cpp's converter writes them). Tensor names map
 to HF names (token_embd -> model.embed_tokens, blk.N.attn_q -> ...q_proj, ...); a stacked expert
 tensor (blk.N.ffn_gate_exps [E, I, H], ...) becomes one HF weight per expert (views, no copy), so
 the models load GGUF files through their checkpoint names. llama.cpp's qwen3moe has no dense
@@ -65,7 +66,14 @@ _MOE_NAMES = {
         {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"},
     ),
 }
-ARCHITECTURES = tuple(_MOE_NAMES)
+# Gemma's norms around attention and the feed-forward block (`ffn_norm` is the one before it)
+_GEMMA_LAYER_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA_LARGE_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models (llama.cpp's query scale)
+ARCHITECTURES = (*_MOE_NAMES, *_GEMMA_LARGE_LAYERS)
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,7 +112,9 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK.fullmatch(gguf_name)
-    names = {**_LAYER_NAMES, _ROUTER: f"{_MOE_NAMES[arch].block}.gate"}
+    moe = _MOE_NAMES.get(arch)
+    extra = _GEMMA_LAYER_NAMES if moe is None else {_ROUTER: f"{moe.block}.gate"}
+    names = {**_LAYER_NAMES, **extra}
     if match is None or match.group(2) not in names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no HF counterpart in {arch!r} models")
     layer, part, kind = match.groups()
@@ -117,8 +127,13 @@ def hf_weights(
     """(HF name, weight) pairs of one GGUF tensor: one per expert for a stacked expert tensor
     (always dequantized: only matrices stay packed)."""
     match = _BLOCK.fullmatch(gguf_name)
-    moe = _MOE_NAMES[arch]
-    if match is None or match.group(2) not in moe.experts or isinstance(weight, GGUFWeight):
+    moe = _MOE_NAMES.get(arch)
+    if (
+        moe is None
+        or match is None
+        or match.group(2) not in moe.experts
+        or isinstance(weight, GGUFWeight)
+    ):
         yield hf_name(gguf_name, arch), weight
         return
     prefix = f"model.layers.{match.group(1)}.{moe.block}.experts"
@@ -151,7 +166,7 @@ def gguf_architecture(path: str | Path) -> str:
 
 
 def gguf_hf_config(path: str | Path) -> Any:
-    """The HF config (Llama, Mixtral or Qwen3-MoE) of a GGUF file's metadata."""
+    """The HF config (Llama, Mixtral, Qwen3-MoE, Gemma 2 or Gemma 3) of a GGUF file's metadata."""
     from transformers import AutoConfig
 
     reader, arch = _reader(str(path)), gguf_architecture(path)
@@ -181,6 +196,10 @@ def gguf_hf_config(path: str | Path) -> Any:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
     }
+    if arch in _GEMMA_LARGE_LAYERS:
+        return _gemma_hf_config(
+            reader, arch, {**common, "intermediate_size": int(key("feed_forward_length"))}
+        )
     experts = int(key("expert_count", 0))
     top_k = key("expert_used_count")
     if arch == "qwen3moe":
@@ -207,6 +226,41 @@ def gguf_hf_config(path: str | Path) -> Any:
         )
     return AutoConfig.for_model(
         "llama", architectures=["LlamaForCausalLM"], intermediate_size=intermediate, **common
+    )
+
+
+def _gemma_hf_config(reader: Any, arch: str, common: dict[str, Any]) -> Any:
+    """Gemma 2/3 from llama.cpp's metadata, with what the file leaves out as llama.cpp assumes
+    it: queries scaled by (hidden / heads)**-0.5 in the 27B models, else head_dim**-0.5; Gemma 3's
+    sliding layers on a rotary base of 10k, five per global layer."""
+    from transformers import AutoConfig
+
+    def key(name: str) -> Any:
+        return _field(reader, f"{arch}.{name}")
+
+    large = common["num_hidden_layers"] == _GEMMA_LARGE_LAYERS[arch]
+    heads = common["hidden_size"] // common["num_attention_heads"]
+    settings = {
+        **common,
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "query_pre_attn_scalar": heads if large else common["head_dim"],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": key("attention.sliding_window"),
+    }
+    if arch == "gemma2":
+        caps = {
+            "attn_logit_softcapping": key("attn_logit_softcapping"),
+            "final_logit_softcapping": key("final_logit_softcapping"),
+        }
+        return AutoConfig.for_model(
+            "gemma2", architectures=["Gemma2ForCausalLM"], **caps, **settings
+        )
+    return AutoConfig.for_model(
+        "gemma3_text",
+        architectures=["Gemma3ForCausalLM"],
+        rope_local_base_freq=10000.0,
+        sliding_window_pattern=6,
+        **settings,
     )
 
 
@@ -256,7 +310,7 @@ def iter_gguf_weights(
     dequantized)."""
     reader, arch = _reader(str(path)), gguf_architecture(path)
     heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
-    permuted = heads if arch == "llama" else {}  # qwen3moe's rotary matches HF's: no permute
+    permuted = heads if arch == "llama" else {}  # the others' rotary matches HF's: no permute
     for tensor in tqdm(reader.tensors, desc=f"Loading {Path(path).name}", unit="tensor"):
         if tensor.name == _ROPE_FREQS:
             continue
@@ -271,7 +325,16 @@ def iter_gguf_weights(
             projection = name.split(".")[-2]
             if projection in permuted:
                 hf_weight = _unpermuted(hf_weight, int(permuted[projection]))
+            if arch in _GEMMA_LARGE_LAYERS and name.endswith("norm.weight"):
+                hf_weight = _gemma_norm(hf_weight)
             yield name, hf_weight
+
+
+def _gemma_norm(weight: torch.Tensor | GGUFWeight) -> torch.Tensor:
+    """llama.cpp stores a Gemma norm's scale (1 + weight); the HF weight is the offset."""
+    if isinstance(weight, GGUFWeight):
+        raise ValueError("a Gemma norm weight in GGUF must be a plain (unpacked) vector")
+    return weight - 1.0
 
 
 def _unpermuted(weight: torch.Tensor | GGUFWeight, num_heads: int) -> torch.Tensor | GGUFWeight:

@@ -7,6 +7,8 @@ here, and the models import the model config); `model.loader.get_model_cls` impo
 from __future__ import annotations
 
 _MODELS: dict[str, tuple[str, str]] = {
+    "Gemma2ForCausalLM": ("attnserve.model.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("attnserve.model.models.gemma", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("attnserve.model.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("attnserve.model.models.llama", "MistralForCausalLM"),
     "MixtralForCausalLM": ("attnserve.model.models.moe", "MixtralForCausalLM"),
@@ -14,6 +16,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("attnserve.model.models.llama", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("attnserve.model.models.moe", "Qwen3MoeForCausalLM"),
 }
+# multimodal architectures served as their text model (the vision tower is not loaded)
+TEXT_MODELS: dict[str, str] = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:

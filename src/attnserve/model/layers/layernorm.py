@@ -1,9 +1,12 @@
 """`RMSNorm`, with a fused residual-add variant, computed in float32 like HF's Llama norm
 (`ops.rms_norm`, `ops.fused_add_rms_norm`: one fused Triton kernel on CUDA, one native call on
-the CPU in float32, plain torch elsewhere and as their reference).
+the CPU in float32, plain torch elsewhere and as their reference), and Gemma's `GemmaRMSNorm`
+(a scale of 1 + weight, in plain torch).
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -12,6 +15,9 @@ from attnserve.model.layers import ops
 
 
 class RMSNorm(nn.Module):
+    # whether `ops.qkv_rotary_embedding` may apply it as a q/k head norm from (weight, eps)
+    fusable_head_norm: ClassVar[bool] = True
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -26,3 +32,21 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add `residual` to `x`, then normalise: returns (normed, new residual)."""
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, as HF computes it: x / rms(x) * (1 + weight), all in float32, rounded
+    to x's dtype once at the end (plain torch; the stored weight is the offset from one)."""
+
+    fusable_head_norm: ClassVar[bool] = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = residual + x
+        return self.forward(summed), summed

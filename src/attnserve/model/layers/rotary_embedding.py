@@ -1,4 +1,5 @@
-"""Rotary position embedding (GPT-NeoX / HF Llama "rotate half" style), plain or Llama-3 scaled.
+"""Rotary position embedding (GPT-NeoX / HF Llama "rotate half" style): plain, linearly scaled
+or Llama-3 scaled.
 
 The cos/sin table for every position up to `max_position` is built once, in float32, on the
 module's device; a forward gathers the rows of the batch's positions (`ops.rotary_embedding`:
@@ -19,7 +20,7 @@ from torch import nn
 from attnserve.model.layers import ops
 from attnserve.model.layers.layernorm import RMSNorm
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
@@ -48,6 +49,8 @@ def rope_inv_freq(
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
     if scaling is not None and rope_type == "llama3":
         inv_freq = llama3_inv_freq(inv_freq, scaling)
+    if scaling is not None and rope_type == "linear":  # positions divided by `factor`
+        inv_freq = inv_freq / float(scaling["factor"])
     return inv_freq
 
 

@@ -12,13 +12,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from attnserve.attention import Attention
-from attnserve.model.config import ModelConfig, layer_sliding_windows, rope_settings
+from attnserve.model.config import (
+    LAYER_KINDS,
+    ModelConfig,
+    layer_sliding_windows,
+    rope_settings,
+)
 from attnserve.model.layers.activation import SiluAndMul
 from attnserve.model.layers.layernorm import RMSNorm
 from attnserve.model.layers.linear import (
@@ -50,12 +55,18 @@ KV_SCALE_SUFFIXES = {
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        act_fn: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         sizes = [intermediate_size, intermediate_size]
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, ["gate", "up"], bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = act_fn if act_fn is not None else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -70,6 +81,7 @@ class LayerParts:
     block_size: int
     variant: type[LlamaForCausalLM]
     rotary_emb: RotaryEmbedding
+    local_rotary_emb: RotaryEmbedding  # sliding-window layers' table (Gemma 3's own base)
 
 
 class LlamaAttention(nn.Module):
@@ -96,16 +108,19 @@ class LlamaAttention(nn.Module):
         self.q_norm = self.k_norm = None
         self.head_norms: tuple[RMSNorm, RMSNorm] | None = None
         if parts.variant.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, hf.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_size, hf.rms_norm_eps)
-            self.head_norms = (self.q_norm, self.k_norm)
-        self.rotary_emb = parts.rotary_emb
+            self.q_norm = parts.variant.make_norm(self.head_size, hf.rms_norm_eps)
+            self.k_norm = parts.variant.make_norm(self.head_size, hf.rms_norm_eps)
+            if self.q_norm.fusable_head_norm:
+                self.head_norms = (self.q_norm, self.k_norm)
+        window = layer_sliding_windows(hf)[layer_index]
+        self.rotary_emb = parts.rotary_emb if window is None else parts.local_rotary_emb
         self.attn = Attention(
             self.num_heads,
             self.head_size,
-            self.head_size**-0.5,
+            parts.variant.attention_scale(config),
             self.num_kv_heads,
-            sliding_window=layer_sliding_windows(hf)[layer_index],
+            sliding_window=window,
+            logits_soft_cap=parts.variant.attention_soft_cap(hf),
             kv_cache_dtype=parts.kv_cache_dtype,
             block_size=parts.block_size,
         )
@@ -120,8 +135,12 @@ class LlamaAttention(nn.Module):
         return True
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q, k, v = self.rotary_emb.forward_qkv(positions, qkv, self.head_norms)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
+        if self.q_norm is not None and self.k_norm is not None and self.head_norms is None:
+            heads = (-1, self.head_size)  # q/k head norms the fused op cannot apply
+            q = self.q_norm(q.unflatten(-1, heads)).flatten(1)
+            k = self.k_norm(k.unflatten(-1, heads)).flatten(1)
+        q, k, v = self.rotary_emb.forward_qkv(positions, (q, k, v), self.head_norms)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -135,19 +154,26 @@ class LlamaDecoderLayer(nn.Module):
         config, hf = parts.config, parts.config.hf_config
         self.self_attn = LlamaAttention(parts, layer_index)
         self.mlp = parts.variant.make_mlp(config, layer_index)
-        self.input_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
+        self.input_layernorm = parts.variant.make_norm(config.hidden_size, hf.rms_norm_eps)
+        self.post_attention_layernorm = parts.variant.make_norm(config.hidden_size, hf.rms_norm_eps)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.attend(positions, hidden, residual)
+        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
+        return self.mlp(hidden), residual
+
+    def attend(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention output, residual stream): `residual` (if any) added to `hidden`, the sum
+        normalised and attended over."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.self_attn(positions, hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -160,14 +186,18 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        theta, scaling = rope_settings(config.hf_config)
-        rotary_emb = RotaryEmbedding(config.head_size, config.max_model_len, theta, scaling)
-        parts = LayerParts(config, kv_cache_dtype, block_size, variant, rotary_emb)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(parts, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.hf_config.rms_norm_eps)
+        self.embed_scale = variant.embedding_scale(config)
+        rotary_embs = variant.make_rotary_embs(config)
+        parts = LayerParts(config, kv_cache_dtype, block_size, variant, *rotary_embs)
+        self.layers = nn.ModuleList(
+            variant.make_decoder_layer(parts, i) for i in range(config.num_layers)
+        )
+        self.norm = variant.make_norm(config.hidden_size, config.hf_config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
@@ -192,6 +222,43 @@ class LlamaForCausalLM(nn.Module):
             if self.tie_word_embeddings
             else ParallelLMHead(config.vocab_size, config.hidden_size)
         )
+
+    @classmethod
+    def make_decoder_layer(cls, parts: LayerParts, layer_index: int) -> nn.Module:
+        """Decoder layer `layer_index`: forward(positions, hidden, residual | None) ->
+        (hidden, residual)."""
+        return LlamaDecoderLayer(parts, layer_index)
+
+    @classmethod
+    def make_norm(cls, hidden_size: int, eps: float) -> RMSNorm:
+        """The model's RMSNorm (every layer norm, the final norm and any q/k norms)."""
+        return RMSNorm(hidden_size, eps)
+
+    @classmethod
+    def make_rotary_embs(cls, config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding]:
+        """The rotary tables of (full-attention layers, sliding-window layers): one shared
+        unless the config gives sliding layers their own settings (Gemma 3)."""
+        full, sliding = (rope_settings(config.hf_config, kind) for kind in LAYER_KINDS)
+        size, max_len = config.head_size, config.max_model_len
+        rotary_emb = RotaryEmbedding(size, max_len, *full)
+        return rotary_emb, rotary_emb if sliding == full else RotaryEmbedding(
+            size, max_len, *sliding
+        )
+
+    @classmethod
+    def attention_scale(cls, config: ModelConfig) -> float:
+        """The factor on q.k before the softmax."""
+        return float(config.head_size**-0.5)
+
+    @classmethod
+    def attention_soft_cap(cls, hf_config: Any) -> float | None:
+        """The attention logits' soft-cap (None: none)."""
+        return None
+
+    @classmethod
+    def embedding_scale(cls, config: ModelConfig) -> float | None:
+        """The factor on the token embeddings (None: none)."""
+        return None
 
     @classmethod
     def make_mlp(cls, config: ModelConfig, layer_index: int) -> nn.Module:
