@@ -125,11 +125,12 @@ class Sampler:
             logits = self._apply_penalties(logits, inputs)
         logits = self._constrain(logits, token_bitmask)
         counts: list[int] = metadata.num_samples.tolist()
-        draws = logits
-        if max(counts, default=1) > 1:
-            draws = logits.repeat_interleave(device_tensor(counts, logits.device), dim=0)
+        draws, per_draw = logits, metadata
+        if max(counts, default=1) > 1:  # a fork's first draws: its row repeated
+            repeats = device_tensor(counts, logits.device)
+            draws, per_draw = logits.repeat_interleave(repeats, dim=0), metadata.repeated(repeats)
         seeds = self._seeds(inputs, counts) if metadata.any_seed else None
-        tokens = self.sample(draws, metadata.repeated(), seeds)
+        tokens = self.sample(draws, per_draw, seeds)
         chosen = draws.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(draws, dim=-1)
         top = None
         if metadata.any_logprobs:

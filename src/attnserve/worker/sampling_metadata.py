@@ -66,13 +66,11 @@ class SamplingMetadata:
             raise ValueError("every row is greedy: there are no sampling parameters")
         return self.params[:, index]
 
-    def repeated(self) -> SamplingMetadata:
-        """One row per draw: each row's entries repeated `num_samples` times."""
-        if int(self.num_samples.max(initial=1)) == 1:
-            return self
+    def repeated(self, counts: torch.Tensor) -> SamplingMetadata:
+        """One row per draw: each row's entries repeated `num_samples` times (`counts`: those
+        numbers on the parameters' device)."""
         params = self.params
         if params is not None:
-            counts = to_device(torch.from_numpy(self.num_samples), params.device)
             params = params.repeat_interleave(counts, dim=0)
         return dataclasses.replace(
             self, params=params, num_samples=np.ones(self.num_draws, dtype=np.int64)
