@@ -97,12 +97,16 @@ class SamplingTable:
         self.num_samples = np.ones(capacity, dtype=np.int64)
 
     def grow(self, capacity: int) -> None:
+        """Room for `capacity` slots; the new ones as a new table's."""
+        grown = SamplingTable(capacity)
         old = len(self.num_samples)
-        for name in ("params", "features", "num_samples"):
-            array = getattr(self, name)
-            grown = np.ones((capacity, *array.shape[1:]), dtype=array.dtype)
-            grown[:old] = array
-            setattr(self, name, grown)
+        grown.params[:old], grown.features[:old] = self.params, self.features
+        grown.num_samples[:old] = self.num_samples
+        self.params, self.features, self.num_samples = (
+            grown.params,
+            grown.features,
+            grown.num_samples,
+        )
 
     def set(self, slot: int, params: SamplingParams, num_samples: int) -> None:
         top_k = max(params.top_k, 0)
