@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import functools
 import importlib
 import pstats
 import random
@@ -159,25 +160,32 @@ def timed_step(engine: LLMEngine, timings: Timings) -> None:
     timings["host"] += elapsed - (sum(timings[key] for key in DEVICE_KEYS) - device_before)
 
 
-def run_decode_steps(
-    engine: LLMEngine, args: argparse.Namespace, rng: random.Random, timings: Timings
-) -> None:
+def run_decode_steps(engine: LLMEngine, args: argparse.Namespace, timings: Timings) -> None:
     for _ in range(args.steps):
         host = timings["host"]
         timed_step(engine, timings)
         HOST_PER_STEP.append(timings["host"] - host)
 
 
+def make_prompts(
+    engine: LLMEngine, args: argparse.Namespace, rng: random.Random
+) -> list[list[list[int]]]:
+    """Each round's prompts for the prompt kind (made before any timing or profiling)."""
+    vocab, per_round = engine.model_config.vocab_size, args.prompt_tokens // args.prompt_len
+    return [
+        [_prompt(rng, vocab, args.prompt_len) for _ in range(per_round)]
+        for _ in range(args.steps)
+    ]
+
+
 def run_prompt_steps(
-    engine: LLMEngine, args: argparse.Namespace, rng: random.Random, timings: Timings
+    engine: LLMEngine, rounds: list[list[list[int]]], timings: Timings
 ) -> None:
-    """Each round: one step of fresh prompts (made and added outside the timing), then the
-    call that reads its draws back."""
-    vocab = engine.model_config.vocab_size
+    """Each round: one step of its fresh prompts (added outside the timing), then the call
+    that reads their draws back."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    for round_index in range(args.steps):
-        for index in range(args.prompt_tokens // args.prompt_len):
-            prompt = _prompt(rng, vocab, args.prompt_len)
+    for round_index, prompts in enumerate(rounds):
+        for index, prompt in enumerate(prompts):
             engine.add_request(f"p{round_index}-{index}", prompt, params)
         host = timings["host"]
         while engine.has_unfinished_requests():
@@ -226,21 +234,22 @@ def main() -> None:
     if args.stub_model:
         stub_model(engine)
     rng = random.Random(0)
-    run = run_decode_steps
+    run: Callable[[Timings], None] = functools.partial(run_decode_steps, engine, args)
     if args.kind == "decode":
         fill(engine, args, rng)
     else:
         warm_up = argparse.Namespace(**{**vars(args), "steps": 2})
-        run_prompt_steps(engine, warm_up, rng, collections.defaultdict(float))
+        warm_up_rounds = make_prompts(engine, warm_up, rng)
+        run_prompt_steps(engine, warm_up_rounds, collections.defaultdict(float))
         HOST_PER_STEP.clear()
-        run = run_prompt_steps
+        run = functools.partial(run_prompt_steps, engine, make_prompts(engine, args, rng))
     timings: Timings = collections.defaultdict(float)
     instrument(engine, timings)
     profiler = cProfile.Profile() if args.profile else None
     sync()
     if profiler is not None:
         profiler.enable()
-    run(engine, args, rng, timings)
+    run(timings)
     if profiler is not None:
         profiler.disable()
     what = f"{args.num_seqs} sequences" if args.kind == "decode" else f"{args.prompt_tokens} tokens"
