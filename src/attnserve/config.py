@@ -1,9 +1,11 @@
-"""Engine configuration: the KV cache, the scheduler and the parallel layout, frozen and
-validated up front."""
+"""Engine configuration: the KV cache, the scheduler, the parallel layout and speculative
+decoding, frozen and validated up front."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -106,3 +108,73 @@ class ParallelConfig:
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "uni" if self.world_size == 1 else "mp"
+
+
+SPECULATIVE_METHODS = ("ngram",)
+DEFAULT_PROMPT_LOOKUP = 5
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): before each step of a small batch,
+    up to num_speculative_tokens draft tokens per decoding sequence, verified in one forward
+    pass. method "ngram" drafts by prompt lookup: the tokens that followed an earlier
+    occurrence of the sequence's last prompt_lookup_max..prompt_lookup_min tokens (each
+    defaults to the other, both to 5). Speculation steps aside while more than
+    disable_by_batch_size sequences run (a large batch is compute-bound: drafts would cost more
+    than they save; those steps also keep async scheduling, which speculation turns off)."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        for name in (
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "disable_by_batch_size",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an int >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> SpeculativeConfig:
+        """The config of a `speculative_config` dict (as vLLM takes it); every key must be one
+        this engine serves."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
+        given = dict(values)
+        if "model" in given:
+            raise ValueError(
+                "speculative_config.model: draft-model speculation is not served yet; use "
+                '{"method": "ngram", ...}'
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown field(s) {unknown}; known: {sorted(known)}"
+            )
+        if "num_speculative_tokens" not in given:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        lookup_max, lookup_min = given.get("prompt_lookup_max"), given.get("prompt_lookup_min")
+        if lookup_max is None:
+            lookup_max = DEFAULT_PROMPT_LOOKUP if lookup_min is None else lookup_min
+        given["prompt_lookup_max"] = lookup_max
+        given["prompt_lookup_min"] = lookup_max if lookup_min is None else lookup_min
+        return cls(**given)

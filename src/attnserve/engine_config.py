@@ -12,14 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from attnserve.config import CacheConfig, ParallelConfig, SchedulerConfig
+from attnserve.config import CacheConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from attnserve.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """`device` is the engine's (each rank derives its own from it); `attention_backend` None
-    lets the selector choose; `enforce_eager` turns CUDA graphs off."""
+    lets the selector choose; `enforce_eager` turns CUDA graphs off; `speculative_config` None:
+    no speculative decoding."""
 
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -29,3 +30,4 @@ class EngineConfig:
     attention_backend: str | None = None
     seed: int = 0
     enforce_eager: bool = False
+    speculative_config: SpeculativeConfig | None = None

@@ -83,7 +83,9 @@ class TokenBitmask:
 @dataclass(frozen=True)
 class StepPlan:
     """One step: the scheduled sequences (prefills first) and their new-token counts, and what
-    the ranks must apply first — released sequences, then new ones, then block updates."""
+    the ranks must apply first — released sequences, then new ones, then block updates. A
+    sequence with draft tokens computes its own next token and the drafts after it; the ranks
+    send back the drafts they accept and one token drawn after them."""
 
     seq_ids: list[int]
     num_new_tokens: list[int]
@@ -94,6 +96,8 @@ class StepPlan:
     blocks_to_swap_out: BlockPairs = field(default_factory=list)
     blocks_to_copy: BlockPairs = field(default_factory=list)
     token_bitmask: TokenBitmask | None = None  # where structured outputs constrain the draws
+    # speculative decoding: seq id -> the draft tokens ending its new tokens (to verify)
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -113,7 +117,8 @@ class StepPlan:
 @dataclass
 class SampleOutput:
     """One sequence's result: a token per draw, its log-probability, and the top-k where asked
-    for."""
+    for. For a sequence that carried drafts: the drafts accepted, then the token drawn after
+    them (in the sequence's order, one draw)."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # per draw: the drawn token's and the top-k

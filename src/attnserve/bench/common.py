@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from attnserve.engine.core.speculator import SPEC_DECODE_COUNTS, spec_decode_stats
 from attnserve.entrypoints.llm import LLM
 from attnserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -60,6 +61,14 @@ def timed_generate(
 def run_engine(llm: LLM, workload: Workload) -> float:
     """Seconds for one `generate` of the whole workload (greedy, ignore_eos)."""
     return timed_generate(llm, workload)[0]
+
+
+def spec_decode_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Speculative decoding over a timed run, from the engine's stats before and after it
+    (`spec_decode_stats` of the differences); {} without speculation."""
+    if SPEC_DECODE_COUNTS[0] not in after:
+        return {}
+    return spec_decode_stats(*(after[key] - before[key] for key in SPEC_DECODE_COUNTS))
 
 
 def sync() -> None:

@@ -22,7 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from attnserve.bench.common import check_output_files, progress, report, sync
+from attnserve.bench.common import (
+    check_output_files,
+    progress,
+    report,
+    spec_decode_figures,
+    sync,
+)
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.llm_engine import LLMEngine
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
@@ -125,6 +131,7 @@ def _figures(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
 
     progress("warm-up")
     time_batch(engine, prompts(), args.output_len)
+    before = engine.stats()
     batches = []
     for iteration in range(args.num_iters):
         progress(f"iteration {iteration + 1} of {args.num_iters}")
@@ -141,6 +148,7 @@ def _figures(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     result |= _ms_summary("prefill", [b.prefill for b in batches])
     if args.output_len > 1:
         result |= _ms_summary("tpot", [b.tpot(args.output_len) for b in batches])
+    result |= spec_decode_figures(before, engine.stats())
     return result | _ms_summary("e2e_latency", e2e) | {"e2e_latencies_s": e2e}
 
 

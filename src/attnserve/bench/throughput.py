@@ -40,6 +40,7 @@ from attnserve.bench.common import (
     print_scalars,
     progress,
     run_engine,
+    spec_decode_figures,
     sync,
     timed_generate,
     write_json,
@@ -254,6 +255,7 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
         # how many sequences a step runs on average, and how often the cache ran out
         "output_tokens_per_step": workload.output_tokens / max(steps, 1),
         "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        **spec_decode_figures(before, after),
     }
     result |= _against_bound(seconds, workload, shape, rates)
     result |= {

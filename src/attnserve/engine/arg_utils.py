@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ from attnserve.config import (
     CacheConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from attnserve.engine_config import EngineConfig
 from attnserve.model.config import LOAD_FORMATS, ModelConfig
@@ -116,6 +119,11 @@ class EngineArgs:
         "engine cores behind one front end, each a process of its own (on CUDA with its own "
         "tensor_parallel_size GPUs)",
     )
+    speculative_config: dict[str, Any] | None = _arg(  # noqa: RUF009 (the default is None)
+        None,
+        'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}',
+    )
     engine_core_process: bool | None = _arg(
         None,
         "run the scheduler and the model in a process of their own, apart from the front end's "
@@ -199,6 +207,11 @@ class EngineArgs:
             preemption_mode=self.preemption_mode,
             async_scheduling=self.async_scheduling,
         )
+        speculative_config = (
+            None
+            if self.speculative_config is None
+            else SpeculativeConfig.from_dict(self.speculative_config)
+        )
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
@@ -208,6 +221,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             seed=self.seed,
             enforce_eager=self.enforce_eager,
+            speculative_config=speculative_config,
         )
 
     def create_parallel_config(self, device: torch.device) -> ParallelConfig:
@@ -305,10 +319,24 @@ def _check_cuda_device(device: torch.device) -> None:
         )
 
 
-def _cli_type(hint: Any) -> type:
-    """The type a flag parses to: the field's type, or T for an optional `T | None`."""
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (`--speculative-config '{"method": "ngram", ...}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
+
+def _cli_type(hint: Any) -> Callable[[str], Any]:
+    """What a flag's text parses to: the field's type, or T for an optional `T | None`; a
+    dict field takes a JSON object."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     kinds = [t for t in options if t is not type(None)]
+    if len(kinds) == 1 and typing.get_origin(kinds[0]) is dict:
+        return _json_object
     if len(kinds) != 1 or not isinstance(kinds[0], type):
         raise ValueError(f"an engine flag needs a plain or optional type, got {hint!r}")
     return kinds[0]

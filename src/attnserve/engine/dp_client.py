@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from attnserve.engine.core.messages import EngineCoreOutputs, EngineCoreRequest
+from attnserve.engine.core.speculator import SPEC_DECODE_COUNTS, spec_decode_stats
 from attnserve.engine.core_client import EngineCoreClient, EngineDeadError
 from attnserve.engine.proc_client import ProcClient, core_num_threads
 from attnserve.engine_config import EngineConfig
@@ -179,6 +180,8 @@ class DPClient(EngineCoreClient):
         merged = {key: sum(s[key] for s in each) for key in _SUMMED_STATS}
         for key in ("kv_cache_usage", "prefix_cache_hit_rate"):  # equal caches: the mean
             merged[key] = sum(s[key] for s in each) / len(each)
+        if SPEC_DECODE_COUNTS[0] in each[0]:
+            merged |= spec_decode_stats(*(sum(s[k] for s in each) for k in SPEC_DECODE_COUNTS))
         return merged
 
     def reset_stats(self) -> None:

@@ -58,18 +58,28 @@ class SequenceState:
     @property
     def sample_seed(self) -> int | None:
         """The seed of this sequence's next draw, or None for the global generator."""
+        return self.seed_ahead(0)
+
+    def seed_ahead(self, ahead: int) -> int | None:
+        """The seed of the draw `ahead` tokens after the next one (a verified draft's place):
+        each output position has its own, so a seeded sequence draws the same tokens with
+        speculation as without."""
         seed = self.sampling.seed if self.sampling is not None else None
         if seed is None:
             return None
-        return hash((seed, self.index, self.num_output_tokens)) & SEED_MASK
+        return hash((seed, self.index, self.num_output_tokens + ahead)) & SEED_MASK
 
     @property
     def banned_token_ids(self) -> tuple[int, ...]:
         """Tokens the next draw may not take: stop and EOS tokens before `min_tokens`."""
+        return self.banned_ahead(0)
+
+    def banned_ahead(self, ahead: int) -> tuple[int, ...]:
+        """`banned_token_ids` of the draw `ahead` tokens after the next one."""
         params = self.sampling
         if params is None or not params.min_tokens:
             return ()
-        if self.num_output_tokens >= params.min_tokens:
+        if self.num_output_tokens + ahead >= params.min_tokens:
             return ()
         eos = () if params.ignore_eos else self._batch.eos_token_ids
         return tuple(dict.fromkeys([*params.stop_token_ids, *eos]))
@@ -101,7 +111,9 @@ class SequenceState:
 @dataclass(frozen=True)
 class PreparedStep:
     """One step's inputs: the layout, the new token ids on the host, where tokens drawn by the
-    previous step (still on the device) go among them, and the rows that sample."""
+    previous step (still on the device) go among them, the rows that sample, and each row's
+    draft tokens (speculative decoding: the last new tokens of its query; None when no
+    sequence of the step has any)."""
 
     layout: StepLayout
     token_ids: torch.Tensor  # [T] int64, host; carried positions hold a placeholder
@@ -111,6 +123,7 @@ class PreparedStep:
     sample_rows: list[int]  # the sequences that draw this step
     sampling: list[SequenceState]  # their states, in the same order
     sampling_metadata: SamplingMetadata  # their parameters
+    drafts: list[list[int]] | None = None  # [B] each sequence's draft tokens
 
 
 @dataclass(frozen=True)
@@ -249,7 +262,10 @@ class InputBatch:
         slots = np.fromiter((s.slot for s in states), np.int64, len(states))
         query = np.asarray(plan.num_new_tokens, dtype=np.int64)
         context = self.num_computed[slots]
+        drafts = self._write_drafts(plan, states) if plan.spec_token_ids else None
         total = self.num_tokens[slots]
+        if drafts is not None:
+            total = total + np.fromiter(map(len, drafts), np.int64, len(drafts))
         if len(query) != len(slots) or (context + query > total).any():
             raise ValueError("the plan computes tokens its sequences do not have")
         width = max(int(self.num_blocks[slots].max(initial=0)), 1)
@@ -269,8 +285,23 @@ class InputBatch:
         sampling = [states[row] for row in sample_rows]
         metadata = self.sampling_table.gather(slots[rows], self.device)
         return PreparedStep(
-            layout, token_ids, carried, slots, states, sample_rows, sampling, metadata
+            layout, token_ids, carried, slots, states, sample_rows, sampling, metadata, drafts
         )
+
+    def _write_drafts(self, plan: StepPlan, states: list[SequenceState]) -> list[list[int]]:
+        """Each sequence's draft tokens, written after its known tokens (where the step's
+        inputs are gathered from; they do not count as its tokens)."""
+        drafts = []
+        for seq_id, state in zip(plan.seq_ids, states, strict=True):
+            tokens = plan.spec_token_ids.get(seq_id, [])
+            start = int(self.num_tokens[state.slot])
+            if start + len(tokens) >= self.max_tokens:
+                raise ValueError(f"sequence {seq_id}: its drafts run past max_model_len")
+            if tokens and start > self.num_host_tokens[state.slot]:
+                raise ValueError(f"sequence {seq_id}: drafts follow a token not on the host")
+            self.token_ids[state.slot, start : start + len(tokens)] = tokens
+            drafts.append(tokens)
+        return drafts
 
     def _carried(
         self,
@@ -284,7 +315,10 @@ class InputBatch:
         known = self.num_host_tokens[slots]
         if (ends <= known).all():
             return None
-        carried_at = np.flatnonzero(positions >= known.take(token_seq))
+        real = self.num_tokens[slots]  # drafts lie past these, on the host
+        carried_at = np.flatnonzero(
+            (positions >= known.take(token_seq)) & (positions < real.take(token_seq))
+        )
         index = to_device(torch.from_numpy(carried_at), self.device)
         source = to_device(torch.from_numpy(slots.take(token_seq[carried_at])), self.device)
         return index, self.last_sampled[source]
@@ -300,6 +334,19 @@ class InputBatch:
         if first_draws is not None and len(drew):
             self.last_sampled[to_device(torch.from_numpy(drew), self.device)] = first_draws
         return PendingDraws(drew, positions, self.generation[drew].copy())
+
+    def extend(self, step: PreparedStep, row: int, tokens: list[int]) -> None:
+        """After `advance` and `record` of a verify step: sequence `row` also takes `tokens`
+        (its accepted drafts past the first, and the token drawn after them); its rejected
+        drafts are no longer computed."""
+        slot = int(step.slots[row])
+        drafts = step.drafts[row] if step.drafts is not None else []
+        start = int(self.num_tokens[slot])
+        self.token_ids[slot, start : start + len(tokens)] = tokens
+        self.num_tokens[slot] = self.num_host_tokens[slot] = start + len(tokens)
+        self.num_computed[slot] -= len(drafts) - len(tokens)
+        if tokens:
+            self.last_sampled[slot] = tokens[-1]
 
     def record(self, pending: PendingDraws, tokens: list[int]) -> None:
         """Write a resolved step's first draws into the host arrays, where their sequences

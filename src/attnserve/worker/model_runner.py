@@ -53,6 +53,7 @@ from attnserve.step_types import SampleOutput, StepPlan, StepResults
 from attnserve.worker.cache_engine import CacheEngine, gpu_kv_cache_budget, num_blocks_for_budget
 from attnserve.worker.cpu_graph import MAX_GRAPH_SEQS, CPUGraphRunner
 from attnserve.worker.cuda_graph import CUDAGraphRunner
+from attnserve.worker.draft_verifier import DraftVerifier
 from attnserve.worker.graph_runner import GraphRunner
 from attnserve.worker.input_batch import InputBatch, PreparedStep
 from attnserve.worker.kv_calibration import calibration_plan
@@ -274,6 +275,12 @@ class ModelRunner:
             results: StepResults = [None] * num_seqs
             self._add_prompt_logprobs(step, hidden, starts, results)
             self.input_batch.advance(step, None)
+            return StepFuture(num_seqs, ready=results)
+        if step.drafts is not None:
+            verifier = DraftVerifier(self.model.compute_logits, self.sampler, self.input_batch)
+            with self._sampling_threads():
+                results = verifier.verify(step, hidden, starts, plan.token_bitmask)
+            self._add_prompt_logprobs(step, hidden, starts, results)
             return StepFuture(num_seqs, ready=results)
         logits = self.model.compute_logits(self._last_hidden(hidden, starts, rows))
         with marked(SAMPLING_RANGE), self._sampling_threads():

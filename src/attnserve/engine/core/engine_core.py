@@ -25,6 +25,7 @@ from attnserve.engine.core.messages import (
 )
 from attnserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from attnserve.engine.core.sequence import Sequence
+from attnserve.engine.core.speculator import SpecDecodeStats, Speculator
 from attnserve.engine.core.step_pipeline import StepPipeline
 from attnserve.engine.core.structured_output import StructuredOutputManager
 from attnserve.engine_config import EngineConfig
@@ -43,9 +44,9 @@ def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
 
 
 def _output(seq: Sequence, drew: bool) -> EngineCoreOutput | None:
-    """What `seq` got this step: its one new token if it `drew` one (none when the scheduler
-    ended it); for a request that needs its outputs only when finished, nothing until then, and
-    then all of it."""
+    """What `seq` got this step: its new tokens if it `drew` (one, or with speculation the
+    drafts accepted and one more; none when the scheduler ended it); for a request that needs
+    its outputs only when finished, nothing until then, and then all of it."""
     params = seq.sampling_params
     if params.outputs_only_when_finished:
         return _whole_output(seq) if seq.is_finished else None
@@ -53,11 +54,12 @@ def _output(seq: Sequence, drew: bool) -> EngineCoreOutput | None:
     if not drew:
         return EngineCoreOutput(seq.request_id, seq.index, [], finish_reason=seq.finish_reason)
     first = seq.index == 0 and num_output_tokens == 1
+    new = seq.num_step_tokens
     return EngineCoreOutput(
         seq.request_id,
         seq.index,
-        [seq.token_ids[-1]],
-        [seq.logprobs[-1]] if params.logprobs is not None else None,
+        seq.token_ids[-new:],
+        seq.logprobs[-new:] if params.logprobs is not None else None,
         seq.cumulative_logprob,
         seq.finish_reason,
         seq.prompt_logprobs if first and params.prompt_logprobs is not None else None,
@@ -109,6 +111,8 @@ class EngineCore:
         self.async_scheduling = (
             scheduler_config.async_scheduling and parallel_config.world_size == 1
         )
+        spec = config.speculative_config
+        self.speculator = None if spec is None else Speculator(spec, scheduler_config.max_model_len)
         logger.info("engine core ready in %.1f s", time.perf_counter() - started)
 
     def ready_message(self) -> CoreReady:
@@ -166,7 +170,8 @@ class EngineCore:
         With async scheduling the step launched here is read back during the next call (its
         tokens meanwhile feed the next step on the device), so the host's work for one step
         overlaps the device's work for the previous one; each call reports the step launched by
-        the call before.
+        the call before. While speculative decoding is active (a small batch), each step is read
+        back at once and the running sequences' drafts for the next step are proposed from it.
         """
         self.num_steps += 1
         out = EngineCoreOutputs()
@@ -178,8 +183,12 @@ class EngineCore:
             scheduled.scheduled = [i for i in scheduled.scheduled if not i.seq.is_finished]
         if scheduled.scheduled:
             self._report(self.pipeline.launch(scheduled), out, drew=True)
-        if not self.async_scheduling or not scheduled.scheduled:
+        speculator = self.speculator
+        speculating = speculator is not None and speculator.active(len(self.scheduler.running))
+        if not self.async_scheduling or not scheduled.scheduled or speculating:
             self._report(self.pipeline.drain(), out, drew=True)
+        if speculating and speculator is not None:
+            speculator.propose(self.scheduler.running)
         out.finished_requests, self._ended = self._ended, []
         out.timestamp = time.monotonic()
         return out
@@ -214,9 +223,11 @@ class EngineCore:
         server's warm-up did is no client's."""
         self.allocator.prefix_queries = self.allocator.prefix_hits = 0
         self.scheduler.num_preemptions = 0
+        self.scheduler.spec_stats = SpecDecodeStats()
 
     def stats(self) -> dict[str, float]:
-        """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate."""
+        """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate; with
+        speculative decoding, its counts (`SpecDecodeStats.as_dict`)."""
         used = self.allocator.num_blocks - self.allocator.num_free_blocks
         return {
             "num_running": len(self.scheduler.running),
@@ -227,4 +238,5 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_requests_added": self.num_requests_added,
             "num_steps": self.num_steps,
+            **(self.scheduler.spec_stats.as_dict() if self.speculator is not None else {}),
         }

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from attnserve.config import SchedulerConfig
 from attnserve.engine.core.block_allocator import BlockAllocator, OutOfBlocksError
 from attnserve.engine.core.sequence import Sequence, SequenceStatus
+from attnserve.engine.core.speculator import SpecDecodeStats
 from attnserve.step_types import BlockPairs, SampleOutput, TokenLogprobs, is_prefill
 
 logger = logging.getLogger(__name__)
@@ -35,20 +36,32 @@ logger = logging.getLogger(__name__)
 
 @dataclass(init=False)  # not frozen: one is built per scheduled sequence per step
 class ScheduledSequence:
-    """A sequence and how many new tokens it computes this step. `samples` and `is_prefill`
-    are fixed when it is scheduled (they describe the step, not the sequence's later state)."""
+    """A sequence and how many new tokens it computes this step, of which the last
+    `len(spec_token_ids)` are draft tokens to verify (speculative decoding). `samples` and
+    `is_prefill` are fixed when it is scheduled (they describe the step, not the sequence's
+    later state); a step with drafts is a prefill to the attention layers (a query of several
+    tokens)."""
 
     seq: Sequence
     num_new_tokens: int
+    spec_token_ids: list[int]
     samples: bool  # the step reaches the sequence's last token, so a next token is drawn
     is_prefill: bool
 
-    def __init__(self, seq: Sequence, num_new_tokens: int) -> None:
+    def __init__(
+        self, seq: Sequence, num_new_tokens: int, spec_token_ids: list[int] | None = None
+    ) -> None:
         self.seq = seq
         self.num_new_tokens = num_new_tokens
+        self.spec_token_ids = spec_token_ids or []
         computed = seq.num_computed_tokens
-        self.samples = computed + num_new_tokens == seq.num_tokens
+        self.samples = computed + num_new_tokens - len(self.spec_token_ids) == seq.num_tokens
         self.is_prefill = is_prefill(num_new_tokens, computed)
+
+    @property
+    def num_target_tokens(self) -> int:
+        """The new tokens that are the sequence's own (not drafts)."""
+        return self.num_new_tokens - len(self.spec_token_ids)
 
 
 @dataclass
@@ -74,6 +87,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -116,9 +130,10 @@ class Scheduler:
                     continue
                 if (seq.num_uncomputed_tokens == 1) is not decodes:
                     continue
-                chunk = min(seq.num_uncomputed_tokens, budget)
+                drafts = self._drafts(seq, budget) if decodes else []
+                chunk = min(seq.num_uncomputed_tokens, budget) + len(drafts)
                 if self._make_room(seq, chunk, out):
-                    out.scheduled.append(ScheduledSequence(seq, chunk))
+                    out.scheduled.append(ScheduledSequence(seq, chunk, drafts))
                     budget -= chunk
         if self.num_preemptions == preemptions_before:
             budget = self._swap_in(out, budget)
@@ -126,6 +141,15 @@ class Scheduler:
             self._admit_waiting(out, budget)
         out.scheduled.sort(key=lambda item: not item.is_prefill)
         return out
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The draft tokens `seq` carries into this step (taken from it): as many as the token
+        budget and the free blocks allow beside its own token."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids[: budget - 1], []
+        end = seq.num_computed_tokens + 1 + len(drafts)
+        if drafts and not self.allocator.can_allocate(seq.block_table.extra_blocks_for(end)):
+            return []
+        return drafts
 
     def _room_left(self, out: SchedulerOutput, budget: int) -> bool:
         return budget > 0 and len(out.scheduled) < self.config.max_num_seqs
@@ -202,6 +226,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.num_preemptions += 1
+        seq.spec_token_ids = []
         blocks = seq.block_table.blocks
         swap = self.swap_allocator
         if (
@@ -232,7 +257,7 @@ class Scheduler:
             seq = item.seq
             if seq.is_finished:  # aborted, or finished by the previous step's results
                 continue
-            seq.num_computed_tokens += item.num_new_tokens
+            seq.num_computed_tokens += item.num_target_tokens
             seq.block_table.register_full_blocks(seq.token_ids, seq.num_computed_tokens)
             if item.samples:
                 seq.num_pending_tokens += 1
@@ -250,7 +275,11 @@ class Scheduler:
                 continue
             if result.prompt_logprobs:
                 seq.prompt_logprobs += result.prompt_logprobs
-            if result.token_ids:
+            if item.spec_token_ids:
+                touched.append(
+                    self._accept_verified(seq, result, item.spec_token_ids, eos_token_ids)
+                )
+            elif result.token_ids:
                 touched += self._accept(seq, result)
         for seq in touched:
             reason = self._finish_reason(seq, eos_token_ids)
@@ -270,6 +299,29 @@ class Scheduler:
         position = self.running.index(seq) + 1
         self.running[position:position] = forks
         return [seq, *forks]
+
+    def _accept_verified(
+        self, seq: Sequence, result: SampleOutput, drafts: list[int], eos_token_ids: list[int]
+    ) -> Sequence:
+        """A verify step's tokens: the drafts the ranks accepted, then the token they drew,
+        appended one at a time until one ends the sequence. The accepted drafts are in the
+        cache already."""
+        tokens = result.token_ids
+        accepted = len(tokens) - 1
+        if tokens[:accepted] != drafts[:accepted]:
+            raise RuntimeError(f"sequence {seq.seq_id}: the ranks accepted tokens it did not draft")
+        self.spec_stats.record(len(drafts), accepted)
+        top: list[TokenLogprobs] | list[None] = result.logprobs or [None] * len(tokens)
+        chosen: list[float] | list[None] = result.token_logprobs or [None] * len(tokens)
+        seq.resolve_pending(tokens[0], chosen[0], top[0])
+        for token, logprob, entries in zip(tokens[1:], chosen[1:], top[1:], strict=True):
+            if self._finish_reason(seq, eos_token_ids) is not None:
+                break
+            seq.append(token, logprob, entries)
+            seq.num_step_tokens += 1
+        seq.num_computed_tokens += min(seq.num_step_tokens, accepted)
+        seq.block_table.register_full_blocks(seq.token_ids, seq.num_computed_tokens)
+        return seq
 
     def _finish_reason(self, seq: Sequence, eos_token_ids: list[int]) -> str | None:
         params = seq.sampling_params

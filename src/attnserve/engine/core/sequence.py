@@ -8,6 +8,9 @@ With async scheduling a step is scheduled while the previous step's draws are st
 device (the ranks feed them forward there): `num_pending_tokens` counts the draws a sequence is
 owed, and `resolve_pending` appends each when it arrives. Every sequence has a `seq_id` of its
 own, by which the ranks know it.
+
+With speculative decoding a sequence may carry draft tokens (`spec_token_ids`) into a step; the
+step then appends the drafts it accepted and one drawn token (`num_step_tokens` in all).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.swapped_blocks: list[int] = []
         self.grammar: SequenceGrammar | None = None  # structured outputs: set once compiled
+        self.spec_token_ids: list[int] = []  # draft tokens for the next step (speculation)
+        self.num_step_tokens = 0  # tokens the last step that drew for it appended
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,6 +95,7 @@ class Sequence:
         if not self.num_pending_tokens:
             raise RuntimeError(f"sequence {self.seq_id} has no pending draw")
         self.num_pending_tokens -= 1
+        self.num_step_tokens = 1
         self.append(token, logprob, top)
 
     def append(self, token: int, logprob: float | None, top: TokenLogprobs | None = None) -> None:
@@ -117,6 +123,7 @@ class Sequence:
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         child.num_computed_tokens = self.num_computed_tokens
         child.status = SequenceStatus.RUNNING
+        child.num_step_tokens = 1
         child.append(token, logprob, top)
         return child
 
@@ -125,6 +132,7 @@ class Sequence:
         the prompt's log-probabilities computed again, if it had not finished)."""
         if not self.num_output_tokens:
             self.prompt_logprobs = []
+        self.spec_token_ids = []
         self.block_table.free()
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING

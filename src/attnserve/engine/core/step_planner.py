@@ -68,4 +68,7 @@ class StepPlanner:
             blocks_to_swap_out=out.swap_out,
             blocks_to_copy=out.copies,
             token_bitmask=token_bitmask([i.seq.grammar for i in out.scheduled if i.samples]),
+            spec_token_ids={
+                i.seq.seq_id: i.spec_token_ids for i in out.scheduled if i.spec_token_ids
+            },
         )

@@ -3,12 +3,13 @@
 Gauges read the engine's `stats()` at scrape time: running / waiting / swapped requests, KV cache
 usage (0..1; 0 once idle means no block is leaked), prefix-cache hit rate, preemptions, and
 `engine_healthy` (1, or 0 once the core is dead or hung: the queues and the KV usage then read
-0, since nothing runs). Counters: requests that failed, by reason, and engine-core restarts. The
-serving layer records, per request, time to first token, the time per output token (each gap
-between outputs), end-to-end latency, prompt and generated tokens, and finished requests; and
-the front end's own share of the first token's latency: from the engine core handing over the
-step that drew it to the server handing it to the request's HTTP response
-(`first_token_frontend_delay_seconds`).
+0, since nothing runs); with speculative decoding, its draft and accepted token counts, the
+acceptance rate and the mean acceptance length. Counters: requests that failed, by reason, and
+engine-core restarts. The serving layer records, per request, time to first token, the time
+per output token (each gap between outputs), end-to-end latency, prompt and generated tokens,
+and finished requests; and the front end's own share of the first token's latency: from the
+engine core handing over the step that drew it to the server handing it to the request's HTTP
+response (`first_token_frontend_delay_seconds`).
 """
 
 from __future__ import annotations
@@ -61,9 +62,31 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             PREFIX + "num_preemptions", "preemptions so far", value=stats["num_preemptions"]
         )
+        yield from _spec_decode_metrics(stats)
         yield GaugeMetricFamily(
             PREFIX + "engine_healthy", "1 while the engine core serves, else 0", value=healthy
         )
+
+
+_SPEC_DECODE_COUNTERS = {
+    "spec_decode_num_drafts": "sequence-steps that verified draft tokens",
+    "spec_decode_num_draft_tokens": "draft tokens proposed and verified",
+    "spec_decode_num_accepted_tokens": "draft tokens accepted",
+}
+_SPEC_DECODE_GAUGES = {
+    "spec_decode_acceptance_rate": "share of draft tokens accepted",
+    "spec_decode_mean_acceptance_length": "tokens a verified sequence gains per step",
+}
+
+
+def _spec_decode_metrics(stats: dict[str, float]) -> Iterator[Metric]:
+    """Speculative decoding's counts and rates, where the engine speculates."""
+    if "spec_decode_num_drafts" not in stats:
+        return
+    for key, doc in _SPEC_DECODE_COUNTERS.items():
+        yield CounterMetricFamily(PREFIX + key, doc, value=stats[key])
+    for key, doc in _SPEC_DECODE_GAUGES.items():
+        yield GaugeMetricFamily(PREFIX + key, doc, value=stats[key])
 
 
 class ServerMetrics:

@@ -1,0 +1,125 @@
+"""`Speculator`: the draft tokens of the running sequences between steps (speculative decoding),
+and `SpecDecodeStats`, the counts behind its metrics.
+
+After a step's tokens are read back, and while the batch is small (at most
+`disable_by_batch_size` sequences running), every running sequence that decodes gets up to
+`num_speculative_tokens` drafts from its own tokens (prompt lookup: `NgramProposer`). The
+scheduler then gives it 1 + K new tokens in the next step: its last token and the drafts, which
+the ranks verify in one forward pass, sending back the drafts they accept and one token more.
+A sequence gets no drafts while a draw of it is still on the device (async scheduling), while a
+grammar constrains it (its mask would have to follow each draft), or where the drafts and the
+token after them would run past `max_tokens` or `max_model_len`. Each sequence's tokens are
+mirrored in a growing numpy array, extended with the new tokens only, so a lookup does not
+convert the whole history every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from attnserve.config import SpeculativeConfig
+from attnserve.engine.core.sequence import Sequence, SequenceStatus
+from attnserve.spec_decode.ngram_proposer import NgramProposer
+
+SPEC_DECODE_COUNTS = (
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+)
+
+
+def spec_decode_stats(
+    num_drafts: float, num_draft_tokens: float, num_accepted_tokens: float
+) -> dict[str, float]:
+    """The counts under their `SPEC_DECODE_COUNTS` names, the share of draft tokens accepted,
+    and the mean number of tokens a verified sequence gained per step (the accepted drafts and
+    the token drawn after them)."""
+    values = (num_drafts, num_draft_tokens, num_accepted_tokens)
+    counts = dict(zip(SPEC_DECODE_COUNTS, values, strict=True))
+    return counts | {
+        "spec_decode_acceptance_rate": num_accepted_tokens / max(num_draft_tokens, 1),
+        "spec_decode_mean_acceptance_length": (
+            1 + num_accepted_tokens / num_drafts if num_drafts else 0.0
+        ),
+    }
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counts since the engine started (or `reset_stats`): verify steps of one sequence with
+    drafts (`num_drafts`), the draft tokens they carried and the ones accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def record(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+
+    def as_dict(self) -> dict[str, float]:
+        return spec_decode_stats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
+
+
+class _History:
+    """A sequence's tokens as a numpy array that grows by doubling."""
+
+    __slots__ = ("length", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens = np.zeros(256, dtype=np.int64)
+        self.length = 0
+
+    def sync(self, token_ids: list[int]) -> np.ndarray:
+        """The array view of `token_ids`, of which the first `length` are held already."""
+        end = len(token_ids)
+        if end > len(self.tokens):
+            grown = np.zeros(max(end, 2 * len(self.tokens)), dtype=np.int64)
+            grown[: self.length] = self.tokens[: self.length]
+            self.tokens = grown
+        if end > self.length:
+            self.tokens[self.length : end] = token_ids[self.length :]
+        self.length = end
+        return self.tokens[:end]
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+        self._histories: dict[int, _History] = {}  # seq id -> its tokens
+
+    def active(self, num_running: int) -> bool:
+        """Whether the batch is small enough to speculate."""
+        return num_running <= self.config.disable_by_batch_size
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set each running sequence's drafts for the next step (none where it gets none)."""
+        histories, self._histories = self._histories, {}
+        for seq in running:
+            seq.spec_token_ids = []
+            room = self._room(seq)
+            if room < 1:
+                continue
+            history = histories.get(seq.seq_id) or _History()
+            self._histories[seq.seq_id] = history
+            seq.spec_token_ids = self.proposer.propose(history.sync(seq.token_ids), room)
+
+    def _room(self, seq: Sequence) -> int:
+        """How many drafts `seq` may carry: 0 unless it decodes with all its tokens on the
+        host and no grammar; else as many as leave room for the token drawn after them."""
+        if seq.status is not SequenceStatus.RUNNING or seq.grammar is not None:
+            return 0
+        if seq.num_pending_tokens or seq.num_uncomputed_tokens != 1:
+            return 0
+        room = self.max_model_len - len(seq.token_ids) - 1
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_output_tokens - 1)
+        return room
