@@ -1,0 +1,150 @@
+"""Speculative decoding (n-gram drafts) changes no output: each engine configuration's tokens
+and log-probabilities with speculation equal the same configuration's without, greedy and
+seeded, while drafts are verified and accepted (the counts say so, so no case passes by never
+speculating).
+
+The configurations are the paths a verify step meets: continuous batching of sequences with and
+without drafts, prefix caching off, chunked prefill, preemption by recompute and by swap, the
+engine core in a process of its own, synchronous scheduling, tensor parallelism (gloo, two
+processes), parallel sampling and stop strings; the embedded default model on prompts that ask
+to repeat a text is the case where most drafts are right.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from attnserve import LLM, SamplingParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1}  # fmt: skip
+PATTERN = [5, 6, 7, 8, 9, 10, 11, 12]
+# prompts that repeat themselves (drafts from the prompt) of several lengths, and one that does not
+PROMPTS = [PATTERN * 3, PATTERN * 2 + [5, 6], [40 + i for i in range(19)], PATTERN[:5] * 4]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+Outputs = list[tuple[list[int], Any]]
+
+
+def generate(
+    model: str, prompts: list[Any], params: SamplingParams, **engine: Any
+) -> tuple[Outputs, dict[str, float]]:
+    """Each prompt's first completion (tokens, log-probabilities) from a fresh engine, and the
+    engine's stats after."""
+    llm = LLM(model, device="cpu", dtype="float32", **engine)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.llm_engine.stats()
+    finally:
+        llm.shutdown()
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], stats
+
+
+def assert_same_outputs(got: Outputs, want: Outputs) -> None:
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    for (_, got_logprobs), (_, want_logprobs) in zip(got, want, strict=True):
+        assert (got_logprobs is None) == (want_logprobs is None)
+        for got_row, want_row in zip(got_logprobs or [], want_logprobs or [], strict=True):
+            assert got_row.keys() == want_row.keys()
+            for token, value in want_row.items():
+                assert got_row[token] == pytest.approx(value, abs=1e-4)
+
+
+def assert_speculated(stats: dict[str, float]) -> None:
+    assert stats["spec_decode_num_drafts"] > 0
+    assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
+
+
+CONFIGURATIONS: dict[str, dict[str, Any]] = {
+    "batched": {},
+    "no prefix caching": {"enable_prefix_caching": False},
+    "chunked prefill": {"max_num_batched_tokens": 12},
+    "recompute preemption": {"kv_cache_memory_bytes": 40_000},
+    "swap preemption": {"kv_cache_memory_bytes": 40_000, "preemption_mode": "swap"},
+    "synchronous scheduling": {"async_scheduling": False},
+    "engine core process": {"engine_core_process": True},
+    "tensor parallel": {"tensor_parallel_size": 2},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_greedy_outputs_equal_without_speculation(tiny_llama_dir: Path, name: str) -> None:
+    engine = CONFIGURATIONS[name]
+    want, plain_stats = generate(str(tiny_llama_dir), PROMPTS, GREEDY, **engine)
+    got, stats = generate(str(tiny_llama_dir), PROMPTS, GREEDY, speculative_config=SPEC, **engine)
+    assert_same_outputs(got, want)
+    assert_speculated(stats)
+    assert "spec_decode_num_drafts" not in plain_stats
+    if "kv_cache_memory_bytes" in engine:
+        assert stats["num_preemptions"] > 0
+
+
+def test_seeded_parallel_sampling_equals_without_speculation(tiny_llama_dir: Path) -> None:
+    """Each output position's draw has its own seed, so a seeded request draws the same tokens
+    however many of them were drafted; n = 2 forks each take their own."""
+    params = SamplingParams(
+        n=2, temperature=0.7, top_k=8, seed=11, max_tokens=20, ignore_eos=True, logprobs=1
+    )
+    model = str(tiny_llama_dir)
+    llm_outputs = []
+    for spec in (None, SPEC):
+        llm = LLM(model, device="cpu", dtype="float32", speculative_config=spec)
+        try:
+            outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+            stats = llm.llm_engine.stats()
+        finally:
+            llm.shutdown()
+        llm_outputs.append([[c.token_ids for c in o.outputs] for o in outputs])
+    assert llm_outputs[1] == llm_outputs[0]
+    assert_speculated(stats)
+
+
+def test_speculation_steps_aside_for_a_large_batch(tiny_llama_dir: Path) -> None:
+    """More sequences than `disable_by_batch_size`: no drafts while they run."""
+    spec = {**SPEC, "disable_by_batch_size": 2}
+    got, stats = generate(str(tiny_llama_dir), PROMPTS, GREEDY, speculative_config=spec)
+    want, _ = generate(str(tiny_llama_dir), PROMPTS, GREEDY)
+    assert_same_outputs(got, want)
+    assert stats["spec_decode_num_drafts"] == 0
+
+
+def test_max_tokens_and_stop_tokens_cut_accepted_drafts(tiny_llama_dir: Path) -> None:
+    """A step may accept several tokens; the sequence still ends exactly at `max_tokens`, and at
+    the first stop token among them."""
+    want, _ = generate(str(tiny_llama_dir), PROMPTS, GREEDY)
+    for max_tokens in (1, 2, 7):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        got, _ = generate(str(tiny_llama_dir), PROMPTS, params, speculative_config=SPEC)
+        assert [tokens for tokens, _ in got] == [tokens[:max_tokens] for tokens, _ in want]
+    stop_token = want[1][0][-8]
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_token])
+    got, stats = generate(str(tiny_llama_dir), PROMPTS, params, speculative_config=SPEC)
+    for (tokens, _), (full, _) in zip(got, want, strict=True):
+        end = full.index(stop_token) + 1 if stop_token in full else len(full)
+        assert tokens == full[:end]
+    assert_speculated(stats)
+
+
+def test_the_default_model_repeats_a_text_with_the_same_tokens() -> None:
+    """The embedded model asked to repeat a text: most drafts are right, the text and its
+    log-probabilities equal those without speculation, and a stop string still ends it."""
+    text = "The quick brown fox jumps over the lazy dog. The cat sat on the mat all day long."
+    prompts = [f"Repeat this text exactly: {text}\n\n{text}\n\nAgain: "]
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=1, stop=["all day"])
+    runs = []
+    for spec in (None, SPEC):
+        llm = LLM(device="cpu", max_model_len=512, speculative_config=spec)
+        try:
+            output = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+            runs.append((output, llm.llm_engine.stats()))
+        finally:
+            llm.shutdown()
+    (plain, _), (speculated, stats) = runs
+    assert speculated.text == plain.text
+    assert plain.finish_reason == speculated.finish_reason == "stop"
+    assert_same_outputs(
+        [(speculated.token_ids, speculated.logprobs)], [(plain.token_ids, plain.logprobs)]
+    )
+    assert stats["spec_decode_acceptance_rate"] > 0.5
