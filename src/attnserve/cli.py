@@ -298,6 +298,10 @@ def _add_cache_command(commands: Commands) -> None:
 BENCHMARKS = {
     "throughput": ("attnserve.bench.throughput", "offline generation throughput vs baselines"),
     "latency": ("attnserve.bench.latency", "one batch's prefill time, time per output token"),
+    "speculative": (
+        "attnserve.bench.speculative",
+        "speculative decoding against none on repeat/edit prompts: speed-up, acceptance",
+    ),
     "kernels": ("attnserve.bench.kernels", "attention kernels' decode/prefill speed (GPU)"),
     "moe": ("attnserve.bench.moe", "the fused-MoE kernel at decode batch sizes vs ceilings (GPU)"),
     "serve": ("attnserve.bench.serve", "a running server's throughput, TTFT, TPOT, ITL, latency"),

@@ -31,9 +31,9 @@ Outputs = list[tuple[list[int], Any]]
 def generate(
     model: str, prompts: list[Any], params: SamplingParams, **engine: Any
 ) -> tuple[Outputs, dict[str, float]]:
-    """Each prompt's first completion (tokens, log-probabilities) from a fresh engine, and the
-    engine's stats after."""
-    llm = LLM(model, device="cpu", dtype="float32", **engine)
+    """Each prompt's first completion (tokens, log-probabilities) from a fresh engine (fp32, on
+    the CPU unless `engine` names a device), and the engine's stats after."""
+    llm = LLM(model, **{"device": "cpu", "dtype": "float32", **engine})
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.llm_engine.stats()
