@@ -30,6 +30,7 @@ from attnserve.attention.layer import (
 )
 from attnserve.attention.layout import (
     StepLayout,
+    as_decode_rows,
     build_step_layout,
     layout_from_arrays,
     pad_for_graph,
@@ -50,6 +51,7 @@ __all__ = [
     "KVCacheScales",
     "StepLayout",
     "StepMetadata",
+    "as_decode_rows",
     "attention_layers",
     "attention_specs",
     "backend_names",

@@ -4,9 +4,9 @@ Builders differ in what they hand their kernels; they all need the same facts fi
 sequence and position each new token has, its cache slot, and the padded block table. This
 module computes them with a handful of tensor ops (no Python loop over tokens), once per step
 for the model runner and every builder (the model's positions are `token_pos`). It also pads a
-decode step to a graph bucket, and holds the dense query grid of backends that pad queries
-into [B, Q] batches, and the plain-torch slot write shared by layouts whose K and V planes
-flatten to [slots, Hkv, D].
+decode step to a graph bucket, recasts a step of a few new tokens per sequence as decode rows,
+and holds the dense query grid of backends that pad queries into [B, Q] batches, and the
+plain-torch slot write shared by layouts whose K and V planes flatten to [slots, Hkv, D].
 """
 
 from __future__ import annotations
@@ -223,6 +223,34 @@ def pad_for_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
         token_seq=rows[:-1],
         token_pos=padded(layout.token_pos, 0),
         slot_mapping=padded(layout.slot_mapping, -1),
+        device_block_table=device_table,
+    )
+
+
+def as_decode_rows(layout: StepLayout) -> StepLayout:
+    """The layout's new tokens as a decode-only step: each token a one-token sequence of its
+    own, whose context is every token before it in its sequence, its block table row that
+    sequence's. Each attention layer writes every new token's K/V into the cache before it
+    reads any, so a token's row sees the new tokens before it in its sequence as context: the
+    step computes what the original does, through the decode kernels (and decode graphs).
+    Speculative decoding verifies its drafts so: a few new tokens per sequence."""
+    token_seq, positions = layout.token_seq, layout.token_pos
+    num_tokens = len(token_seq)
+    device_table = layout.device_block_table
+    if device_table is not None:
+        device_table = device_table[to_device(token_seq, device_table.device)]
+    return StepLayout(
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decode_tokens=num_tokens,
+        context_lens=positions,
+        query_lens=torch.ones(num_tokens, dtype=torch.int64),
+        seq_lens=positions + 1,
+        query_start_loc=torch.arange(num_tokens + 1),
+        block_table=layout.block_table[token_seq],
+        token_seq=torch.arange(num_tokens),
+        token_pos=positions,
+        slot_mapping=layout.slot_mapping,
         device_block_table=device_table,
     )
 

@@ -83,13 +83,12 @@ class DraftVerifier:
         self.input_batch = input_batch
 
     def verify(
-        self,
-        step: PreparedStep,
-        hidden: torch.Tensor,
-        starts: list[int],
-        token_bitmask: TokenBitmask | None,
+        self, step: PreparedStep, hidden: torch.Tensor, token_bitmask: TokenBitmask | None
     ) -> StepResults:
-        """Each sequence's results (see the module docstring), the batch brought up to date."""
+        """Each sequence's results (see the module docstring), the batch brought up to date.
+        `hidden` holds the step's new tokens in order (sequence i's end at the running sum of
+        `step.num_new_tokens`), however the step's layout grouped them."""
+        ends: list[int] = step.num_new_tokens.cumsum().tolist()
         rows, drafts = step.sample_rows, step.drafts or [[] for _ in step.states]
         inputs: list[SamplingRow] = []
         spans = []
@@ -102,9 +101,7 @@ class DraftVerifier:
                 inputs.append(state)
         offsets = [0, *accumulate(spans)]
         index = [
-            starts[r + 1] - span + j
-            for r, span in zip(rows, spans, strict=True)
-            for j in range(span)
+            ends[r] - span + j for r, span in zip(rows, spans, strict=True) for j in range(span)
         ]
         logits = self.compute_logits(hidden[device_tensor(index, hidden.device)])
         if token_bitmask is not None:  # constrained rows carry no drafts: one input each

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attnserve.attention import StepLayout, layout_from_arrays
+from attnserve.attention import StepLayout, as_decode_rows, layout_from_arrays
 from attnserve.host_copy import to_device
 from attnserve.step_types import NewSequence, StepPlan
 from attnserve.worker.device_block_table import DeviceBlockTable
@@ -119,6 +119,7 @@ class PreparedStep:
     token_ids: torch.Tensor  # [T] int64, host; carried positions hold a placeholder
     carried: tuple[torch.Tensor, torch.Tensor] | None  # (flat token index, token) on the device
     slots: np.ndarray  # [B] each sequence's slot
+    num_new_tokens: np.ndarray  # [B] each sequence's new tokens (the layout may regroup them)
     states: list[SequenceState]  # [B]
     sample_rows: list[int]  # the sequences that draw this step
     sampling: list[SequenceState]  # their states, in the same order
@@ -280,13 +281,16 @@ class InputBatch:
         flat_index = (slots * self.max_tokens).take(token_seq) + positions
         token_ids = torch.from_numpy(self.token_ids.ravel().take(flat_index))
         carried = self._carried(slots, context + query, token_seq, positions)
+        if drafts is not None and _verifies_only(context, query, drafts):
+            layout = as_decode_rows(layout)
         rows = np.flatnonzero((context + query == total) & self.samples[slots])
         sample_rows: list[int] = rows.tolist()
         sampling = [states[row] for row in sample_rows]
         metadata = self.sampling_table.gather(slots[rows], self.device)
         return PreparedStep(
-            layout, token_ids, carried, slots, states, sample_rows, sampling, metadata, drafts
-        )
+            layout, token_ids, carried, slots, query, states, sample_rows, sampling, metadata,
+            drafts,
+        )  # fmt: skip
 
     def _write_drafts(self, plan: StepPlan, states: list[SequenceState]) -> list[list[int]]:
         """Each sequence's draft tokens, written after its known tokens (where the step's
@@ -326,7 +330,7 @@ class InputBatch:
     def advance(self, step: PreparedStep, first_draws: torch.Tensor | None) -> PendingDraws:
         """Count the step's tokens as computed and its draws (`first_draws`: each sampling row's
         first token, on the device) as known to the device; where they go on the host."""
-        self.num_computed[step.slots] += step.layout.query_lens.numpy()
+        self.num_computed[step.slots] += step.num_new_tokens
         drew = step.slots[step.sample_rows]
         positions = self.num_tokens[drew].copy()
         self.num_tokens[drew] += 1
@@ -355,3 +359,10 @@ class InputBatch:
         slots, positions = pending.slots[alive], pending.positions[alive]
         self.token_ids[slots, positions] = np.asarray(tokens, dtype=np.int64)[alive]
         self.num_host_tokens[slots] = positions + 1
+
+
+def _verifies_only(context: np.ndarray, query: np.ndarray, drafts: list[list[int]]) -> bool:
+    """Whether every sequence of a step computes just its last token and its drafts (a step
+    that verifies drafts beside plain decodes, and no prompt): then it runs as decode rows."""
+    num_drafts = np.fromiter(map(len, drafts), np.int64, len(drafts))
+    return bool((query == num_drafts + 1).all() and (context > 0).all())

@@ -279,7 +279,7 @@ class ModelRunner:
         if step.drafts is not None:
             verifier = DraftVerifier(self.model.compute_logits, self.sampler, self.input_batch)
             with self._sampling_threads():
-                results = verifier.verify(step, hidden, starts, plan.token_bitmask)
+                results = verifier.verify(step, hidden, plan.token_bitmask)
             self._add_prompt_logprobs(step, hidden, starts, results)
             return StepFuture(num_seqs, ready=results)
         logits = self.model.compute_logits(self._last_hidden(hidden, starts, rows))
