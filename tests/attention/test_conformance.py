@@ -15,7 +15,13 @@ import random
 import pytest
 import torch
 
-from attnserve.attention import AttentionBackend, pad_for_graph, set_forward_context
+from attnserve.attention import (
+    AttentionBackend,
+    as_decode_rows,
+    build_metadata,
+    pad_for_graph,
+    set_forward_context,
+)
 from tests.attention.harness import (
     Case,
     Runner,
@@ -246,4 +252,31 @@ def test_graph_metadata_decodes_match_reference(
         out = runner.layer(padded("q"), padded("k"), padded("v"))
     got = out.float().cpu().view(bucket, case.num_heads, case.head_size)[: len(seqs)]
     want = torch.cat([reference(case, s, s.length - 1, s.length) for s in seqs])
+    check_close(case, got, want)
+
+
+@pytest.mark.parametrize("case", CASES[2::9] + FP8_CASES[2:3], ids=str)
+def test_multi_token_decode_queries_as_decode_rows(
+    backend_on_device: tuple[type[AttentionBackend], str], case: Case
+) -> None:
+    """Speculative decoding's verify step: a few new tokens per cached sequence, run as decode
+    rows (`as_decode_rows`: each token a one-token query over its own context, which holds the
+    step's earlier new tokens of its sequence). The backend must write every new token's K/V
+    before any row reads them; then each row attends like the dense reference."""
+    backend, device = backend_on_device
+    runner, seqs = _setup(backend, case, device)
+    seqs = [s for s in seqs if s.length >= 5]
+    if not seqs:
+        pytest.skip("no sequence long enough for a context and a multi-token query")
+    # 4..1 tokens each: the multi-token queries first, as a step orders them (as prefills)
+    queries = [min(4 - i % 4, s.length - 1) for i, s in enumerate(seqs)]
+    order = sorted(range(len(seqs)), key=lambda i: -queries[i])
+    seqs, queries = [seqs[i] for i in order], [queries[i] for i in order]
+    runner.step(seqs, [(0, s.length - q) for s, q in zip(seqs, queries, strict=True)])
+    spans = [(s.length - q, s.length) for s, q in zip(seqs, queries, strict=True)]
+    layout = as_decode_rows(runner.layout(seqs, spans))
+    assert layout.num_prefills == 0 and layout.num_seqs == sum(queries)
+    metadata = build_metadata(runner.builders, layout)
+    got = runner.forward(seqs, spans, metadata[runner.spec])
+    want = torch.cat([reference(case, s, a, b) for s, (a, b) in zip(seqs, spans, strict=True)])
     check_close(case, got, want)
