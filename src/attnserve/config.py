@@ -143,9 +143,7 @@ class SpeculativeConfig:
             "prompt_lookup_min",
             "disable_by_batch_size",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"speculative_config.{name} must be an int >= 1, got {value!r}")
+            _check_speculative_int(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
@@ -173,8 +171,16 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in given:
             raise ValueError("speculative_config.num_speculative_tokens is required")
         lookup_max, lookup_min = given.get("prompt_lookup_max"), given.get("prompt_lookup_min")
+        for name, value in (("prompt_lookup_max", lookup_max), ("prompt_lookup_min", lookup_min)):
+            if value is not None:  # checked before one stands in for the other
+                _check_speculative_int(name, value)
         if lookup_max is None:
             lookup_max = DEFAULT_PROMPT_LOOKUP if lookup_min is None else lookup_min
         given["prompt_lookup_max"] = lookup_max
         given["prompt_lookup_min"] = lookup_max if lookup_min is None else lookup_min
         return cls(**given)
+
+
+def _check_speculative_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative_config.{name} must be an int >= 1, got {value!r}")

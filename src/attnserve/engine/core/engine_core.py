@@ -43,27 +43,34 @@ def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
     )
 
 
-def _output(seq: Sequence, drew: bool) -> EngineCoreOutput | None:
-    """What `seq` got this step: its new tokens if it `drew` (one, or with speculation the
-    drafts accepted and one more; none when the scheduler ended it); for a request that needs
+def _outputs(seq: Sequence, drew: bool) -> list[EngineCoreOutput]:
+    """What `seq` got this step: its new token if it `drew` (none when the scheduler ended
+    it) — with speculation, one output per token it appended (the drafts accepted and one
+    more), each with the cumulative log-probability up to it, so the front end meets a stop
+    string at the token that completes it, as without speculation; for a request that needs
     its outputs only when finished, nothing until then, and then all of it."""
     params = seq.sampling_params
     if params.outputs_only_when_finished:
-        return _whole_output(seq) if seq.is_finished else None
-    num_output_tokens = seq.num_output_tokens
+        return [_whole_output(seq)] if seq.is_finished else []
     if not drew:
-        return EngineCoreOutput(seq.request_id, seq.index, [], finish_reason=seq.finish_reason)
-    first = seq.index == 0 and num_output_tokens == 1
+        return [EngineCoreOutput(seq.request_id, seq.index, [], finish_reason=seq.finish_reason)]
     new = seq.num_step_tokens
-    return EngineCoreOutput(
-        seq.request_id,
-        seq.index,
-        seq.token_ids[-new:],
-        seq.logprobs[-new:] if params.logprobs is not None else None,
-        seq.cumulative_logprob,
-        seq.finish_reason,
-        seq.prompt_logprobs if first and params.prompt_logprobs is not None else None,
-    )
+    first_output = seq.num_output_tokens - new + 1
+    outputs = []
+    for j in range(-new, 0):
+        first = seq.index == 0 and first_output == 1 and j == -new
+        outputs.append(
+            EngineCoreOutput(
+                seq.request_id,
+                seq.index,
+                [seq.token_ids[j]],
+                [seq.logprobs[j]] if params.logprobs is not None else None,
+                seq.step_cumulative_logprobs[j],
+                seq.finish_reason if j == -1 else None,
+                seq.prompt_logprobs if first and params.prompt_logprobs is not None else None,
+            )
+        )
+    return outputs
 
 
 def _whole_output(seq: Sequence) -> EngineCoreOutput:
@@ -209,9 +216,7 @@ class EngineCore:
         """Each sequence's output (forks join their request here); then end every request
         whose sequences have all finished."""
         for seq in seqs:
-            output = _output(seq, drew)
-            if output is not None:
-                out.outputs.append(output)
+            out.outputs += _outputs(seq, drew)
             self.requests[seq.request_id].setdefault(seq.index, seq)
         for seq in seqs:
             request = self.requests.get(seq.request_id) if seq.is_finished else None

@@ -61,6 +61,7 @@ class Sequence:
         self.grammar: SequenceGrammar | None = None  # structured outputs: set once compiled
         self.spec_token_ids: list[int] = []  # draft tokens for the next step (speculation)
         self.num_step_tokens = 0  # tokens the last step that drew for it appended
+        self.step_cumulative_logprobs: list[float] = []  # after each of them
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,11 +97,13 @@ class Sequence:
             raise RuntimeError(f"sequence {self.seq_id} has no pending draw")
         self.num_pending_tokens -= 1
         self.num_step_tokens = 1
+        self.step_cumulative_logprobs = []
         self.append(token, logprob, top)
 
     def append(self, token: int, logprob: float | None, top: TokenLogprobs | None = None) -> None:
         self.token_ids.append(token)
         self._add_logprobs(logprob, top)
+        self.step_cumulative_logprobs.append(self.cumulative_logprob)
 
     def _add_logprobs(self, logprob: float | None, top: TokenLogprobs | None) -> None:
         if logprob is not None:
