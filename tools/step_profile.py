@@ -18,7 +18,8 @@ compute; on a GPU every launch is asynchronous and "wait for tokens" is where th
 the device. With CUDA graphs on, decode steps run as graph replays ("graph run").
 --stub-model swaps the forward and logits for zeros of their shapes, so a CPU before/after of
 the host work is not lost in the noise the compute leaves (caches, allocator).
---profile adds a cProfile of the timed steps, sorted by own time.
+--profile adds a cProfile of the timed steps, sorted by own time (`--profile-sort cumulative`:
+by time within), the top 30 or the functions matching `--profile-filter REGEX`.
 
     PYTHONPATH=src python tools/step_profile.py                     # llama-tiny on the CPU
     PYTHONPATH=src python tools/step_profile.py --kind prompt --prompt-tokens 8192
@@ -31,6 +32,7 @@ import argparse
 import collections
 import cProfile
 import functools
+import gc
 import importlib
 import pstats
 import random
@@ -90,7 +92,22 @@ def _resolve(root: Any, path: str) -> Any:
     return root
 
 
+def time_collections(timings: Timings) -> None:
+    """Add the time of every garbage collection to `timings["gc"]` (a collection runs inside
+    whichever method allocated when it was due, and is counted there too)."""
+    started = [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            timings["gc"] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(callback)
+
+
 def instrument(engine: LLMEngine, timings: Timings) -> None:
+    time_collections(timings)
     for key, path, method in WRAPPED:
         owner = _resolve(engine, path)
         if owner is not None and hasattr(owner, method):
@@ -225,6 +242,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps to time")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed steps")
     parser.add_argument(
+        "--profile-sort", default="tottime", choices=("tottime", "cumulative"),
+        help="order of the profile's functions",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile-filter", default=None, metavar="REGEX",
+        help="print only the profile's functions whose file:line(name) matches (default: top 30)",
+    )  # fmt: skip
+    parser.add_argument(
         "--stub-model", action="store_true",
         help="zeros for the model's forward and logits: time the engine's host work alone",
     )  # fmt: skip
@@ -259,7 +284,8 @@ def main() -> None:
     print(f"  {'host (median)':16s} {statistics.median(HOST_PER_STEP) * 1e3:9.3f}")
     print(f"  {'host (min)':16s} {min(HOST_PER_STEP) * 1e3:9.3f}")
     if profiler is not None:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+        restriction = args.profile_filter if args.profile_filter is not None else 30
+        pstats.Stats(profiler).sort_stats(args.profile_sort).print_stats(restriction)
     llm.shutdown()
 
 
