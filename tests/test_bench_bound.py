@@ -99,10 +99,33 @@ def test_workload_bound_by_hand() -> None:
 
 
 def test_sliding_window_caps_the_keys() -> None:
-    windowed = ModelShape(**{**SHAPE.__dict__, "sliding_window": 4})
+    windowed = ModelShape(**{**SHAPE.__dict__, "layer_windows": (4, 4)})
     rates = Rates(copy_bytes_per_s=1.0, matmul_flops_per_s=1e30)  # memory only
     bound = workload_bound(windowed, [5], [2], rates)
     assert bound.decode_s == pytest.approx(2896 + 32 * 4)
+
+
+def test_each_layer_reads_the_keys_of_its_own_window() -> None:
+    """A local layer (window 4) and a global one: the decode step's one sequence of 6 keys
+    reads 4 + 6 of them (16 bytes a key a layer); its 5-token prompt has 14 + 15 causal pairs
+    (32 FLOPs a pair a layer)."""
+    mixed = ModelShape(**{**SHAPE.__dict__, "layer_windows": (4, None)})
+    memory_only = Rates(copy_bytes_per_s=1.0, matmul_flops_per_s=1e30)
+    assert workload_bound(mixed, [5], [2], memory_only).decode_s == pytest.approx(2896 + 16 * 10)
+    matmuls = 2 * 1152 * 5 + 2 * 256
+    assert prefill_flops(mixed, [5]) == matmuls + 32 * (14 + 15)
+    assert prefill_flops(SHAPE, [5]) == matmuls + 64 * 15
+
+
+def test_gemma_shapes_carry_their_layer_windows() -> None:
+    gemma2 = ModelShape.from_config(ModelConfig.resolve("gemma-2-9b", load_format="dummy"))
+    assert gemma2.windows[:4] == [4096, None, 4096, None]
+    gemma3 = ModelShape.from_config(ModelConfig.resolve("gemma-3-12b", load_format="dummy"))
+    assert gemma3.windows[:6] == [1024] * 5 + [None]
+    assert (
+        ModelShape.from_config(ModelConfig.resolve("llama-tiny", load_format="dummy")).windows
+        == [None] * 2
+    )
 
 
 def test_bad_lengths_are_value_errors() -> None:

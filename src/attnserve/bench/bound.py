@@ -19,8 +19,8 @@ Weight bytes are the decoder's matmul and norm weights and lm_head, in the model
 input embedding is not counted (a step gathers only its tokens' rows). Quantized matmul weights
 count as stored: FP8, one byte (the LM head and the experts stay in the model dtype); packed
 GGUF, the smallest packed type's 18 bytes per 32 weights (Q4_0, so the bound stays a bound), the
-LM head too. Keys beyond a sliding window are not counted (the model's widest window caps every
-layer: fewer bytes, still a bound).
+LM head too. Keys beyond a layer's sliding window are not counted, layer by layer (Gemma's
+local layers read at most their window, its global ones every key).
 
 A mixture-of-experts model multiplies each token by its `top_k` experts only (the FLOPs count
 those and the router), and a step reads the experts its tokens were routed to: for B tokens
@@ -33,10 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from attnserve.bench.kernel_common import copy_bandwidth_tbs, median_us
-from attnserve.model.config import ModelConfig, sparse_layers
+from attnserve.model.config import ModelConfig, layer_sliding_windows, sparse_layers
 from attnserve.model.layers.moe import MoESpec
 from attnserve.model.loader import get_model_cls
 from attnserve.model.models.moe import MoeForCausalLM
@@ -59,7 +60,7 @@ class ModelShape:
     vocab_size: int
     dtype_bytes: int
     kv_dtype_bytes: int
-    sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: global)
     sparse_layers: int = 0  # MoE layers (the others are dense)
     num_experts: int = 0
     top_k: int = 0
@@ -89,7 +90,7 @@ class ModelShape:
             vocab_size=config.vocab_size,
             dtype_bytes=dtype_bytes,
             kv_dtype_bytes=1 if kv_cache_dtype == "fp8" else dtype_bytes,
-            sliding_window=config.sliding_window,
+            layer_windows=_layer_windows(config),
             matmul_weight_bytes=_QUANTIZED_BYTES.get(config.quantization or ""),
             lm_head_weight_bytes=_GGUF_BYTES if config.quantization == "gguf" else None,
             **experts,
@@ -155,6 +156,20 @@ class ModelShape:
         """Q·K and P·V for one query-key pair, all heads and layers."""
         return 4 * self.num_layers * self.num_heads * self.head_size
 
+    @property
+    def windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: the layer attends to every key)."""
+        return list(self.layer_windows) or [None] * self.num_layers
+
+    def layer_keys(self, keys: npt.NDArray[np.float64]) -> float:
+        """Query-key pairs of one decode token per sequence (`keys`: each one's keys), summed
+        over the layers, each capped at its window: in units of one layer's pair."""
+        return float(sum(np.minimum(keys, w).sum() if w else keys.sum() for w in self.windows))
+
+    def prefill_pairs(self, length: int) -> int:
+        """Query-key pairs of one causal prompt, summed over the layers (as `layer_keys`)."""
+        return sum(causal_pairs(length, w) for w in self.windows)
+
 
 @dataclass(frozen=True)
 class Rates:
@@ -177,6 +192,12 @@ class Bound:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
+
+
+def _layer_windows(config: ModelConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window; () where no layer has one."""
+    windows = tuple(layer_sliding_windows(config.hf_config))
+    return windows if any(windows) else ()
 
 
 def moe_spec(config: ModelConfig) -> MoESpec | None:
@@ -203,10 +224,10 @@ def causal_pairs(length: int, window: int | None) -> int:
 
 def prefill_flops(shape: ModelShape, input_lens: list[int]) -> int:
     """Every prompt at once: its matmuls, one lm_head row per request, causal attention."""
-    pairs = sum(causal_pairs(n, shape.sliding_window) for n in input_lens)
+    pairs = sum(shape.prefill_pairs(n) for n in input_lens)
     matmuls = 2 * (shape.decoder_matmul_params * sum(input_lens))
     logits = 2 * shape.lm_head_params * len(input_lens)
-    return matmuls + logits + shape.attention_flops_per_pair * pairs
+    return matmuls + logits + shape.attention_flops_per_pair // shape.num_layers * pairs
 
 
 def workload_bound(
@@ -217,14 +238,15 @@ def workload_bound(
     inputs = np.asarray(input_lens, dtype=np.float64)
     outputs = np.asarray(output_lens)
     params = shape.decoder_matmul_params + shape.lm_head_params
+    kv_bytes_per_layer_key = shape.kv_bytes_per_token / shape.num_layers
+    flops_per_layer_pair = shape.attention_flops_per_pair / shape.num_layers
     decode_s, memory_bound = 0.0, 0
     steps = int(outputs.max()) - 1
     for k in range(1, steps + 1):
         keys = inputs[outputs > k] + k
-        if shape.sliding_window:
-            keys = np.minimum(keys, shape.sliding_window)
-        step_bytes = shape.step_weight_bytes(len(keys)) + shape.kv_bytes_per_token * keys.sum()
-        flops = 2 * params * len(keys) + shape.attention_flops_per_pair * keys.sum()
+        layer_keys = shape.layer_keys(keys)
+        step_bytes = shape.step_weight_bytes(len(keys)) + kv_bytes_per_layer_key * layer_keys
+        flops = 2 * params * len(keys) + flops_per_layer_pair * layer_keys
         memory_s, compute_s = step_bytes / rates.copy_bytes_per_s, flops / rates.matmul_flops_per_s
         decode_s += max(memory_s, compute_s)
         memory_bound += int(memory_s >= compute_s)
