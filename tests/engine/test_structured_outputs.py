@@ -164,6 +164,25 @@ def test_scheduling_changes_no_constrained_output(llm: LLM, model_dir: Path, set
         other.llm_engine.shutdown()
 
 
+def test_speculation_leaves_constrained_sequences_alone(llm: LLM, model_dir: Path) -> None:
+    """With n-gram speculation, a batch of constrained and free requests: a constrained
+    sequence gets no drafts (each would need the grammar's mask after the drafts before it), so
+    no token its mask forbids is ever accepted and its output is a run's without speculation;
+    the free ones speculate, their outputs unchanged too."""
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [p * 3 for p in PROMPTS]
+    params = [constrained(structured_outputs=COMPACT_PERSON, max_tokens=40), free, free]
+    expected = _texts(llm, prompts, params)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    other = LLM(str(model_dir), device="cpu", max_model_len=256, speculative_config=ngram)
+    try:
+        assert _texts(other, prompts, params) == expected
+        assert other.llm_engine.stats()["spec_decode_num_drafts"] > 0
+        jsonschema.validate(json.loads(expected[0][0][0]), PERSON)
+    finally:
+        other.llm_engine.shutdown()
+
+
 def test_prefix_cache_hits_keep_constrained_outputs(llm: LLM) -> None:
     params = constrained(structured_outputs=COMPACT_PERSON)
     first = _texts(llm, PROMPTS, params)
