@@ -4,6 +4,7 @@ weights the engine loads (attnserve's seeded dummy init, exported with `to_hf_mo
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,31 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
         (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
         min(len(ours), len(theirs)),
     )
+
+
+def bf16_spacing(value: float) -> float:
+    """bf16's distance between neighbouring values at `value`'s magnitude."""
+    exponent = math.floor(math.log2(max(abs(value), 1e-30)))
+    return float(torch.finfo(torch.bfloat16).eps) * 2.0**exponent
+
+
+def assert_parts_only_at_rounding(
+    reference: Reference, ours: list[list[int]], max_steps: float
+) -> list[str]:
+    """Where a prompt's tokens part from HF's, HF's own logits must put its token and ours
+    within `max_steps` bf16 rounding steps of each other at that logit's size; the partings, as
+    lines to show."""
+    partings = []
+    for index, (mine, theirs) in enumerate(zip(ours, reference.tokens, strict=True)):
+        step = first_difference(mine, theirs)
+        if step is None:
+            continue
+        logits = reference.next_logits(index, step)
+        gap = float(logits[theirs[step]] - logits[mine[step]])
+        steps = abs(gap) / bf16_spacing(float(logits[theirs[step]]))
+        partings.append(f"prompt {index} at token {step}: HF gap {gap:.4g} = {steps:.2f} steps")
+        assert steps <= max_steps, "; ".join(partings)
+    return partings
 
 
 def engine_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

@@ -37,8 +37,14 @@ from attnserve.attention import (
 )
 from attnserve.model import ModelConfig
 from attnserve.model.loader import build_model
-from tests.gpu.reference import NEW_TOKENS, Reference, _hf_greedy, engine_tokens, first_difference
-from tests.gpu.test_hf_parity import BF16_MAX_STEPS, bf16_spacing
+from tests.gpu.reference import (
+    NEW_TOKENS,
+    Reference,
+    _hf_greedy,
+    assert_parts_only_at_rounding,
+    engine_tokens,
+)
+from tests.gpu.test_hf_parity import BF16_MAX_STEPS
 from tests.model.test_gemma import MODELS, save_random_hf
 
 pytestmark = pytest.mark.cuda
@@ -142,16 +148,7 @@ def _assert_tokens_match(reference: Reference, ours: list[list[int]], dtype: str
     if dtype == "float32":
         assert ours == reference.tokens
         return
-    partings = []
-    for index, (mine, theirs) in enumerate(zip(ours, reference.tokens, strict=True)):
-        step = first_difference(mine, theirs)
-        if step is None:
-            continue
-        logits = reference.next_logits(index, step)
-        gap = float(logits[theirs[step]] - logits[mine[step]])
-        steps = abs(gap) / bf16_spacing(float(logits[theirs[step]]))
-        partings.append(f"prompt {index} at token {step}: HF gap {gap:.4g} = {steps:.2f} steps")
-        assert steps <= BF16_GEMMA_MAX_STEPS, "; ".join(partings)
+    partings = assert_parts_only_at_rounding(reference, ours, BF16_GEMMA_MAX_STEPS)
     print(f"bf16 vs HF: {'; '.join(partings) or 'no parting'}")
 
 

@@ -10,7 +10,6 @@ rounding steps of bf16 at that logit's size (the partings seen on an H200 were 0
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -32,8 +31,8 @@ from tests.gpu.reference import (
     MODEL,
     NEW_TOKENS,
     Reference,
+    assert_parts_only_at_rounding,
     engine_tokens,
-    first_difference,
 )
 
 pytestmark = pytest.mark.cuda
@@ -65,12 +64,6 @@ def _tokens(
         return engine_tokens(llm, prompts)
     finally:
         llm.shutdown()
-
-
-def bf16_spacing(value: float) -> float:
-    """bf16's distance between neighbouring values at `value`'s magnitude."""
-    exponent = math.floor(math.log2(max(abs(value), 1e-30)))
-    return float(torch.finfo(torch.bfloat16).eps) * 2.0**exponent
 
 
 @pytest.fixture(scope="module")
@@ -135,16 +128,7 @@ def test_bf16_tokens_part_from_hf_only_at_rounding_ties(
     reference = hf_reference("bfloat16")
     ours = _tokens(backend, "bfloat16", False, reference.prompts)
     assert [len(tokens) for tokens in ours] == [NEW_TOKENS] * len(ours)
-    partings = []
-    for index, (mine, theirs) in enumerate(zip(ours, reference.tokens, strict=True)):
-        step = first_difference(mine, theirs)
-        if step is None:
-            continue
-        logits = reference.next_logits(index, step)
-        gap = float(logits[theirs[step]] - logits[mine[step]])
-        steps = abs(gap) / bf16_spacing(float(logits[theirs[step]]))
-        partings.append(f"prompt {index} at token {step}: HF gap {gap:.4g} = {steps:.2f} steps")
-        assert steps <= BF16_MAX_STEPS, "; ".join(partings)
+    assert_parts_only_at_rounding(reference, ours, BF16_MAX_STEPS)
 
 
 @pytest.mark.parametrize("backend", backend_names())

@@ -31,11 +31,11 @@ from tests.gpu.reference import (
     ENGINE,
     NEW_TOKENS,
     Reference,
+    bf16_spacing,
     build_reference,
     engine_tokens,
     first_difference,
 )
-from tests.gpu.test_hf_parity import bf16_spacing
 
 pytestmark = pytest.mark.cuda
 
