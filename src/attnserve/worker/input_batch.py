@@ -281,7 +281,11 @@ class InputBatch:
         flat_index = (slots * self.max_tokens).take(token_seq) + positions
         token_ids = torch.from_numpy(self.token_ids.ravel().take(flat_index))
         carried = self._carried(slots, context + query, token_seq, positions)
-        if drafts is not None and _verifies_only(context, query, drafts):
+        if (
+            drafts is not None
+            and self.prompt_logprob_seqs.isdisjoint(plan.seq_ids)  # read per-sequence rows
+            and _verifies_only(context, query, drafts)
+        ):
             layout = as_decode_rows(layout)
         rows = np.flatnonzero((context + query == total) & self.samples[slots])
         sample_rows: list[int] = rows.tolist()
