@@ -2,6 +2,8 @@
 
 The policy, once per step, within `max_num_seqs` sequences and `max_num_batched_tokens` tokens:
 1. Running decodes first, oldest first, one token each: a decode never waits behind a prompt.
+   With speculative decoding a decode also carries the draft tokens proposed for it (as many as
+   the budget and the free blocks allow), verified in the same step.
 2. Then running sequences still in their prompt, oldest first, each taking as much of the rest
    of it as the budget left allows (so the oldest prompt always advances while any budget is
    left, and new prompts are not admitted while the budget is spent: none starves). When a running
