@@ -110,7 +110,8 @@ class ParallelConfig:
         return "uni" if self.world_size == 1 else "mp"
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+NGRAM_FIELDS = ("prompt_lookup_max", "prompt_lookup_min")
 DEFAULT_PROMPT_LOOKUP = 5
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 
@@ -121,15 +122,18 @@ class SpeculativeConfig:
     up to num_speculative_tokens draft tokens per decoding sequence, verified in one forward
     pass. method "ngram" drafts by prompt lookup: the tokens that followed an earlier
     occurrence of the sequence's last prompt_lookup_max..prompt_lookup_min tokens (each
-    defaults to the other, both to 5). Speculation steps aside while more than
-    disable_by_batch_size sequences run (a large batch is compute-bound: drafts would cost more
-    than they save; those steps also keep async scheduling, which speculation turns off)."""
+    defaults to the other, both to 5); method "draft_model" drafts with `model` (a smaller
+    model of the same vocabulary, greedily, with a KV cache of its own). Speculation steps
+    aside while more than disable_by_batch_size sequences run (a large batch is compute-bound:
+    drafts would cost more than they save; those steps also keep async scheduling, which
+    speculation turns off)."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    model: str | None = None  # the draft model of method "draft_model"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -144,6 +148,11 @@ class SpeculativeConfig:
             "disable_by_batch_size",
         ):
             _check_speculative_int(name, getattr(self, name))
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config.model: method 'draft_model' needs a draft model, and only it "
+                f"takes one (method {self.method!r}, model {self.model!r})"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
@@ -157,11 +166,8 @@ class SpeculativeConfig:
         if not isinstance(values, Mapping):
             raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
         given = dict(values)
-        if "model" in given:
-            raise ValueError(
-                "speculative_config.model: draft-model speculation is not served yet; use "
-                '{"method": "ngram", ...}'
-            )
+        if "model" in given:  # vLLM's rule: a draft model's method is "draft_model"
+            given.setdefault("method", "draft_model")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(given) - known)
         if unknown:
@@ -170,6 +176,10 @@ class SpeculativeConfig:
             )
         if "num_speculative_tokens" not in given:
             raise ValueError("speculative_config.num_speculative_tokens is required")
+        if given.get("method") == "draft_model":
+            for name in NGRAM_FIELDS:
+                if name in given:
+                    raise ValueError(f"speculative_config.{name} is for method 'ngram' only")
         lookup_max, lookup_min = given.get("prompt_lookup_max"), given.get("prompt_lookup_min")
         for name, value in (("prompt_lookup_max", lookup_max), ("prompt_lookup_min", lookup_min)):
             if value is not None:  # checked before one stands in for the other

@@ -31,3 +31,4 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     speculative_config: SpeculativeConfig | None = None
+    draft_model_config: ModelConfig | None = None  # speculative_config.model's

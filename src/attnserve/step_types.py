@@ -98,6 +98,7 @@ class StepPlan:
     token_bitmask: TokenBitmask | None = None  # where structured outputs constrain the draws
     # speculative decoding: seq id -> the draft tokens ending its new tokens (to verify)
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    propose_drafts: bool = False  # a draft model proposes the next step's drafts after this one
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +125,7 @@ class SampleOutput:
     logprobs: list[TokenLogprobs] | None = None  # per draw: the drawn token's and the top-k
     token_logprobs: list[float] | None = None  # per draw: the drawn token's log-probability
     prompt_logprobs: list[TokenLogprobs] | None = None  # per new prompt token with a target
+    draft_token_ids: list[int] | None = None  # a draft model's proposals for the next step
 
 
 StepResults = list[SampleOutput | None]  # per sequence of the plan; None where nothing drawn

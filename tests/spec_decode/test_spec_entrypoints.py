@@ -35,7 +35,7 @@ DEFAULT_DEQUANTIZED = ["--device", "cpu", "--max-model-len", "512", "--quantizat
     ("values", "message"),
     [
         ({**NGRAM, "lookahead": 2}, "unknown field(s) ['lookahead']"),
-        ({**NGRAM, "method": "eagle"}, "speculative_config.method must be one of ('ngram',)"),
+        ({**NGRAM, "method": "eagle"}, "method must be one of ('ngram', 'draft_model')"),
         ({**NGRAM, "num_speculative_tokens": 0}, "num_speculative_tokens must be an int >= 1"),
         ({**NGRAM, "num_speculative_tokens": True}, "num_speculative_tokens must be an int >= 1"),
         ({**NGRAM, "num_speculative_tokens": "3"}, "num_speculative_tokens must be an int >= 1"),
@@ -44,7 +44,12 @@ DEFAULT_DEQUANTIZED = ["--device", "cpu", "--max-model-len", "512", "--quantizat
         ({**NGRAM, "prompt_lookup_max": 0}, "prompt_lookup_max must be an int >= 1, got 0"),
         ({**NGRAM, "prompt_lookup_min": 0, "prompt_lookup_max": 2}, "prompt_lookup_min must be"),
         ({**NGRAM, "disable_by_batch_size": 0}, "disable_by_batch_size must be an int >= 1"),
-        ({**NGRAM, "model": "some/draft-model"}, "speculative_config.model: draft-model"),
+        ({**NGRAM, "model": "some/draft"}, "speculative_config.model: method 'draft_model'"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a draft model"),
+        (
+            {"model": "some/draft", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+            "speculative_config.prompt_lookup_max is for method 'ngram' only",
+        ),
         ([("method", "ngram")], "speculative_config must be a dict, got list"),
     ],
     ids=lambda value: json.dumps(value) if not isinstance(value, str) else "",
@@ -60,8 +65,10 @@ def test_a_bad_lookup_min_given_alone_is_named() -> None:
         SpeculativeConfig.from_dict({**NGRAM, "prompt_lookup_min": -1})
 
 
-def test_the_draft_model_key_is_refused_whatever_else_is_given() -> None:
-    with pytest.raises(ValueError, match=r"^speculative_config\.model: .*not served yet"):
+def test_a_draft_model_implies_its_method() -> None:
+    config = SpeculativeConfig.from_dict({"model": "m", "num_speculative_tokens": 2})
+    assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "m", 2)
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['x'\]"):
         SpeculativeConfig.from_dict({"model": "m", "num_speculative_tokens": 2, "x": 1})
 
 

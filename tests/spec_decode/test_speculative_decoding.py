@@ -101,9 +101,12 @@ def test_seeded_parallel_sampling_equals_without_speculation(tiny_llama_dir: Pat
     assert_speculated(stats)
 
 
-def test_speculation_steps_aside_for_a_large_batch(tiny_llama_dir: Path) -> None:
-    """More sequences than `disable_by_batch_size`: no drafts while they run."""
-    spec = {**SPEC, "disable_by_batch_size": 2}
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_steps_aside_for_a_large_batch(tiny_llama_dir: Path, method: str) -> None:
+    """More sequences than `disable_by_batch_size`: no drafts while they run (a draft model
+    only keeps its cache up)."""
+    drafter = SPEC if method == "ngram" else {"model": str(tiny_llama_dir)}
+    spec = {**drafter, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
     got, stats = generate(str(tiny_llama_dir), PROMPTS, GREEDY, speculative_config=spec)
     want, _ = generate(str(tiny_llama_dir), PROMPTS, GREEDY)
     assert_same_outputs(got, want)
@@ -148,3 +151,46 @@ def test_the_default_model_repeats_a_text_with_the_same_tokens() -> None:
         [(speculated.token_ids, speculated.logprobs)], [(plain.token_ids, plain.logprobs)]
     )
     assert stats["spec_decode_acceptance_rate"] > 0.5
+
+
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_a_draft_model_changes_no_output(tiny_llama_dir: Path, name: str) -> None:
+    """The target as its own draft (method "draft_model"): greedy outputs as without
+    speculation, on every path; nearly every draft is accepted (the draft's one-token steps and
+    the target's verify rows compute the same logits). A KV budget pays for both caches' blocks:
+    twice the bytes hold the target's blocks of the run without speculation."""
+    engine = CONFIGURATIONS[name]
+    model = str(tiny_llama_dir)
+    want, _ = generate(model, PROMPTS, GREEDY, **engine)
+    spec = {"model": model, "num_speculative_tokens": 3}
+    budget = engine.get("kv_cache_memory_bytes")
+    speculative = engine if budget is None else {**engine, "kv_cache_memory_bytes": 2 * budget}
+    got, stats = generate(model, PROMPTS, GREEDY, speculative_config=spec, **speculative)
+    assert_same_outputs(got, want)
+    assert_speculated(stats)
+    assert stats["spec_decode_acceptance_rate"] > 0.9
+    if budget is not None:
+        assert stats["num_preemptions"] > 0
+
+
+def test_another_draft_model_of_the_vocabulary(
+    tiny_llama_dir: Path, head64_llama_dir: Path
+) -> None:
+    """A different random model of the same vocabulary drafts: seeded parallel sampling and
+    greedy outputs are the target's without speculation."""
+    model, draft = str(tiny_llama_dir), str(head64_llama_dir)
+    spec = {"model": draft, "num_speculative_tokens": 2}
+    want, _ = generate(model, PROMPTS, GREEDY)
+    got, stats = generate(model, PROMPTS, GREEDY, speculative_config=spec)
+    assert_same_outputs(got, want)
+    assert stats["spec_decode_num_drafts"] > 0
+    seeded = SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=16, ignore_eos=True)
+    want, _ = generate(model, PROMPTS, seeded)
+    got, _ = generate(model, PROMPTS, seeded, speculative_config=spec)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+
+
+def test_a_draft_of_another_vocabulary_is_refused_before_loading(tiny_llama_dir: Path) -> None:
+    spec = {"model": "llama-tiny", "num_speculative_tokens": 2}  # 512 tokens, the target 384
+    with pytest.raises(ValueError, match=r"speculative_config.model 'llama-tiny': a vocabulary"):
+        LLM(str(tiny_llama_dir), device="cpu", speculative_config=spec)

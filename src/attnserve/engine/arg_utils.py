@@ -212,6 +212,7 @@ class EngineArgs:
             if self.speculative_config is None
             else SpeculativeConfig.from_dict(self.speculative_config)
         )
+        draft = _draft_model_config(speculative_config, model_config, self, device)
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
@@ -222,6 +223,7 @@ class EngineArgs:
             seed=self.seed,
             enforce_eager=self.enforce_eager,
             speculative_config=speculative_config,
+            draft_model_config=draft,
         )
 
     def create_parallel_config(self, device: torch.device) -> ParallelConfig:
@@ -297,6 +299,31 @@ class _ModelOnce(argparse.Action):
         if given is not None and given != values:
             parser.error(f"the model is given twice: {given!r} and {values!r}")
         setattr(namespace, self.dest, values)
+
+
+def _draft_model_config(
+    spec: SpeculativeConfig | None, target: ModelConfig, args: EngineArgs, device: torch.device
+) -> ModelConfig | None:
+    """The draft model's config (speculative_config.model), in the target's dtype and load
+    format, for its max_model_len; a ValueError naming the field where it cannot serve."""
+    if spec is None or spec.model is None:
+        return None
+    try:
+        draft = ModelConfig.resolve(
+            model=spec.model,
+            dtype=target.dtype,
+            load_format="dummy" if target.load_format == "dummy" else "auto",
+            max_model_len=target.max_model_len,
+            device=device.type,
+        )
+    except ValueError as error:
+        raise ValueError(f"speculative_config.model {spec.model!r}: {error}") from None
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r}: a vocabulary of {draft.vocab_size} "
+            f"tokens, the target's has {target.vocab_size}: the draft must share it"
+        )
+    return draft
 
 
 def _given_or(value: int | None, default: int) -> int:

@@ -5,9 +5,8 @@ from __future__ import annotations
 from attnserve.distributed import model_parallel_is_initialized
 from attnserve.engine_config import EngineConfig
 from attnserve.executor.executor_base import ExecutorBase
-from attnserve.step_types import StepPlan, StepResults
+from attnserve.step_types import AsyncStepOutput, StepPlan, StepResults
 from attnserve.worker.model_runner import ModelRunner
-from attnserve.worker.step_future import StepFuture
 from attnserve.worker.worker import Worker
 
 
@@ -36,10 +35,10 @@ class UniProcExecutor(ExecutorBase):
         return self.worker.runner.num_swap_blocks
 
     def execute_model(self, plan: StepPlan) -> StepResults:
-        return self.worker.runner.execute(plan)
+        return self.worker.execute_model(plan)
 
-    def execute_model_async(self, plan: StepPlan) -> StepFuture:
-        return self.worker.runner.execute_async(plan)
+    def execute_model_async(self, plan: StepPlan) -> AsyncStepOutput:
+        return self.worker.execute_model_async(plan)
 
     def check_health(self) -> None:
         """One rank in this process: alive as long as the engine is."""

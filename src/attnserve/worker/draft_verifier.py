@@ -115,18 +115,8 @@ class DraftVerifier:
         results: StepResults = [None] * len(step.states)
         for k, row in enumerate(rows):
             results[row] = _kept(drawn[offsets[k] : offsets[k + 1]], drafts[row])
-        self._update_batch(step, results)
+        self.input_batch.accept_results(step, results)
         return results
-
-    def _update_batch(self, step: PreparedStep, results: StepResults) -> None:
-        kept = [results[row] for row in step.sample_rows]
-        firsts = [result.token_ids[0] for result in kept if result is not None]
-        pending = self.input_batch.advance(step, device_tensor(firsts, self.input_batch.device))
-        self.input_batch.record(pending, firsts)
-        drafts = step.drafts or []
-        for row, result in zip(step.sample_rows, kept, strict=True):
-            if drafts[row] and result is not None:
-                self.input_batch.extend(step, row, result.token_ids[1:])
 
 
 def _kept(drawn: list[SampleOutput], drafts: list[int]) -> SampleOutput:

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from attnserve.attention import StepLayout, as_decode_rows, layout_from_arrays
-from attnserve.host_copy import to_device
-from attnserve.step_types import NewSequence, StepPlan
+from attnserve.host_copy import device_tensor, to_device
+from attnserve.step_types import NewSequence, StepPlan, StepResults
 from attnserve.worker.device_block_table import DeviceBlockTable
 from attnserve.worker.sampling_metadata import SamplingMetadata, SamplingTable
 
@@ -355,6 +355,25 @@ class InputBatch:
         self.num_computed[slot] -= len(drafts) - len(tokens)
         if tokens:
             self.last_sampled[slot] = tokens[-1]
+
+    def accept_results(self, step: PreparedStep, results: StepResults) -> None:
+        """Count a step as computed and take in the tokens its sampling rows kept (each row's
+        draws, or after drafts the drafts accepted and one more), all known on the host."""
+        kept = [results[row] for row in step.sample_rows]
+        firsts = [result.token_ids[0] for result in kept if result is not None]
+        pending = self.advance(step, device_tensor(firsts, self.device))
+        self.record(pending, firsts)
+        drafts = step.drafts or []
+        for row, result in zip(step.sample_rows, kept, strict=True):
+            if drafts and drafts[row] and result is not None:
+                self.extend(step, row, result.token_ids[1:])
+
+    def truncate(self, slots: np.ndarray, counts: np.ndarray) -> None:
+        """Forget each slot's last `counts` tokens, computed and known (a draft model's own
+        drafts, once proposed)."""
+        self.num_tokens[slots] -= counts
+        self.num_host_tokens[slots] = self.num_tokens[slots]
+        self.num_computed[slots] -= counts
 
     def record(self, pending: PendingDraws, tokens: list[int]) -> None:
         """Write a resolved step's first draws into the host arrays, where their sequences

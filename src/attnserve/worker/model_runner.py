@@ -132,11 +132,12 @@ class ModelRunner:
         )
         self.run_once(plan)
 
-    def initialize_kv_cache(self, activation_bytes: int) -> None:
+    def initialize_kv_cache(self, activation_bytes: int, shared_bytes_per_block: int = 0) -> None:
         """The KV cache: the fixed budget if given, else on CUDA the `gpu_memory_utilization`
-        share of the card less what is in use and the profile run's `activation_bytes`."""
+        share of the card less what is in use and the profile run's `activation_bytes`; each
+        block also pays `shared_bytes_per_block` (a draft model's cache of as many blocks)."""
         cc = self.cache_config
-        per_block = self._bytes_per_block()
+        per_block = self.bytes_per_block() + shared_bytes_per_block
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -160,11 +161,15 @@ class ModelRunner:
         )
         self._bind_cache(self._cache_engine(num_blocks, cc.swap_space_bytes // per_block))
 
+    def initialize_kv_cache_of(self, num_blocks: int, num_swap_blocks: int) -> None:
+        """A KV cache of exactly these block counts (a draft model's, beside the target's)."""
+        self._bind_cache(self._cache_engine(num_blocks, num_swap_blocks))
+
     def _bind_cache(self, cache_engine: CacheEngine) -> None:
         self.cache_engine = cache_engine
         bind_kv_caches(self.model, cache_engine.kv_caches)
 
-    def _bytes_per_block(self) -> int:
+    def bytes_per_block(self) -> int:
         mc, cc = self.model_config, self.cache_config
         return CacheEngine.bytes_per_block(
             self.backend,
@@ -333,6 +338,13 @@ class ModelRunner:
             yield
         finally:
             torch.set_num_threads(threads)
+
+    @torch.inference_mode()
+    def forward_plan(self, plan: StepPlan) -> tuple[PreparedStep, torch.Tensor]:
+        """Apply `plan` and run its forward pass (the KV cache takes its tokens): the step and
+        its new tokens' final hidden states; nothing is drawn, nothing counted as computed."""
+        step = self._prepare(plan)
+        return step, self._forward(step)
 
     @torch.inference_mode()
     def final_hidden_states(self, plan: StepPlan) -> torch.Tensor:

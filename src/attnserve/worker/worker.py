@@ -12,6 +12,7 @@ its next step reads; only the driver's results are returned.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -22,8 +23,10 @@ from attnserve.distributed import (
     init_distributed_environment,
 )
 from attnserve.engine_config import EngineConfig
-from attnserve.step_types import StepPlan, StepResults
+from attnserve.step_types import AsyncStepOutput, StepPlan, StepResults
+from attnserve.worker.draft_proposer import DraftProposer
 from attnserve.worker.model_runner import ModelRunner
+from attnserve.worker.step_future import StepFuture
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ class Worker:
         self.device = device
         self.distributed_init_method = distributed_init_method
         self.model_runner: ModelRunner | None = None
+        self.proposer: DraftProposer | None = None
 
     @property
     def runner(self) -> ModelRunner:
@@ -71,7 +75,11 @@ class Worker:
         config = self.config
         runner = ModelRunner(config, self.device)
         runner.load_model()
-        runner.initialize_kv_cache(runner.profile_activation_memory())
+        draft = self._load_draft()
+        shared = 0 if draft is None else draft.bytes_per_block()
+        runner.initialize_kv_cache(runner.profile_activation_memory(), shared)
+        if draft is not None:
+            draft.initialize_kv_cache_of(runner.num_blocks, runner.num_swap_blocks)
         runner.calibrate_kv_scales()
         runner.warm_up()
         # Captured graphs would hold the ranks' collectives; tensor parallelism runs eagerly.
@@ -79,10 +87,35 @@ class Worker:
             runner.capture_graphs()
         self.model_runner = runner
 
+    def _load_draft(self) -> ModelRunner | None:
+        """The draft model's runner (speculative decoding), loaded, its cache not yet made."""
+        config, spec = self.config, self.config.speculative_config
+        if config.draft_model_config is None or spec is None:
+            return None
+        draft_config = dataclasses.replace(config, model_config=config.draft_model_config)
+        draft = ModelRunner(draft_config, self.device)
+        draft.load_model()
+        self.proposer = DraftProposer(draft, spec.num_speculative_tokens)
+        return draft
+
+    def _run(self, plan: StepPlan) -> StepResults:
+        """Run one step here; with a draft model, its proposals ride on the results."""
+        results = self.runner.execute(plan)
+        if self.proposer is not None:
+            self.proposer.follow(plan, results)
+        return results
+
+    def execute_model_async(self, plan: StepPlan) -> AsyncStepOutput:
+        """Launch one step on a single rank (its draws read back later), or with a draft model
+        run it and its proposals at once."""
+        if self.proposer is None:
+            return self.runner.execute_async(plan)
+        return StepFuture(len(plan.seq_ids), ready=self._run(plan))
+
     def execute_model(self, plan: StepPlan) -> StepResults:
         """On the driver: send the step to the other ranks, then run it here."""
         broadcast_object(plan)
-        return self.runner.execute(plan)
+        return self._run(plan)
 
     def execute_model_loop(self) -> None:
         """On the other ranks: run every step the driver sends, until it sends None."""
@@ -90,12 +123,12 @@ class Worker:
             plan: StepPlan | None = broadcast_object()
             if plan is None:
                 return
-            self.runner.execute(plan)
+            self._run(plan)
 
     def stop_remote_loops(self) -> None:
         """On the driver: end the other ranks' `execute_model_loop`."""
         broadcast_object(None)
 
     def shutdown(self) -> None:
-        self.model_runner = None
+        self.model_runner = self.proposer = None
         destroy_distributed_environment()

@@ -120,6 +120,8 @@ class EngineCore:
         )
         spec = config.speculative_config
         self.speculator = None if spec is None else Speculator(spec, scheduler_config.max_model_len)
+        if spec is not None and spec.method == "draft_model":
+            self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
         logger.info("engine core ready in %.1f s", time.perf_counter() - started)
 
     def ready_message(self) -> CoreReady:
@@ -184,14 +186,15 @@ class EngineCore:
         out = EngineCoreOutputs()
         self._admit_compiled(out)
         scheduled = self.scheduler.schedule()
+        speculator = self.speculator
+        speculating = speculator is not None and speculator.active(len(self.scheduler.running))
+        scheduled.propose_drafts = speculating
         self._report(scheduled.finished, out, drew=False)
         if self.pipeline.busy and _needs_host_tokens(scheduled):
             self._report(self.pipeline.drain(), out, drew=True)
             scheduled.scheduled = [i for i in scheduled.scheduled if not i.seq.is_finished]
         if scheduled.scheduled:
             self._report(self.pipeline.launch(scheduled), out, drew=True)
-        speculator = self.speculator
-        speculating = speculator is not None and speculator.active(len(self.scheduler.running))
         if not self.async_scheduling or not scheduled.scheduled or speculating:
             self._report(self.pipeline.drain(), out, drew=True)
         if speculating and speculator is not None:

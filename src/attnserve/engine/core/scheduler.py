@@ -23,6 +23,7 @@ parallel-sampling sibling copy it first (copy-on-write).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ class SchedulerOutput:
     swap_out: BlockPairs = field(default_factory=list)  # (device block, host block)
     copies: BlockPairs = field(default_factory=list)  # (device src, device dst)
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler itself
+    propose_drafts: bool = False  # a draft model proposes after this step (a small batch)
 
 
 class Scheduler:
@@ -90,6 +92,7 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
+        self.num_lookahead_tokens = 0  # positions a draft model writes past a step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -142,7 +145,20 @@ class Scheduler:
         if self.num_preemptions == preemptions_before and not self.swapped:
             self._admit_waiting(out, budget)
         out.scheduled.sort(key=lambda item: not item.is_prefill)
+        self._look_ahead(out)
         return out
+
+    def _look_ahead(self, out: SchedulerOutput) -> None:
+        """Blocks for `num_lookahead_tokens` positions past each drawing sequence's step, where
+        free: a draft model writes its drafts' keys there before the next step (none taken
+        when the pool is short: the drafts stop where the blocks do)."""
+        if not self.num_lookahead_tokens:
+            return
+        for item in out.scheduled:
+            if item.samples:
+                end = item.seq.num_computed_tokens + item.num_new_tokens
+                with contextlib.suppress(OutOfBlocksError):
+                    item.seq.block_table.ensure_capacity(end + self.num_lookahead_tokens)
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens `seq` carries into this step (taken from it): as many as the token
@@ -295,6 +311,7 @@ class Scheduler:
         chosen: list[float] | list[None] = result.token_logprobs or [None] * len(tokens)
         draws = list(zip(tokens, chosen, top, strict=True))
         seq.resolve_pending(*draws[0])
+        seq.spec_token_ids = result.draft_token_ids or []
         if len(tokens) == 1:
             return [seq]
         forks = [seq.fork(seq.index + i, *draw) for i, draw in enumerate(draws[1:], 1)]
@@ -323,6 +340,7 @@ class Scheduler:
             seq.num_step_tokens += 1
         seq.num_computed_tokens += min(seq.num_step_tokens, accepted)
         seq.block_table.register_full_blocks(seq.token_ids, seq.num_computed_tokens)
+        seq.spec_token_ids = result.draft_token_ids or []
         return seq
 
     def _finish_reason(self, seq: Sequence, eos_token_ids: list[int]) -> str | None:

@@ -3,7 +3,9 @@ and `SpecDecodeStats`, the counts behind its metrics.
 
 After a step's tokens are read back, and while the batch is small (at most
 `disable_by_batch_size` sequences running), every running sequence that decodes gets up to
-`num_speculative_tokens` drafts from its own tokens (prompt lookup: `NgramProposer`). The
+`num_speculative_tokens` drafts from its own tokens (prompt lookup: `NgramProposer`), or keeps
+those the ranks' draft model proposed with the step's results (method "draft_model"), as many
+as fit. The
 scheduler then gives it 1 + K new tokens in the next step: its last token and the drafts, which
 the ranks verify in one forward pass, sending back the drafts they accept and one token more.
 A sequence gets no drafts while a draw of it is still on the device (async scheduling), while a
@@ -90,8 +92,12 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        self.proposer = (  # None: a draft model on the ranks proposes
+            NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+            if config.method == "ngram"
+            else None
         )
         self._histories: dict[int, _History] = {}  # seq id -> its tokens
 
@@ -103,8 +109,11 @@ class Speculator:
         """Set each running sequence's drafts for the next step (none where it gets none)."""
         histories, self._histories = self._histories, {}
         for seq in running:
+            room = max(self._room(seq), 0)
+            if self.proposer is None:  # the draft model's, from the step's results
+                seq.spec_token_ids = seq.spec_token_ids[:room]
+                continue
             seq.spec_token_ids = []
-            room = self._room(seq)
             if room < 1:
                 continue
             history = histories.get(seq.seq_id) or _History()

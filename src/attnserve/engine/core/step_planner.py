@@ -71,4 +71,5 @@ class StepPlanner:
             spec_token_ids={
                 i.seq.seq_id: i.spec_token_ids for i in out.scheduled if i.spec_token_ids
             },
+            propose_drafts=out.propose_drafts,
         )
