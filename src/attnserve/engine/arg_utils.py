@@ -212,7 +212,12 @@ class EngineArgs:
             if self.speculative_config is None
             else SpeculativeConfig.from_dict(self.speculative_config)
         )
-        draft = _draft_model_config(speculative_config, model_config, self, device)
+        draft = _draft_model_config(speculative_config, model_config, device)
+        if draft is not None:
+            try:
+                draft.verify_with_parallel_config(parallel_config.tensor_parallel_size)
+            except ValueError as error:
+                raise ValueError(f"speculative_config.model: {error}") from None
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
@@ -302,7 +307,7 @@ class _ModelOnce(argparse.Action):
 
 
 def _draft_model_config(
-    spec: SpeculativeConfig | None, target: ModelConfig, args: EngineArgs, device: torch.device
+    spec: SpeculativeConfig | None, target: ModelConfig, device: torch.device
 ) -> ModelConfig | None:
     """The draft model's config (speculative_config.model), in the target's dtype and load
     format, for its max_model_len; a ValueError naming the field where it cannot serve."""

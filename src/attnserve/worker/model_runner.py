@@ -22,7 +22,6 @@ the next step takes the tokens it needs from them on the device.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -59,7 +58,8 @@ from attnserve.worker.input_batch import InputBatch, PreparedStep
 from attnserve.worker.kv_calibration import calibration_plan
 from attnserve.worker.piecewise_graph import PiecewiseGraphRunner
 from attnserve.worker.profile_run import profile_plan, warm_up_plans
-from attnserve.worker.sampler import Sampler, top_logprobs
+from attnserve.worker.prompt_logprobs import add_prompt_logprobs
+from attnserve.worker.sampler import Sampler
 from attnserve.worker.step_future import StepFuture
 
 logger = logging.getLogger(__name__)
@@ -399,19 +399,5 @@ class ModelRunner:
         starts: list[int],
         results: list[SampleOutput | None],
     ) -> None:
-        if not self.input_batch.prompt_logprob_seqs:
-            return
-        contexts: list[int] = step.layout.context_lens.tolist()
-        queries: list[int] = step.layout.query_lens.tolist()
-        for i, state in enumerate(step.states):
-            targets = state.prompt_logprob_targets(contexts[i], queries[i])
-            if not targets or state.sampling is None:
-                continue
-            rows = hidden[starts[i] : starts[i] + len(targets)]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
-            chosen = device_tensor(targets, self.device)
-            ks = [state.sampling.prompt_logprobs or 0] * len(targets)
-            previous = results[i] or SampleOutput([])
-            results[i] = dataclasses.replace(
-                previous, prompt_logprobs=top_logprobs(logprobs, chosen, ks)
-            )
+        if self.input_batch.prompt_logprob_seqs:
+            add_prompt_logprobs(self.model.compute_logits, step, hidden, starts, results)

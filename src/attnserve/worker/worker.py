@@ -81,6 +81,8 @@ class Worker:
         if draft is not None:
             draft.initialize_kv_cache_of(runner.num_blocks, runner.num_swap_blocks)
         runner.calibrate_kv_scales()
+        if draft is not None:
+            draft.calibrate_kv_scales()
         runner.warm_up()
         # Captured graphs would hold the ranks' collectives; tensor parallelism runs eagerly.
         if not config.enforce_eager and config.parallel_config.world_size == 1:
