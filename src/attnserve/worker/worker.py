@@ -87,6 +87,8 @@ class Worker:
         # Captured graphs would hold the ranks' collectives; tensor parallelism runs eagerly.
         if not config.enforce_eager and config.parallel_config.world_size == 1:
             runner.capture_graphs()
+            if draft is not None:  # its one-token draft steps replay graphs too
+                draft.capture_graphs()
         self.model_runner = runner
 
     def _load_draft(self) -> ModelRunner | None:
