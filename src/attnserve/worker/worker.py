@@ -7,7 +7,8 @@ broadcasts each step's `StepPlan` (only what changed since the last one) once ov
 and runs it; every other rank sits in `execute_model_loop`, applying each plan it receives to
 its own persistent batch and running it, until the driver broadcasts None. All ranks sample (the
 logits are all-gathered, the draws the same on every rank), so each rank's batch knows the tokens
-its next step reads; only the driver's results are returned.
+its next step reads; only the driver's results are returned. With a draft model (speculative
+decoding) each rank also holds the draft's runner (`DraftProposer`), which follows every step.
 """
 
 from __future__ import annotations
