@@ -90,6 +90,14 @@ def check_output_files(args: argparse.Namespace, *flags: str) -> None:
             raise ValueError(f"--{flag}: the directory of {path!r} does not exist")
 
 
+def check_positive(args: argparse.Namespace, *flags: str) -> None:
+    """ValueError naming the first of these integer flags that is below 1."""
+    for flag in flags:
+        value = getattr(args, flag)
+        if value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+
+
 def print_scalars(result: dict[str, Any]) -> None:
     """One `key  value` line per scalar entry (nested entries are printed by their owners)."""
     scalars = {k: v for k, v in result.items() if not isinstance(v, dict | list)}

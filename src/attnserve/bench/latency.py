@@ -24,6 +24,7 @@ import numpy as np
 
 from attnserve.bench.common import (
     check_output_files,
+    check_positive,
     progress,
     report,
     spec_decode_figures,
@@ -94,9 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for flag in ("batch_size", "input_len", "output_len", "num_iters"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    check_positive(args, "batch_size", "input_len", "output_len", "num_iters")
     check_output_files(args, "json")
 
 

@@ -23,7 +23,13 @@ from typing import Any
 
 import torch
 
-from attnserve.bench.common import check_output_files, print_scalars, progress, write_json
+from attnserve.bench.common import (
+    check_output_files,
+    check_positive,
+    print_scalars,
+    progress,
+    write_json,
+)
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.entrypoints.llm import LLM
 from attnserve.model.default_model import embedded_gguf_path
@@ -67,9 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for flag in ("output_len", "num_iters", "threads"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    check_positive(args, "output_len", "num_iters", "threads")
     check_output_files(args, "json")
     if args.model is not None and not str(args.model).endswith(".gguf") and not args.no_llama_cpp:
         raise ValueError("llama.cpp needs a .gguf --model (or the default model); --no-llama-cpp")

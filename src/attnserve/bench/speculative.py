@@ -19,7 +19,14 @@ import random
 import time
 from typing import Any
 
-from attnserve.bench.common import check_output_files, progress, report, spec_decode_figures, sync
+from attnserve.bench.common import (
+    check_output_files,
+    check_positive,
+    progress,
+    report,
+    spec_decode_figures,
+    sync,
+)
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.entrypoints.llm import LLM
 from attnserve.sampling_params import SamplingParams
@@ -82,9 +89,7 @@ def _run(llm: LLM, prompts: list[Any], args: argparse.Namespace) -> tuple[dict[s
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """The figures of the module docstring."""
     check_output_files(args, "json")
-    for flag in ("num_prompts", "batch_size", "output_len"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    check_positive(args, "num_prompts", "batch_size", "output_len")
     speculative = EngineArgs.from_cli_args(args)
     if speculative.speculative_config is None:
         raise ValueError("--speculative-config is required (the configuration to measure)")
