@@ -306,13 +306,10 @@ class Scheduler:
         return touched
 
     def _accept(self, seq: Sequence, result: SampleOutput) -> list[Sequence]:
-        tokens = result.token_ids
-        top: list[TokenLogprobs] | list[None] = result.logprobs or [None] * len(tokens)
-        chosen: list[float] | list[None] = result.token_logprobs or [None] * len(tokens)
-        draws = list(zip(tokens, chosen, top, strict=True))
+        draws = _draws(result)
         seq.resolve_pending(*draws[0])
         seq.spec_token_ids = result.draft_token_ids or []
-        if len(tokens) == 1:
+        if len(draws) == 1:
             return [seq]
         forks = [seq.fork(seq.index + i, *draw) for i, draw in enumerate(draws[1:], 1)]
         position = self.running.index(seq) + 1
@@ -330,13 +327,12 @@ class Scheduler:
         if tokens[:accepted] != drafts[:accepted]:
             raise RuntimeError(f"sequence {seq.seq_id}: the ranks accepted tokens it did not draft")
         self.spec_stats.record(len(drafts), accepted)
-        top: list[TokenLogprobs] | list[None] = result.logprobs or [None] * len(tokens)
-        chosen: list[float] | list[None] = result.token_logprobs or [None] * len(tokens)
-        seq.resolve_pending(tokens[0], chosen[0], top[0])
-        for token, logprob, entries in zip(tokens[1:], chosen[1:], top[1:], strict=True):
+        first, *rest = _draws(result)
+        seq.resolve_pending(*first)
+        for draw in rest:
             if self._finish_reason(seq, eos_token_ids) is not None:
                 break
-            seq.append(token, logprob, entries)
+            seq.append(*draw)
             seq.num_step_tokens += 1
         seq.num_computed_tokens += min(seq.num_step_tokens, accepted)
         seq.block_table.register_full_blocks(seq.token_ids, seq.num_computed_tokens)
@@ -357,3 +353,11 @@ class Scheduler:
         if len(seq.token_ids) >= self.config.max_model_len:
             return "length"
         return None
+
+
+def _draws(result: SampleOutput) -> list[tuple[int, float | None, TokenLogprobs | None]]:
+    """Each token of a result with its log-probability and top-k entries (None where none)."""
+    tokens = result.token_ids
+    chosen: list[float] | list[None] = result.token_logprobs or [None] * len(tokens)
+    top: list[TokenLogprobs] | list[None] = result.logprobs or [None] * len(tokens)
+    return list(zip(tokens, chosen, top, strict=True))

@@ -5,9 +5,9 @@ After a step's tokens are read back, and while the batch is small (at most
 `disable_by_batch_size` sequences running), every running sequence that decodes gets up to
 `num_speculative_tokens` drafts from its own tokens (prompt lookup: `NgramProposer`), or keeps
 those the ranks' draft model proposed with the step's results (method "draft_model"), as many
-as fit. The
-scheduler then gives it 1 + K new tokens in the next step: its last token and the drafts, which
-the ranks verify in one forward pass, sending back the drafts they accept and one token more.
+as fit. The scheduler then gives it 1 + K new tokens in the next step: its last token and the
+drafts, which the ranks verify in one forward pass, sending back the drafts they accept and one
+token more.
 A sequence gets no drafts while a draw of it is still on the device (async scheduling), while a
 grammar constrains it (its mask would have to follow each draft), or where the drafts and the
 token after them would run past `max_tokens` or `max_model_len`. Each sequence's tokens are
