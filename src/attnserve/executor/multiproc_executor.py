@@ -178,6 +178,11 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
 
 def _death_message(rank: int, process: BaseProcess) -> str:
     process.join(SHUTDOWN_TIMEOUT_S)  # reap it, for its exit code
+    # A step's `is_alive()` in the main thread may reap it first: this thread's wait then finds
+    # no child and the exit code lands a moment later, when that thread records it.
+    deadline = time.monotonic() + FAILURE_WAIT_S
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     return (
         f"tensor-parallel worker rank {rank} (pid {process.pid}) died with exit code "
         f"{process.exitcode}"
