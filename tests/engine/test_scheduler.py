@@ -266,3 +266,22 @@ def test_random_streams_keep_block_invariants(
     while _unfinished(s):
         _step(s)
     assert s.allocator.num_free_blocks == 12
+
+
+def test_a_sequence_its_pending_draw_ends_by_length_gets_no_further_step() -> None:
+    """With async scheduling a step is planned before the last one's draws are read: a
+    sequence whose pending draw reaches max_tokens, or max_model_len, is not scheduled again
+    (that step's token would be thrown away); one with tokens left still is."""
+    s = _scheduler(blocks=256, tokens=1024)
+    done = _add(s, "one-token", 8, max_tokens=1)
+    more = _add(s, "two-tokens", 8, max_tokens=2, first=20)
+    full = _add(s, "at-the-limit", 511, max_tokens=100, first=40)  # max_model_len 512
+    first = s.schedule()
+    assert [item.seq for item in first.scheduled] == [done, more, full]
+    s.advance(first)  # the draws are pending, not read back
+    second = s.schedule()
+    assert [item.seq for item in second.scheduled] == [more]
+    s.advance(second)
+    assert s.schedule().scheduled == []
+    s.resolve(first, [SampleOutput([7])] * 3, [EOS])
+    assert done.is_finished and full.is_finished and not more.is_finished

@@ -11,7 +11,6 @@ import torch
 from attnserve.attention import StepLayout, build_step_layout, pad_for_graph
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import BlockUpdate, NewSequence, StepPlan
-from attnserve.worker.device_block_table import DeviceBlockTable
 from attnserve.worker.input_batch import INITIAL_SLOTS, InputBatch
 from attnserve.worker.sampling_metadata import SamplingMetadata
 from tests.worker.rows import Row
@@ -175,13 +174,11 @@ def test_sampling_parameters_are_gathered_from_the_persistent_table() -> None:
     assert greedy.sampling_metadata.all_greedy and greedy.sampling_metadata.params is None
 
 
-def test_the_device_block_table_follows_the_host_one() -> None:
-    """On an accelerator the batch keeps its block tables on the device too (here a CPU tensor
-    stands in for it): after new sequences, appended and replaced blocks, slot reuse and growth,
-    each step's gathered table equals the host one, and a padded graph step pads it with block 0."""
+def test_block_tables_follow_appended_and_replaced_blocks_across_slot_reuse_and_growth() -> None:
+    """After new sequences, appended and replaced blocks, a released slot reused and the slots
+    grown, each step's block table (host int64, and the kernels' int32 copy) holds exactly each
+    sequence's blocks; a padded graph step pads it with block 0."""
     batch = _batch()
-    batch.device_table = DeviceBlockTable(batch.max_blocks, torch.device("cpu"))
-    batch.device_table.grow(INITIAL_SLOTS)
     filler = [_new(100 + i, [1, 2, 3], 0, [i % 9, 5]) for i in range(INITIAL_SLOTS)]
     batch.apply(StepPlan.of_new(filler))
     plans = [
@@ -189,15 +186,16 @@ def test_the_device_block_table_follows_the_host_one() -> None:
         StepPlan([1, 2], [1, 1], block_updates=[BlockUpdate(1, 1, [11, 12])]),
         StepPlan([3, 2], [2, 1], new_seqs=[_new(3, [9, 9], 0, [13])], released_seq_ids=[104]),
     ]
-    for plan in plans:
+    expected = [[[3, 7], [8, 1, 6]], [[3, 11, 12], [8, 1, 6]], [[13], [8, 1, 6]]]
+    for plan, tables in zip(plans, expected, strict=True):
         batch.apply(plan)
         step = batch.prepare(plan)
         batch.advance(step, torch.zeros(len(step.sample_rows), dtype=torch.int64))
-        layout = step.layout
-        assert layout.device_block_table is not None
-        assert torch.equal(layout.device_block_table, layout.block_table.to(torch.int32))
-        assert torch.equal(layout.int32_block_table("cpu"), layout.block_table.to(torch.int32))
+        got = step.layout.int32_block_table("cpu")
+        assert got.dtype == torch.int32 and got.shape == (2, max(map(len, tables)))
+        for row, table in zip(got.tolist(), tables, strict=True):
+            assert row[: len(table)] == table
     decode = batch.prepare(StepPlan([1, 2], [1, 1])).layout
     padded = pad_for_graph(decode, 4)
-    assert padded.device_block_table is not None
-    assert torch.equal(padded.device_block_table, padded.block_table.to(torch.int32))
+    assert padded.block_table[:2].tolist() == decode.block_table.tolist()
+    assert padded.block_table[2:].eq(0).all()

@@ -38,18 +38,13 @@ class StepLayout:
     token_seq: torch.Tensor  # [T] int64: sequence index of each new token
     token_pos: torch.Tensor  # [T] int64: position of each new token in its sequence
     slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token
-    # [B, W] int32 on the step's device: the block table, where the model runner keeps one there
-    device_block_table: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.numel())
 
     def int32_block_table(self, device: torch.device | str) -> torch.Tensor:
-        """The [B, W] block table as int32 on `device`: the model runner's persistent device
-        copy where it keeps one (no transfer), else copied from the host now."""
-        if self.device_block_table is not None:
-            return self.device_block_table
+        """The [B, W] block table as int32 (the kernels' type) on `device`, in one transfer."""
         return to_device(self.block_table.to(torch.int32), device)
 
     def common_metadata(self, device: torch.device | str) -> dict[str, Any]:
@@ -208,9 +203,6 @@ def pad_for_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
         return torch.from_numpy(out)
 
     rows = torch.from_numpy(np.arange(num_padded_seqs + 1))
-    device_table = layout.device_block_table
-    if device_table is not None:
-        device_table = torch.nn.functional.pad(device_table, (0, 0, 0, num_padded_seqs - num_seqs))
     return StepLayout(
         num_prefills=0,
         num_prefill_tokens=0,
@@ -223,7 +215,6 @@ def pad_for_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
         token_seq=rows[:-1],
         token_pos=padded(layout.token_pos, 0),
         slot_mapping=padded(layout.slot_mapping, -1),
-        device_block_table=device_table,
     )
 
 
@@ -236,9 +227,6 @@ def as_decode_rows(layout: StepLayout) -> StepLayout:
     Speculative decoding verifies its drafts so: a few new tokens per sequence."""
     token_seq, positions = layout.token_seq, layout.token_pos
     num_tokens = len(token_seq)
-    device_table = layout.device_block_table
-    if device_table is not None:
-        device_table = device_table[to_device(token_seq, device_table.device)]
     return StepLayout(
         num_prefills=0,
         num_prefill_tokens=0,
@@ -251,7 +239,6 @@ def as_decode_rows(layout: StepLayout) -> StepLayout:
         token_seq=torch.arange(num_tokens),
         token_pos=positions,
         slot_mapping=layout.slot_mapping,
-        device_block_table=device_table,
     )
 
 

@@ -3,20 +3,18 @@ built from it.
 
 The engine sends only what changed (`StepPlan`); this keeps the rest, one row (a slot) per held
 sequence in persistent host arrays: its token ids, how many are known on the host and in all,
-how many are in the cache, its block table, and its sampling parameters (`SamplingTable`). On
-an accelerator the block tables are mirrored on the device (`DeviceBlockTable`: rows rewritten
-only where a plan changed them). A step's layout (with its device block table), token ids,
-sampling rows and `SamplingMetadata` come from those arrays with a few vectorised gathers (no
-per-sequence lists). The first token each
-sequence draws stays on the device (`last_sampled`): the next step reads it from there (a token
-the host does not know yet, with async scheduling), and the host copy is written when the step's
-future resolves (`record`). Slots are reused; a slot's generation tells a late result that its
-sequence has gone.
+how many are in the cache, its block table, and its sampling parameters (`SamplingTable`). A
+step's layout, token ids, sampling rows and `SamplingMetadata` come from those arrays with a few
+vectorised gathers (no per-sequence lists), and the indices the device needs (the sampling rows'
+slots, where carried tokens go) cross in one transfer. The first token each sequence draws
+stays on the device (`last_sampled`): the next step reads it from there (a token the host does
+not know yet, with async scheduling), and the host copy is written when the step's future
+resolves (`record`). Slots are reused; a slot's generation tells a late result that its sequence
+has gone.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +23,6 @@ import torch
 from attnserve.attention import StepLayout, as_decode_rows, layout_from_arrays
 from attnserve.host_copy import device_tensor, to_device
 from attnserve.step_types import NewSequence, StepPlan, StepResults
-from attnserve.worker.device_block_table import DeviceBlockTable
 from attnserve.worker.sampling_metadata import SamplingMetadata, SamplingTable
 
 INITIAL_SLOTS = 64
@@ -119,6 +116,8 @@ class PreparedStep:
     token_ids: torch.Tensor  # [T] int64, host; carried positions hold a placeholder
     carried: tuple[torch.Tensor, torch.Tensor] | None  # (flat token index, token) on the device
     slots: np.ndarray  # [B] each sequence's slot
+    draw_slots: torch.Tensor  # [N] the sampling rows' slots, on the device
+    sample_tokens: torch.Tensor  # [N] each sampling row's last new token (flat), on the device
     num_new_tokens: np.ndarray  # [B] each sequence's new tokens (the layout may regroup them)
     states: list[SequenceState]  # [B]
     sample_rows: list[int]  # the sequences that draw this step
@@ -162,9 +161,6 @@ class InputBatch:
         self.samples = np.zeros(0, dtype=np.bool_)  # has sampling params
         self.last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
         self.sampling_table = SamplingTable(0)
-        self.device_table = (
-            None if device.type == "cpu" else DeviceBlockTable(self.max_blocks, device)
-        )
         self._grow(INITIAL_SLOTS)
 
     def _grow(self, capacity: int) -> None:
@@ -187,24 +183,19 @@ class InputBatch:
         sampled[:old] = self.last_sampled
         self.last_sampled = sampled
         self.sampling_table.grow(capacity)
-        if self.device_table is not None:
-            self.device_table.grow(capacity)
         self._free_slots += reversed(range(old, capacity))
 
     def apply(self, plan: StepPlan) -> None:
         """Drop the released sequences, take in the new ones, update block tables."""
         self.release(plan.released_seq_ids)
-        changed = [self._add(seq) for seq in plan.new_seqs]
+        for seq in plan.new_seqs:
+            self._add(seq)
         for update in plan.block_updates:
             slot = self._slot(update.seq_id)
             end = update.num_kept + len(update.appended)
             self._check_blocks(update.seq_id, end)
             self.block_table[slot, update.num_kept : end] = update.appended
             self.num_blocks[slot] = end
-            changed.append(slot)
-        if self.device_table is not None and changed:
-            slots = np.asarray(changed, dtype=np.int64)
-            self.device_table.write(slots, self.block_table[slots])
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
@@ -226,8 +217,8 @@ class InputBatch:
                 f"({self.max_blocks})"
             )
 
-    def _add(self, seq: NewSequence) -> int:
-        """Hold `seq` in a free slot; return the slot."""
+    def _add(self, seq: NewSequence) -> None:
+        """Hold `seq` in a free slot."""
         num_tokens = len(seq.token_ids)
         if seq.seq_id in self.states:
             raise ValueError(f"sequence {seq.seq_id} is already held")
@@ -252,7 +243,6 @@ class InputBatch:
         self.states[seq.seq_id] = SequenceState(self, slot, seq)
         if seq.sampling is not None and seq.sampling.prompt_logprobs is not None:
             self.prompt_logprob_seqs.add(seq.seq_id)
-        return slot
 
     def prepare(self, plan: StepPlan) -> PreparedStep:
         """The step's inputs from the held state (after `apply`)."""
@@ -273,14 +263,11 @@ class InputBatch:
         layout = layout_from_arrays(
             self.block_table[slots, :width], self.num_blocks[slots], context, query, self.block_size
         )
-        if self.device_table is not None:
-            device_slots = to_device(torch.from_numpy(slots), self.device)
-            table = self.device_table.gather(device_slots, width)
-            layout = dataclasses.replace(layout, device_block_table=table)
         token_seq, positions = layout.token_seq.numpy(), layout.token_pos.numpy()
         flat_index = (slots * self.max_tokens).take(token_seq) + positions
         token_ids = torch.from_numpy(self.token_ids.ravel().take(flat_index))
-        carried = self._carried(slots, context + query, token_seq, positions)
+        carried_at = self._carried_at(slots, context + query, token_seq, positions)
+        ends = layout.query_start_loc.numpy()[1:] - 1
         if (
             drafts is not None
             and self.prompt_logprob_seqs.isdisjoint(plan.seq_ids)  # read per-sequence rows
@@ -291,9 +278,12 @@ class InputBatch:
         sample_rows: list[int] = rows.tolist()
         sampling = [states[row] for row in sample_rows]
         metadata = self.sampling_table.gather(slots[rows], self.device)
+        (draw_slots, sample_tokens), carried = self._device_indices(
+            [slots[rows], ends[rows]], carried_at
+        )
         return PreparedStep(
-            layout, token_ids, carried, slots, query, states, sample_rows, sampling, metadata,
-            drafts,
+            layout, token_ids, carried, slots, draw_slots, sample_tokens, query, states,
+            sample_rows, sampling, metadata, drafts,
         )  # fmt: skip
 
     def _write_drafts(self, plan: StepPlan, states: list[SequenceState]) -> list[list[int]]:
@@ -311,25 +301,38 @@ class InputBatch:
             drafts.append(tokens)
         return drafts
 
-    def _carried(
+    def _carried_at(
         self,
         slots: np.ndarray,
         ends: np.ndarray,
         token_seq: np.ndarray,
         positions: np.ndarray,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where the step's tokens that only the device knows go (flat token index), and those
-        tokens; None when the host knows every token the step reads."""
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where the step's tokens that only the device knows go (flat token index), and the
+        slots whose `last_sampled` they are; None when the host knows every token the step
+        reads."""
         known = self.num_host_tokens[slots]
         if (ends <= known).all():
             return None
         real = self.num_tokens[slots]  # drafts lie past these, on the host
-        carried_at = np.flatnonzero(
+        at = np.flatnonzero(
             (positions >= known.take(token_seq)) & (positions < real.take(token_seq))
         )
-        index = to_device(torch.from_numpy(carried_at), self.device)
-        source = to_device(torch.from_numpy(slots.take(token_seq[carried_at])), self.device)
-        return index, self.last_sampled[source]
+        return at, slots.take(token_seq[at])
+
+    def _device_indices(
+        self, rows: list[np.ndarray], carried_at: tuple[np.ndarray, np.ndarray] | None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """`rows` (equal-length index arrays, one entry per sampling row) stacked on the
+        device, and the carried tokens (their flat index, and the tokens from
+        `last_sampled`): every index the step's device work needs, in one transfer."""
+        parts = rows if carried_at is None else [*rows, *carried_at]
+        packed = to_device(torch.from_numpy(np.concatenate(parts)), self.device)
+        on_device = packed[: sum(map(len, rows))].view(len(rows), -1)
+        if carried_at is None:
+            return on_device, None
+        index, source = packed[on_device.numel() :].view(2, -1)
+        return on_device, (index, self.last_sampled[source])
 
     def advance(self, step: PreparedStep, first_draws: torch.Tensor | None) -> PendingDraws:
         """Count the step's tokens as computed and its draws (`first_draws`: each sampling row's
@@ -340,7 +343,7 @@ class InputBatch:
         self.num_tokens[drew] += 1
         self.sampling_table.num_samples[drew] = 1
         if first_draws is not None and len(drew):
-            self.last_sampled[to_device(torch.from_numpy(drew), self.device)] = first_draws
+            self.last_sampled[step.draw_slots] = first_draws
         return PendingDraws(drew, positions, self.generation[drew].copy())
 
     def extend(self, step: PreparedStep, row: int, tokens: list[int]) -> None:

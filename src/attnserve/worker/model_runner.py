@@ -287,7 +287,7 @@ class ModelRunner:
                 results = verifier.verify(step, hidden, plan.token_bitmask)
             self._add_prompt_logprobs(step, hidden, starts, results)
             return StepFuture(num_seqs, ready=results)
-        logits = self.model.compute_logits(self._last_hidden(hidden, starts, rows))
+        logits = self.model.compute_logits(self._last_hidden(hidden, step))
         with marked(SAMPLING_RANGE), self._sampling_threads():
             draw = self.sampler.draw(
                 logits, step.sampling, step.sampling_metadata, plan.token_bitmask
@@ -360,14 +360,12 @@ class ModelRunner:
     def _first_draws(self, counts: list[int]) -> torch.Tensor:
         return device_tensor([0, *accumulate(counts)][:-1], self.device)
 
-    def _last_hidden(
-        self, hidden: torch.Tensor, starts: list[int], rows: list[int]
-    ) -> torch.Tensor:
-        """The hidden states of the last new token of each sequence in `rows`."""
-        if len(rows) == len(hidden):  # one token per sequence, each sampling (a decode step)
+    @staticmethod
+    def _last_hidden(hidden: torch.Tensor, step: PreparedStep) -> torch.Tensor:
+        """The hidden states of the last new token of each sampling row."""
+        if len(step.sample_rows) == len(hidden):  # one token per sequence, each sampling
             return hidden
-        last = device_tensor([starts[i + 1] - 1 for i in rows], self.device)
-        return hidden[last]
+        return hidden[step.sample_tokens]
 
     def _forward(self, step: PreparedStep) -> torch.Tensor:
         """Final hidden states of the step's new tokens (sequence i's at query_start_loc[i] ..

@@ -131,7 +131,7 @@ class Scheduler:
             for seq in list(self.running):
                 if budget == 0:
                     break
-                if seq.status is not SequenceStatus.RUNNING:
+                if seq.status is not SequenceStatus.RUNNING or self._ends_when_resolved(seq):
                     continue
                 if (seq.num_uncomputed_tokens == 1) is not decodes:
                     continue
@@ -147,6 +147,16 @@ class Scheduler:
         out.scheduled.sort(key=lambda item: not item.is_prefill)
         self._look_ahead(out)
         return out
+
+    def _ends_when_resolved(self, seq: Sequence) -> bool:
+        """Whether `seq`'s pending draw (async scheduling) ends it by length whatever the token:
+        a step computing the token after it would be thrown away."""
+        if not seq.num_pending_tokens:
+            return False
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None and seq.num_output_tokens + seq.num_pending_tokens >= max_tokens:
+            return True
+        return seq.num_tokens >= self.config.max_model_len
 
     def _look_ahead(self, out: SchedulerOutput) -> None:
         """Blocks for `num_lookahead_tokens` positions past each drawing sequence's step, where
