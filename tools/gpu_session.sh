@@ -80,7 +80,7 @@ env_report() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
     python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
-    python3 -m attnserve.cli backends --dtype bfloat16 --device cuda
+    python3 -m attnserve.cli backends --model qwen3-0.6b --dtype bfloat16 --device cuda
 }
 
 conformance() {

@@ -269,16 +269,15 @@ LOG_LEVELS = ["debug", "info", "warning", "error"]
 def _add_backends_command(commands: Commands) -> None:
     backends = commands.add_parser("backends", help="list attention backends and whether they fit")
     backends.add_argument(
-        "--model", default=None, help="take the attention shape from this model's config"
-    )
-    for flag, default, what in [
-        ("--num-heads", 32, "query heads per layer"),
-        ("--num-kv-heads", 8, "key/value heads per layer"),
-        ("--head-size", 128, "attention head size"),
+        "--model", default=None,
+        help="take the attention shape from this model's config (default: the embedded model)",
+    )  # fmt: skip
+    for flag, what in [
+        ("--num-heads", "query heads per layer"),
+        ("--num-kv-heads", "key/value heads per layer"),
+        ("--head-size", "attention head size"),
     ]:
-        backends.add_argument(
-            flag, type=int, default=None, help=f"{what} (default: the model's, else {default})"
-        )
+        backends.add_argument(flag, type=int, default=None, help=f"{what} (default: the model's)")
     backends.add_argument(
         "--dtype", default="auto", help="query and KV dtype (auto: bfloat16 on CUDA, else float32)"
     )
