@@ -6,11 +6,11 @@ sequence in persistent host arrays: its token ids, how many are known on the hos
 how many are in the cache, its block table, and its sampling parameters (`SamplingTable`). A
 step's layout, token ids, sampling rows and `SamplingMetadata` come from those arrays with a few
 vectorised gathers (no per-sequence lists), and the indices the device needs (the sampling rows'
-slots, where carried tokens go) cross in one transfer. The first token each sequence draws
-stays on the device (`last_sampled`): the next step reads it from there (a token the host does
-not know yet, with async scheduling), and the host copy is written when the step's future
-resolves (`record`). Slots are reused; a slot's generation tells a late result that its sequence
-has gone.
+slots and last tokens, where carried tokens go) cross in one transfer. The first token each
+sequence draws stays on the device (`last_sampled`): the next step reads it from there (a token
+the host does not know yet, with async scheduling), and the host copy is written when the step's
+future resolves (`record`). Slots are reused; a slot's generation tells a late result that its
+sequence has gone.
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ class InputBatch:
         flat_index = (slots * self.max_tokens).take(token_seq) + positions
         token_ids = torch.from_numpy(self.token_ids.ravel().take(flat_index))
         carried_at = self._carried_at(slots, context + query, token_seq, positions)
-        ends = layout.query_start_loc.numpy()[1:] - 1
+        last_tokens = layout.query_start_loc.numpy()[1:] - 1  # each sequence's, flat
         if (
             drafts is not None
             and self.prompt_logprob_seqs.isdisjoint(plan.seq_ids)  # read per-sequence rows
@@ -279,7 +279,7 @@ class InputBatch:
         sampling = [states[row] for row in sample_rows]
         metadata = self.sampling_table.gather(slots[rows], self.device)
         (draw_slots, sample_tokens), carried = self._device_indices(
-            [slots[rows], ends[rows]], carried_at
+            [slots[rows], last_tokens[rows]], carried_at
         )
         return PreparedStep(
             layout, token_ids, carried, slots, draw_slots, sample_tokens, query, states,
