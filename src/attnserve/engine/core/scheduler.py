@@ -151,12 +151,15 @@ class Scheduler:
     def _ends_when_resolved(self, seq: Sequence) -> bool:
         """Whether `seq`'s pending draw (async scheduling) ends it by length whatever the token:
         a step computing the token after it would be thrown away."""
-        if not seq.num_pending_tokens:
-            return False
+        return bool(seq.num_pending_tokens) and self._ends_by_length(seq, seq.num_pending_tokens)
+
+    def _ends_by_length(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Whether `seq` has reached max_tokens or max_model_len once `ahead` more tokens are
+        appended."""
         max_tokens = seq.sampling_params.max_tokens
-        if max_tokens is not None and seq.num_output_tokens + seq.num_pending_tokens >= max_tokens:
+        if max_tokens is not None and seq.num_output_tokens + ahead >= max_tokens:
             return True
-        return seq.num_tokens >= self.config.max_model_len
+        return len(seq.token_ids) + ahead >= self.config.max_model_len
 
     def _look_ahead(self, out: SchedulerOutput) -> None:
         """Blocks for `num_lookahead_tokens` positions past each drawing sequence's step, where
@@ -358,11 +361,7 @@ class Scheduler:
                 return "stop"
             if not params.ignore_eos and token in eos_token_ids:
                 return "stop"
-        if params.max_tokens is not None and num_output >= params.max_tokens:
-            return "length"
-        if len(seq.token_ids) >= self.config.max_model_len:
-            return "length"
-        return None
+        return "length" if self._ends_by_length(seq) else None
 
 
 def _draws(result: SampleOutput) -> list[tuple[int, float | None, TokenLogprobs | None]]:
