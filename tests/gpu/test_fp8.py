@@ -75,6 +75,70 @@ def test_one_launch_quantization_equals_the_torch_ops(m: int, k: int) -> None:
     assert torch.equal(got.cpu().view(torch.uint8), expected.view(torch.uint8))
 
 
+def _same_bits(got: tuple[torch.Tensor, torch.Tensor], expected: torch.Tensor) -> bool:
+    """`got` (E4M3 values, scales) is `expected` quantized per row by the torch ops."""
+    values, scale = quantize_rows(expected.cpu())
+    return torch.equal(got[1].cpu(), scale) and torch.equal(
+        got[0].cpu().view(torch.uint8), values.view(torch.uint8)
+    )
+
+
+@needs_fp8
+@pytest.mark.parametrize("m", [1, 300])
+def test_the_quantizing_norm_and_activation_equal_the_separate_ops(m: int) -> None:
+    """The kernels an FP8 layer's input comes from (RMSNorm, with and without the residual
+    add, and SiLU-and-mul, quantizing in the same launch) write the bits the separate ops
+    and the torch quantization write."""
+    from attnserve.model.layers import fused_ops
+
+    generator = torch.Generator("cuda").manual_seed(m)
+    x, residual = (3 * torch.randn(2, m, 4096, device="cuda", generator=generator)).bfloat16()
+    weight = (1 + 0.1 * torch.randn(4096, device="cuda", generator=generator)).bfloat16()
+    got, summed = fused_ops.rms_norm_fp8(x, None, weight, 1e-6)
+    assert summed is None and _same_bits(got, fused_ops.rms_norm(x, weight, 1e-6))
+    got, summed = fused_ops.rms_norm_fp8(x, residual, weight, 1e-6)
+    normed, expected_sum = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert summed is not None and torch.equal(summed, expected_sum)
+    assert _same_bits(got, normed)
+    gate_up = (3 * torch.randn(m, 2 * 14336, device="cuda", generator=generator)).bfloat16()
+    assert _same_bits(fused_ops.silu_and_mul_fp8(gate_up), fused_ops.silu_and_mul(gate_up))
+
+
+@needs_fp8
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 4096, 6144), (64, 4096, 4096), (300, 14336, 4096),
+                                           (2048, 4096, 28672)])  # fmt: skip
+def test_the_triton_fp8_gemm_against_its_rounded_operands(m: int, k: int, n: int) -> None:
+    """Every tile shape the GEMM would run this product with (the one picked for the shape,
+    if any, and the default), against float32 on the same E4M3 operands."""
+    from attnserve.model.quantization import fp8_gemm
+
+    generator = torch.Generator("cuda").manual_seed(m + n)
+    x_q, x_scale = quantize_rows(torch.randn(m, k, device="cuda", generator=generator))
+    w_q, w_scale = quantize_rows(torch.randn(n, k, device="cuda", generator=generator))
+    rounded = (x_q.float() * x_scale[:, None]) @ (w_q.float() * w_scale[:, None]).t()
+    configs = {fp8_gemm.pick_config(m, n, k), fp8_gemm.default_config(m, 128)} - {None}
+    for config in configs:
+        got = fp8_gemm.scaled_mm(x_q, x_scale, w_q, w_scale, torch.bfloat16, config=config)
+        assert _relative(got, rounded) < ROUNDED_TOL, config
+
+
+@needs_fp8
+@pytest.mark.parametrize("m", [1, 200])
+def test_the_block_scaled_gemm_equals_the_torch_definition(m: int) -> None:
+    """A block-wise FP8 layer's product on CUDA (one Triton GEMM scaling each K block as it
+    adds it) against the same product in float32 torch ops on the CPU."""
+    from attnserve.model.quantization.fp8_block import fp8_block_linear
+
+    generator = torch.Generator("cuda").manual_seed(m)
+    x = torch.randn(m, 4096, device="cuda", generator=generator).bfloat16()
+    weight = 0.02 * torch.randn(6144, 4096, device="cuda", generator=generator)
+    w_q, w_scale = quantize_rows(weight.reshape(-1, 128))
+    w_q, w_scale = w_q.reshape(6144, 4096), w_scale.reshape(6144, 32)
+    got = fp8_block_linear(x, w_q, w_scale, 128, None)
+    expected = fp8_block_linear(x.cpu().float(), w_q.cpu(), w_scale.cpu(), 128, None)
+    assert got.dtype == torch.bfloat16 and _relative(got.cpu(), expected) < ROUNDED_TOL
+
+
 def _engine(quantization: str | None, enforce_eager: bool) -> LLM:
     return LLM(
         MODEL,

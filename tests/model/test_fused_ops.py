@@ -21,6 +21,7 @@ if DEVICE == "cpu":
 pytest.importorskip("triton")
 
 from attnserve.model.layers import fused_ops as ops  # noqa: E402
+from attnserve.model.layers import fused_rotary  # noqa: E402
 from attnserve.model.layers import ops as layer_ops  # noqa: E402
 from attnserve.model.layers.activation import SiluAndMul  # noqa: E402
 from attnserve.model.layers.layernorm import RMSNorm  # noqa: E402
@@ -117,7 +118,7 @@ def _rope_float64(positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def test_rotary_embedding_matches_torch_and_formula(dtype: torch.dtype) -> None:
     rope, positions, q, k = _rope(dtype)
     before = (q.clone(), k.clone())
-    q_out, k_out = ops.rotary_embedding(positions, q, k, rope.cos_sin_cache, HEAD)
+    q_out, k_out = fused_rotary.rotary_embedding(positions, q, k, rope.cos_sin_cache, HEAD)
     q_ref, k_ref = rope(positions, q, k)
     for out, ref, x in ((q_out, q_ref, q), (k_out, k_ref, k)):
         assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
@@ -137,7 +138,9 @@ def test_qkv_rotary_embedding_matches_the_separate_layers(dtype: torch.dtype, no
     q, k, v = qkv.split([Q_HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], -1)
     norms = (_norm(HEAD, dtype), _norm(HEAD, dtype)) if normed else None
     weights = None if norms is None else (norms[0].weight, norms[1].weight)
-    got = ops.qkv_rotary_embedding(positions, (q, k, v), rope.cos_sin_cache, HEAD, weights, EPS)
+    got = fused_rotary.qkv_rotary_embedding(
+        positions, (q, k, v), rope.cos_sin_cache, HEAD, weights, EPS
+    )
     if norms is not None:
         q, k = (
             _reference(n, x.reshape(T, -1, HEAD)).flatten(1)
@@ -169,7 +172,9 @@ def test_empty_batch() -> None:
     assert ops.silu_and_mul(_rand(0, 2 * HIDDEN)).shape == (0, HIDDEN)
     rope, _, _, _ = _rope(torch.float32)
     empty = torch.zeros(0, dtype=torch.long, device=DEVICE)
-    q, k = ops.rotary_embedding(empty, _rand(0, 64), _rand(0, 32), rope.cos_sin_cache, HEAD)
+    q, k = fused_rotary.rotary_embedding(
+        empty, _rand(0, 64), _rand(0, 32), rope.cos_sin_cache, HEAD
+    )
     assert q.shape == (0, 64) and k.shape == (0, 32)
 
 
@@ -186,14 +191,13 @@ def triton_layers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
         return call
 
-    for name in (
-        "rms_norm",
-        "fused_add_rms_norm",
-        "rotary_embedding",
-        "qkv_rotary_embedding",
-        "silu_and_mul",
-    ):
-        monkeypatch.setattr(ops, name, spy(name, getattr(ops, name)))
+    kernels = {
+        ops: ("rms_norm", "fused_add_rms_norm", "silu_and_mul"),
+        fused_rotary: ("rotary_embedding", "qkv_rotary_embedding"),
+    }
+    for module, names in kernels.items():
+        for name in names:
+            monkeypatch.setattr(module, name, spy(name, getattr(module, name)))
     return calls
 
 

@@ -12,14 +12,16 @@ one named part of a merged one) and copying only this rank's shard.
 How a layer holds its weight and multiplies with it is its `quant_method` (vLLM's name), taken
 from the quantization active while the model is built (`model.quantization`): plain weights in
 the model's dtype unless a quantization is active. The loaders write rows with `store_rows`, so
-a quantized weight is quantized (or kept as the checkpoint's) row range by row range.
+a quantized weight is quantized (or kept as the checkpoint's) row range by row range. A layer
+whose method takes FP8 input also multiplies an `Fp8Activation` (rows quantized by the op before
+it: `fuse_input_quantization` wires a norm or activation to hand it that).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -32,6 +34,7 @@ from attnserve.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from attnserve.model.quantization import linear_method_for
+from attnserve.model.quantization.fp8_format import Fp8Activation, LinearInput
 from attnserve.model.quantization.weight_utils import (
     LoadedWeight,
     default_weight_loader,
@@ -60,8 +63,27 @@ class Linear(nn.Module):
         self.quant_method.create_weights(self, out_features, in_features)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+    def forward(self, x: LinearInput) -> torch.Tensor:
+        return self.multiply(x, self.bias)
+
+    def multiply(self, x: LinearInput, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) on this rank, x float or quantized per row."""
+        if isinstance(x, Fp8Activation):
+            return self.quant_method.apply_fp8(self, x, bias)
+        return self.quant_method.apply(self, x, bias)
+
+
+class QuantizingProducer(Protocol):
+    """A norm or activation that can write its output quantized for the layer it feeds."""
+
+    supports_fp8_output: ClassVar[bool]
+    output_fp8: bool
+
+
+def fuse_input_quantization(producer: QuantizingProducer, consumer: Linear) -> None:
+    """Let `producer`, whose output only `consumer` reads, hand it over quantized (one launch
+    fewer per call) where the producer can and the consumer's method takes FP8 input."""
+    producer.output_fp8 = producer.supports_fp8_output and consumer.quant_method.takes_fp8_input
 
 
 def _check_full_size(param: nn.Parameter, loaded: LoadedWeight, dim: int, expected: int) -> None:
@@ -113,8 +135,8 @@ class ColumnParallelLinear(Linear):
     ) -> None:
         load_rank_slice(param, loaded, 0, (self.tp_rank, self.tp_size), "column-parallel weight")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.quant_method.apply(self, x, self.bias)
+    def forward(self, x: LinearInput) -> torch.Tensor:
+        out = self.multiply(x, self.bias)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -228,8 +250,8 @@ class RowParallelLinear(Linear):
     ) -> None:
         load_rank_slice(param, loaded, 1, (self.tp_rank, self.tp_size), "row-parallel weight")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: LinearInput) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
-        out = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x, None))
+            return self.multiply(x, self.bias)
+        out = tensor_model_parallel_all_reduce(self.multiply(x, None))
         return out if self.bias is None else out + self.bias

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from attnserve.model.layers import cpu_ops
+from attnserve.model.quantization.fp8 import quantize_rows
+from attnserve.model.quantization.fp8_format import Fp8Activation
 
 _FUSED = os.environ.get("ATTNSERVE_FUSED_OPS", "1") != "0"
 _TRITON = _FUSED and importlib.util.find_spec("triton") is not None
@@ -92,6 +94,33 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[Fp8Activation, torch.Tensor | None]:
+    """`rms_norm` of x (or, with `residual`, `fused_add_rms_norm`) quantized per row for an FP8
+    linear layer: (the quantized rows, the sum when `residual` was added). One launch on CUDA
+    for [T, N] rows in the weight's dtype; else the norm, then `quantize_rows` (the same bits)."""
+    in_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    if use_triton(x) and x.dim() == 2 and weight.dtype == in_dtype:
+        from attnserve.model.layers import fused_ops
+
+        return fused_ops.rms_norm_fp8(x, residual, weight, eps)
+    if residual is None:
+        return Fp8Activation(*quantize_rows(rms_norm(x, weight, eps))), None
+    normed, summed = fused_add_rms_norm(x, residual, weight, eps)
+    return Fp8Activation(*quantize_rows(normed)), summed
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Activation:
+    """`silu_and_mul` of [T, 2*I] rows quantized per row for an FP8 linear layer: one launch on
+    CUDA, else the op then `quantize_rows` (the same bits)."""
+    if use_triton(x):
+        from attnserve.model.layers import fused_ops
+
+        return fused_ops.silu_and_mul_fp8(x)
+    return Fp8Activation(*quantize_rows(silu_and_mul(x)))
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] float32; cos/sin [T, 1, D/2]."""
     first, second = x.chunk(2, dim=-1)
@@ -108,9 +137,9 @@ def rotary_embedding(
     """query [T, H*D] and key [T, Hkv*D] rotated ("rotate half") by their tokens' positions
     [T], in float32 from `cos_sin_cache` [positions, D] (cos then sin): new tensors."""
     if use_triton(query):
-        from attnserve.model.layers import fused_ops
+        from attnserve.model.layers import fused_rotary
 
-        return fused_ops.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
+        return fused_rotary.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
     if use_native(query, key):
         return cpu_ops.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
     cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
@@ -135,11 +164,11 @@ def qkv_rotary_embedding(
     the separate ops elsewhere."""
     query, key, value = qkv
     if use_triton(query) and (head_norms is None or head_norms[0][0].dtype == query.dtype):
-        from attnserve.model.layers import fused_ops
+        from attnserve.model.layers import fused_rotary
 
         weights = None if head_norms is None else (head_norms[0][0], head_norms[1][0])
         eps = 0.0 if head_norms is None else head_norms[0][1]
-        return fused_ops.qkv_rotary_embedding(
+        return fused_rotary.qkv_rotary_embedding(
             positions, qkv, cos_sin_cache, head_size, weights, eps
         )
     if head_norms is not None:

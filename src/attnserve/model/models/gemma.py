@@ -20,6 +20,7 @@ from torch import nn
 from attnserve.model.config import ModelConfig
 from attnserve.model.layers.activation import GeluTanhAndMul
 from attnserve.model.layers.layernorm import GemmaRMSNorm, RMSNorm
+from attnserve.model.layers.linear import fuse_input_quantization
 from attnserve.model.models.llama import (
     LayerParts,
     LlamaDecoderLayer,
@@ -38,14 +39,17 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         size, eps = parts.config.hidden_size, parts.config.hf_config.rms_norm_eps
         self.pre_feedforward_layernorm = parts.variant.make_norm(size, eps)
         self.post_feedforward_layernorm = parts.variant.make_norm(size, eps)
+        self.post_attention_layernorm.output_fp8 = False  # it norms the attention output here
+        if isinstance(self.mlp, LlamaMLP):
+            fuse_input_quantization(self.pre_feedforward_layernorm, self.mlp.gate_up_proj)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.attend(positions, hidden, residual)
         hidden = self.post_attention_layernorm(hidden)
-        hidden, residual = self.pre_feedforward_layernorm.forward_with_residual(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        normed, residual = self.pre_feedforward_layernorm.forward_to_linear(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(normed)), residual
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

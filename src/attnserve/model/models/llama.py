@@ -24,15 +24,17 @@ from attnserve.model.config import (
     layer_sliding_windows,
     rope_settings,
 )
-from attnserve.model.layers.activation import SiluAndMul
+from attnserve.model.layers.activation import GatedActivation, SiluAndMul
 from attnserve.model.layers.layernorm import RMSNorm
 from attnserve.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    fuse_input_quantization,
 )
 from attnserve.model.layers.rotary_embedding import RotaryEmbedding
 from attnserve.model.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from attnserve.model.quantization.fp8_format import LinearInput
 from attnserve.model.quantization.weight_utils import LoadedWeight, full_weight, load_weight
 
 logger = logging.getLogger(__name__)
@@ -60,16 +62,17 @@ class LlamaMLP(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         bias: bool,
-        act_fn: nn.Module | None = None,
+        act_fn: GatedActivation | None = None,
     ) -> None:
         super().__init__()
         sizes = [intermediate_size, intermediate_size]
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, ["gate", "up"], bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
         self.act_fn = act_fn if act_fn is not None else SiluAndMul()
+        fuse_input_quantization(self.act_fn, self.down_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: LinearInput) -> torch.Tensor:
+        return self.down_proj(self.act_fn.forward_to_linear(self.gate_up_proj(x)))
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ class LlamaAttention(nn.Module):
         scales.load(index, full_weight(weight), self.qkv_proj.kv_head_start)
         return True
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: LinearInput) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
         if self.q_norm is not None and self.k_norm is not None and self.head_norms is None:
             heads = (-1, self.head_size)  # q/k head norms the fused op cannot apply
@@ -156,24 +159,24 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = parts.variant.make_mlp(config, layer_index)
         self.input_layernorm = parts.variant.make_norm(config.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = parts.variant.make_norm(config.hidden_size, hf.rms_norm_eps)
+        fuse_input_quantization(self.input_layernorm, self.self_attn.qkv_proj)
+        if isinstance(self.mlp, LlamaMLP):
+            fuse_input_quantization(self.post_attention_layernorm, self.mlp.gate_up_proj)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.attend(positions, hidden, residual)
-        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
-        return self.mlp(hidden), residual
+        normed, residual = self.post_attention_layernorm.forward_to_linear(hidden, residual)
+        return self.mlp(normed), residual
 
     def attend(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention output, residual stream): `residual` (if any) added to `hidden`, the sum
         normalised and attended over."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
-        return self.self_attn(positions, hidden), residual
+        normed, residual = self.input_layernorm.forward_to_linear(hidden, residual)
+        return self.self_attn(positions, normed), residual
 
 
 class LlamaModel(nn.Module):

@@ -12,10 +12,13 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from attnserve.model.quantization.fp8_format import Fp8Activation
 
 
 def layer_weight(layer: nn.Module) -> nn.Parameter:
@@ -27,7 +30,11 @@ def layer_weight(layer: nn.Module) -> nn.Parameter:
 
 
 class LinearMethod:
-    """How a linear layer holds its weight [out, in] and computes `x W^T + bias`."""
+    """How a linear layer holds its weight [out, in] and computes `x W^T + bias`.
+    `takes_fp8_input`: it multiplies inputs quantized per row (`apply_fp8`), so the op before
+    it may quantize its output in its own kernel (`linear.fuse_input_quantization`)."""
+
+    takes_fp8_input: ClassVar[bool] = False
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         """Register the layer's `weight` (and whatever else the method keeps)."""
@@ -38,6 +45,12 @@ class LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def apply_fp8(
+        self, layer: nn.Module, x: Fp8Activation, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`apply` of an input already quantized per row (only where `takes_fp8_input`)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no FP8 input")
 
     def dense_weight(self, layer: nn.Module) -> torch.Tensor:
         """The weight as the matmul sees it, in float (to export the model, e.g. to HF)."""

@@ -23,7 +23,7 @@ from torch import nn
 
 from attnserve.model.quantization.base import LinearMethod
 from attnserve.model.quantization.fp8_checkpoint import Fp8Scheme
-from attnserve.model.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE
+from attnserve.model.quantization.fp8_format import FP8, FP8_MAX, MIN_SCALE, Fp8Activation
 from attnserve.model.quantization.weight_utils import (
     LoadedWeight,
     WeightLoader,
@@ -48,38 +48,52 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scale.squeeze(-1)
 
 
-def _matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """cuBLASLt's row-wise scaling writes bfloat16 only; the CPU kernel writes any float."""
-    return torch.bfloat16 if device.type == "cuda" else dtype
+def fp8_matmul(
+    x: Fp8Activation,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows quantized per row times the E4M3 weight [N, K] (float32 row scales [N])
+    transposed, in `out_dtype`: on CUDA the GEMM `fp8_gemm.row_scaled_mm` picks for the shape,
+    on the CPU torch's `_scaled_mm`."""
+    values, x_scale = x
+    if values.shape[0] == 0:
+        return torch.empty(0, weight.shape[0], dtype=out_dtype, device=values.device)
+    if values.is_cuda:
+        from attnserve.model.quantization import fp8_gemm
+
+        out = fp8_gemm.row_scaled_mm(values, x_scale, weight, weight_scale, out_dtype)
+    else:
+        out = torch._scaled_mm(
+            values, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
+            out_dtype=out_dtype,
+        )  # fmt: skip
+    return out if bias is None else out + bias
 
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x [M, K] (float) times the E4M3 weight [N, K] (float32 row scales [N]) transposed."""
-    if x.shape[0] == 0:
-        return x.new_empty(0, weight.shape[0])
-    quantized, x_scale = quantize_rows(x)
-    out = torch._scaled_mm(
-        quantized,
-        weight.t(),
-        scale_a=x_scale[:, None],
-        scale_b=weight_scale[None, :],
-        out_dtype=_matmul_dtype(x.dtype, x.device),
-    ).to(x.dtype)
-    return out if bias is None else out + bias
+    """x [M, K] (float) quantized per row, times the E4M3 weight [N, K] (float32 row scales
+    [N]) transposed, in x's dtype."""
+    return fp8_matmul(Fp8Activation(*quantize_rows(x)), weight, weight_scale, bias, x.dtype)
 
 
 class Fp8LinearMethod(LinearMethod):
     """`scheme` None: quantize float weights on load; else load the checkpoint's FP8 weights
     and their scales (named `scheme.scale_name`). One method object per layer: it keeps the
-    layer's weight and scales."""
+    layer's weight and scales. It takes inputs quantized per row by the op before it."""
+
+    takes_fp8_input = True
 
     def __init__(self, scheme: Fp8Scheme | None) -> None:
         self.scheme = scheme
         self.scale_name = "weight_scale" if scheme is None else scheme.scale_name
         self.weight = nn.Parameter(torch.empty(0, dtype=FP8), requires_grad=False)
         self.scale = torch.empty(0)
+        self.out_dtype = torch.get_default_dtype()  # the model's dtype, as the layer is built
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         if torch.get_default_device().type == "cuda" and (in_features % 16 or out_features % 16):
@@ -156,6 +170,11 @@ class Fp8LinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.scale, bias)
+
+    def apply_fp8(
+        self, layer: nn.Module, x: Fp8Activation, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return fp8_matmul(x, self.weight, self.scale, bias, self.out_dtype)
 
     def dense_weight(self, layer: nn.Module) -> torch.Tensor:
         return self.weight.float() * self.scale[:, None]

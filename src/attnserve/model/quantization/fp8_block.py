@@ -6,9 +6,10 @@ The weight keeps its E4M3 bytes as stored; its scales are kept per row and colum
 not whole row blocks (a 64-row k_proj under 128-row blocks) and column-parallel shards need no
 block alignment; a row-parallel layer's input columns must split on column blocks (checked).
 Activations are quantized as the checkpoints were made for: per token and group of a block's
-columns (w8a8 with DeepSeek's 1 x 128 activation groups). The product runs in torch ops (the
-activation groups and the weight dequantized block by block, a float32 matmul) on every device:
-exact to the block-scaled definition, not a fused kernel (on CUDA slower than bf16).
+columns (w8a8 with DeepSeek's 1 x 128 activation groups). On CUDA the product is one Triton
+GEMM that scales each K block's partial sums as it adds them (`fp8_gemm.scaled_mm` with
+`group`); elsewhere torch ops compute the same definition (the activation groups and the weight
+dequantized block by block, a float32 matmul).
 """
 
 from __future__ import annotations
@@ -43,8 +44,14 @@ def fp8_block_linear(
     group) transposed; x is quantized per token and group of `group` columns first."""
     rows, columns = x.shape
     quantized, x_scale = quantize_rows(x.reshape(-1, group))
-    activations = (quantized.float() * x_scale[:, None]).reshape(rows, columns)
-    out = (activations @ dequantize_blocks(weight, scale, group).t()).to(x.dtype)
+    if x.is_cuda:
+        from attnserve.model.quantization import fp8_gemm
+
+        values, groups = quantized.reshape(rows, columns), x_scale.reshape(rows, -1)
+        out = fp8_gemm.scaled_mm(values, groups, weight, scale, x.dtype, group=group)
+    else:
+        activations = (quantized.float() * x_scale[:, None]).reshape(rows, columns)
+        out = (activations @ dequantize_blocks(weight, scale, group).t()).to(x.dtype)
     return out if bias is None else out + bias
 
 
@@ -57,6 +64,8 @@ def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, group: int) -> 
 
 class Fp8BlockLinearMethod(Fp8LinearMethod):
     """One layer's block-wise FP8 weight and its scales (see the module docstring)."""
+
+    takes_fp8_input = False  # its activations are quantized per group of columns, not per row
 
     def __init__(self, scheme: Fp8Scheme) -> None:
         super().__init__(scheme)

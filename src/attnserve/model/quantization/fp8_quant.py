@@ -5,7 +5,8 @@ A program per row: the row's max |x| gives its scale (max times 1/448, as torch 
 division by a scalar, at least float32's smallest normal), then x / scale (correctly rounded
 division, as torch's by a tensor), clamped to +-448, cast to E4M3 (round to nearest even, as
 torch's cast). The same values as the torch path, so the FP8 linear layer computes the same on
-either.
+either. `store_quantized_row` is that quantization as a kernel's last step: the fused RMSNorm and
+SiLU-and-mul kernels (`fused_ops`) end with it to hand an FP8 layer its input ready.
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ _MIN_SCALE = tl.constexpr(fp8_format.MIN_SCALE)
 
 
 @triton.jit
+def store_quantized_row(y, out_ptr, scale_ptr, row, cols, mask, K):  # type: ignore[no-untyped-def]
+    """Row `row` of float32 values `y` (0 where masked) quantized: E4M3 at out_ptr[row, cols]
+    (rows of K), its scale at scale_ptr[row]. The fused norm and activation kernels end with it."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) * _INV_FP8_MAX, _MIN_SCALE)
+    scaled = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+    tl.store(out_ptr + row * K + cols, scaled.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
 def _quantize_rows_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     out_ptr,
@@ -35,10 +46,7 @@ def _quantize_rows_kernel(  # type: ignore[no-untyped-def]
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) * _INV_FP8_MAX, _MIN_SCALE)
-    scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-    tl.store(out_ptr + row * K + cols, scaled.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    store_quantized_row(x, out_ptr, scale_ptr, row, cols, mask, K)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,144 @@
+"""FP8 layers take their input quantized by the op before them (issue 30): the fused RMSNorm and
+SiLU-and-mul kernels that end in per-row quantization, the wiring of decoder layers, and the
+Triton FP8 GEMM (row-wise and block-wise scales) under Triton's interpreter.
+
+The interpreter's E4M3 cast rounds some values wrongly, by up to a binade (tests/gpu/test_fp8.py
+compares the kernels' bits on the GPU): here the scales (each row's max, exact) and the residual
+sums are compared exactly, the quantized values by sign and within a factor of two.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if "attnserve.model.layers.fused_ops" not in __import__("sys").modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # already so via conftest; import-order proof
+pytest.importorskip("triton")
+
+from attnserve.model import ModelConfig
+from attnserve.model.layers import fused_ops
+from attnserve.model.layers import ops as layer_ops
+from attnserve.model.quantization import fp8_gemm
+from attnserve.model.quantization.fp8 import quantize_rows
+from attnserve.model.quantization.fp8_format import Fp8Activation
+from tests.model.paged import PagedRunner, load_reference_model
+
+
+def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return (3 * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).bfloat16()
+
+
+def _assert_quantized_like(got: Fp8Activation, expected: torch.Tensor) -> None:
+    """`got` holds `expected` (bf16 rows) quantized per row, as the interpreter casts it."""
+    values, scale = quantize_rows(expected)
+    assert got.values.dtype == values.dtype and got.values.shape == values.shape
+    assert torch.equal(got.scale, scale)
+    got_values, reference = got.values.float(), values.float()
+    assert bool((got_values * reference >= 0).all())  # no sign flips (tiny values may be 0)
+    assert bool(((got_values - reference).abs() <= reference.abs()).all())
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_the_quantized_norm_is_the_norm_then_its_quantization(with_residual: bool) -> None:
+    x, residual, weight = _rand(7, 96), _rand(7, 96, seed=1), 1.0 + 0.1 * _rand(96, seed=2)
+    got, summed = fused_ops.rms_norm_fp8(x, residual if with_residual else None, weight, 1e-6)
+    if with_residual:
+        normed, expected_sum = layer_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+        assert summed is not None and torch.equal(summed, expected_sum)
+    else:
+        normed = layer_ops.rms_norm(x, weight, 1e-6)
+        assert summed is None
+    _assert_quantized_like(got, normed)
+
+
+def test_the_quantized_activation_is_the_activation_then_its_quantization() -> None:
+    x = _rand(5, 2 * 1500)  # a row wider than the unquantized kernel's 1,024-wide chunks
+    _assert_quantized_like(fused_ops.silu_and_mul_fp8(x), layer_ops.silu_and_mul(x))
+
+
+def test_a_quantized_norm_refuses_rows_it_cannot_quantize() -> None:
+    with pytest.raises(ValueError, match="quantized RMSNorm"):
+        fused_ops.rms_norm_fp8(_rand(2, 3, 16), None, torch.ones(16).bfloat16(), 1e-6)
+    with pytest.raises(ValueError, match="quantized RMSNorm"):
+        fused_ops.rms_norm_fp8(_rand(2, 16), None, torch.ones(16), 1e-6)  # float32 weight
+
+
+def _model(path: Path, quantization: str | None) -> tuple[torch.nn.Module, ModelConfig]:
+    config = ModelConfig.resolve(str(path), dtype="float32", quantization=quantization)
+    return load_reference_model(config), config
+
+
+def _fusing_ops(model: torch.nn.Module) -> list[bool]:
+    return [module.output_fp8 for module in model.modules() if hasattr(module, "output_fp8")]
+
+
+def test_fp8_decoder_layers_quantize_in_the_norms_and_the_activation(tiny_llama_dir: Path) -> None:
+    """Each layer's input norm, post-attention norm and SiLU-and-mul hand their FP8 projection
+    its input quantized, and the model computes exactly what it computes when the projections
+    quantize it themselves (the first layer's norm has no residual to add)."""
+    model, config = _model(tiny_llama_dir, "fp8")
+    layers = len(model.model.layers)
+    fusing = _fusing_ops(model)
+    assert fusing.count(True) == 3 * layers and fusing.count(False) == 1  # the final norm
+    prompt = [5, 17, 99, 3, 42, 7, 150, 2]
+    fused = PagedRunner(model, config, max_len=16, seqs=1).step([prompt])[0]
+    for module in model.modules():
+        if hasattr(module, "output_fp8"):
+            module.output_fp8 = False
+    unfused = PagedRunner(model, config, max_len=16, seqs=1).step([prompt])[0]
+    assert torch.equal(fused, unfused)
+
+
+def test_unquantized_layers_take_float_input(tiny_llama_dir: Path) -> None:
+    model, _ = _model(tiny_llama_dir, None)
+    assert not any(_fusing_ops(model))
+
+
+def test_gemma_norms_and_geglu_leave_quantization_to_the_projections(tmp_path: Path) -> None:
+    """Gemma's (1 + weight) norms and GeGLU have no quantizing kernel: its FP8 projections
+    quantize their input themselves (and the post-attention norm, which feeds no projection
+    there, never would)."""
+    from tests.model.test_hf_parity import CASES, _save_hf_model
+
+    _save_hf_model(tmp_path, *CASES["gemma2-softcap-sliding"])
+    model, _ = _model(tmp_path, "fp8")
+    assert _fusing_ops(model) and not any(_fusing_ops(model))
+
+
+def _rounded_operands(m: int, n: int, k: int, group: int | None) -> tuple[torch.Tensor, ...]:
+    """E4M3 a [m, k], b [n, k] and their scales (per row, or per row and group of columns)."""
+    a, b = _rand(m, k, seed=3).float(), _rand(n, k, seed=4).float()
+    width = k if group is None else group
+    a_q, a_scale = quantize_rows(a.reshape(-1, width))
+    b_q, b_scale = quantize_rows(b.reshape(-1, width))
+    return a_q.reshape(m, k), a_scale.reshape(m, -1), b_q.reshape(n, k), b_scale.reshape(n, -1)
+
+
+def _dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, width = values.shape
+    grouped = values.double().reshape(rows, scale.shape[1], -1) * scale.double()[:, :, None]
+    return grouped.reshape(rows, width)
+
+
+@pytest.mark.parametrize("group", [None, 64])
+@pytest.mark.parametrize(("m", "n"), [(5, 40), (33, 64)])
+def test_triton_fp8_gemm_is_the_product_of_its_scaled_operands(
+    m: int, n: int, group: int | None
+) -> None:
+    a, a_scale, b, b_scale = _rounded_operands(m, n, 256, group)
+    config = fp8_gemm.GemmConfig(16, 32, 64, 4, 2, group_m=2)  # tiles past M and N: masked
+    got = fp8_gemm.scaled_mm(a, a_scale.squeeze(1), b, b_scale.squeeze(1), torch.float32,
+                             group=group, config=config)  # fmt: skip
+    expected = _dequantized(a, a_scale) @ _dequantized(b, b_scale).t()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_triton_fp8_gemm_refuses_a_k_off_its_blocks() -> None:
+    a, a_scale, b, b_scale = _rounded_operands(4, 32, 96, None)
+    with pytest.raises(ValueError, match="K=96"):
+        fp8_gemm.scaled_mm(a, a_scale, b, b_scale, torch.float32,
+                           config=fp8_gemm.GemmConfig(16, 32, 64, 4, 2))  # fmt: skip
