@@ -13,6 +13,9 @@
  * int8 blocks round to 4e-3) and computes x_g . q_g as s (xq_g . q_g) in integers (madd_epi16),
  * the sums sum(x_g) in float32 from x itself. Eight blocks' integer sums are reduced together
  * (hadd), converted and scaled by one vector of their d s, so the float work is per eight blocks.
+ * With three or more activation rows, a Q4 weight row's codes are decoded once per eight blocks
+ * for four rows at a time (Q8_0's codes and two rows are cheaper to decode again than to keep);
+ * every row's sums run in the same order either way, so a row's result does not depend on M.
  * `gguf_dequantize` writes float32 rows, rounded as gguf.quants.dequantize rounds them.
  * Both split the weight rows into chunks for `threads` threads of the shared pool
  * (native_pool.h), which degrades gracefully where another process takes a core.
@@ -155,14 +158,64 @@ static inline __attribute__((always_inline)) float row_dot(int type, const Weigh
     return hsum(acc);
 }
 
+#define ROW_TILE 4 /* activation rows that share one decoding of a weight row's codes */
+
+/* Weight row n . activation rows m0..m0+rows-1 (rows <= ROW_TILE): each eight blocks' codes are
+ * decoded once (16 vectors, kept in L1) and dotted with every row, so a verify step's few rows
+ * cost less than that many single-row products. */
+static inline __attribute__((always_inline)) void tile_dots(int type, const Weight *w, int64_t n,
+                                                            const Rows *x, int64_t m0, int rows,
+                                                            float *out) {
+    const int64_t G = w->groups, padded = PAD(G), bytes = code_bytes(type);
+    const uint8_t *codes = w->codes + n * G * bytes;
+    const uint16_t *d = w->d + n * padded, *c = w->c + n * padded;
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g += 8) {
+        const int64_t blocks = G - g < 8 ? G - g : 8;
+        __m256i words[16];
+        for (int64_t i = 0; i < blocks; i++) code_words(type, codes + (g + i) * bytes, words + 2 * i);
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g)));
+        const __m256 c8 = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + g)))
+                                       : _mm256_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const int64_t m = m0 + r;
+            const int16_t *xq = x->codes + (m * G + g) * BLOCK;
+            __m256i p[8];
+            for (int i = 0; i < 8; i++) {
+                if (i >= blocks) {
+                    p[i] = _mm256_setzero_si256();
+                    continue;
+                }
+                const __m256i *xi = (const __m256i *)(xq + i * BLOCK);
+                p[i] = _mm256_add_epi32(_mm256_madd_epi16(words[2 * i], _mm256_loadu_si256(xi)),
+                                        _mm256_madd_epi16(words[2 * i + 1], _mm256_loadu_si256(xi + 1)));
+            }
+            const __m256 scales = _mm256_mul_ps(d8, _mm256_loadu_ps(x->scale + m * padded + g));
+            acc[r] = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(eight_totals(p)), acc[r]);
+            if (type == Q4_1) acc[r] = _mm256_fmadd_ps(c8, _mm256_loadu_ps(x->sum + m * padded + g), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[(m0 + r) * w->rows] = hsum(acc[r]);
+}
+
+static inline __attribute__((always_inline)) void typed_rows_times_row(int type, const Weight *w,
+                                                                       int64_t n, const Rows *x,
+                                                                       int64_t M, float *out) {
+    if (type == Q8_0 || M < 3) { /* decoding Q8_0 codes (or for two rows) is cheaper than a copy */
+        for (int64_t m = 0; m < M; m++) out[m * w->rows] = row_dot(type, w, n, x, m);
+        return;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE)
+        tile_dots(type, w, n, x, m0, M - m0 < ROW_TILE ? (int)(M - m0) : ROW_TILE, out);
+}
+
 static void rows_times_row(const Weight *w, int64_t n, const Rows *x, int64_t M, float *out) {
-    /* a constant type in each loop: the compiler specialises row_dot */
+    /* a constant type in each call: the compiler specialises the products */
     switch (w->type) {
-        case Q4_0: for (int64_t m = 0; m < M; m++) out[m * w->rows] = row_dot(Q4_0, w, n, x, m);
-            break;
-        case Q4_1: for (int64_t m = 0; m < M; m++) out[m * w->rows] = row_dot(Q4_1, w, n, x, m);
-            break;
-        default: for (int64_t m = 0; m < M; m++) out[m * w->rows] = row_dot(Q8_0, w, n, x, m);
+        case Q4_0: typed_rows_times_row(Q4_0, w, n, x, M, out); break;
+        case Q4_1: typed_rows_times_row(Q4_1, w, n, x, M, out); break;
+        default: typed_rows_times_row(Q8_0, w, n, x, M, out);
     }
 }
 
