@@ -69,14 +69,18 @@ static inline void code_words(int type, const uint8_t *codes, __m256i words[2]) 
 }
 
 /* Eight int32 partial sums of a block's 32 code x activation products (|q| <= 128, |x| <=
- * 32767: the block's total stays below 2^31). */
-static inline __m256i block_products(int type, const uint8_t *codes, const int16_t *x) {
-    __m256i words[2];
-    code_words(type, codes, words);
+ * 32767: the block's total stays below 2^31), from its decoded code words. */
+static inline __m256i word_products(const __m256i words[2], const int16_t *x) {
     const __m256i low = _mm256_madd_epi16(words[0], _mm256_loadu_si256((const __m256i *)x));
     const __m256i high =
         _mm256_madd_epi16(words[1], _mm256_loadu_si256((const __m256i *)(x + 16)));
     return _mm256_add_epi32(low, high);
+}
+
+static inline __m256i block_products(int type, const uint8_t *codes, const int16_t *x) {
+    __m256i words[2];
+    code_words(type, codes, words);
+    return word_products(words, x);
 }
 
 /* The totals of eight blocks' partial sums, block i in lane i. */
@@ -88,6 +92,19 @@ static inline __m256i eight_totals(const __m256i p[8]) {
     /* each 128-bit half holds half of every block's sum: add the halves across */
     return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
                             _mm256_permute2x128_si256(low, high, 0x31));
+}
+
+/* acc plus eight blocks' totals (`p`, block i in lane i) scaled by their d (`d8`) times the
+ * activation scales at `scale`, plus, for Q4_1, their m (`c8`) times the sums at `sum`. */
+static inline __m256 add_scaled(int type, __m256 acc, const __m256i p[8], __m256 d8, __m256 c8,
+                                const float *scale, const float *sum) {
+    const __m256 scales = _mm256_mul_ps(d8, _mm256_loadu_ps(scale));
+    acc = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(eight_totals(p)), acc);
+    return type == Q4_1 ? _mm256_fmadd_ps(c8, _mm256_loadu_ps(sum), acc) : acc;
+}
+
+static inline __m256 half8(const uint16_t *bits) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)bits));
 }
 
 /* Activation rows rounded per block (see the module comment). */
@@ -147,13 +164,8 @@ static inline __attribute__((always_inline)) float row_dot(int type, const Weigh
             for (int64_t i = 0; i < G - g; i++)
                 p[i] = block_products(type, codes + (g + i) * bytes, xq + (g + i) * BLOCK);
         }
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g)));
-        const __m256 scales = _mm256_mul_ps(d8, _mm256_loadu_ps(scale + g));
-        acc = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(eight_totals(p)), acc);
-        if (type == Q4_1) {
-            const __m256 c8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + g)));
-            acc = _mm256_fmadd_ps(c8, _mm256_loadu_ps(sum + g), acc);
-        }
+        const __m256 c8 = type == Q4_1 ? half8(c + g) : _mm256_setzero_ps();
+        acc = add_scaled(type, acc, p, half8(d + g), c8, scale + g, sum + g);
     }
     return hsum(acc);
 }
@@ -174,26 +186,18 @@ static inline __attribute__((always_inline)) void tile_dots(int type, const Weig
     for (int64_t g = 0; g < G; g += 8) {
         const int64_t blocks = G - g < 8 ? G - g : 8;
         __m256i words[16];
-        for (int64_t i = 0; i < blocks; i++) code_words(type, codes + (g + i) * bytes, words + 2 * i);
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g)));
-        const __m256 c8 = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + g)))
-                                       : _mm256_setzero_ps();
+        for (int64_t i = 0; i < blocks; i++)
+            code_words(type, codes + (g + i) * bytes, words + 2 * i);
+        const __m256 d8 = half8(d + g), c8 = type == Q4_1 ? half8(c + g) : _mm256_setzero_ps();
         for (int r = 0; r < rows; r++) {
             const int64_t m = m0 + r;
             const int16_t *xq = x->codes + (m * G + g) * BLOCK;
             __m256i p[8];
-            for (int i = 0; i < 8; i++) {
-                if (i >= blocks) {
-                    p[i] = _mm256_setzero_si256();
-                    continue;
-                }
-                const __m256i *xi = (const __m256i *)(xq + i * BLOCK);
-                p[i] = _mm256_add_epi32(_mm256_madd_epi16(words[2 * i], _mm256_loadu_si256(xi)),
-                                        _mm256_madd_epi16(words[2 * i + 1], _mm256_loadu_si256(xi + 1)));
-            }
-            const __m256 scales = _mm256_mul_ps(d8, _mm256_loadu_ps(x->scale + m * padded + g));
-            acc[r] = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(eight_totals(p)), acc[r]);
-            if (type == Q4_1) acc[r] = _mm256_fmadd_ps(c8, _mm256_loadu_ps(x->sum + m * padded + g), acc[r]);
+            for (int i = 0; i < 8; i++)
+                p[i] = i < blocks ? word_products(words + 2 * i, xq + i * BLOCK)
+                                  : _mm256_setzero_si256();
+            acc[r] = add_scaled(type, acc[r], p, d8, c8, x->scale + m * padded + g,
+                                x->sum + m * padded + g);
         }
     }
     for (int r = 0; r < rows; r++) out[(m0 + r) * w->rows] = hsum(acc[r]);
