@@ -83,23 +83,41 @@ def _same_bits(got: tuple[torch.Tensor, torch.Tensor], expected: torch.Tensor) -
     )
 
 
+def _near_bits(got: tuple[torch.Tensor, torch.Tensor], expected: torch.Tensor) -> None:
+    """`got` is `expected` quantized per row up to the norm's last bit: rows equal bit for bit
+    but for a few, each within a bf16 step of the norm (its float32 sum may be added in
+    another order) and so within one E4M3 step after quantization."""
+    values, scale = quantize_rows(expected.cpu())
+    got_values, got_scale = got[0].cpu(), got[1].cpu()
+    same_rows = (got_values.view(torch.uint8) == values.view(torch.uint8)).all(-1)
+    same_rows &= got_scale == scale
+    assert float(same_rows.float().mean()) >= 0.99
+    torch.testing.assert_close(got_scale, scale, rtol=2**-7, atol=0)
+    dequantized, reference = (
+        got_values.float() * got_scale[:, None],
+        values.float() * scale[:, None],
+    )
+    assert bool(((dequantized - reference).abs() <= 2**-3 * reference.abs() + 1e-6).all())
+
+
 @needs_fp8
-@pytest.mark.parametrize("m", [1, 300])
+@pytest.mark.parametrize("m", [1, 300, 4096])
 def test_the_quantizing_norm_and_activation_equal_the_separate_ops(m: int) -> None:
     """The kernels an FP8 layer's input comes from (RMSNorm, with and without the residual
-    add, and SiLU-and-mul, quantizing in the same launch) write the bits the separate ops
-    and the torch quantization write."""
+    add, and SiLU-and-mul, quantizing in the same launch) write what the separate ops and the
+    torch quantization write: SiLU-and-mul bit for bit, the norms up to their last bit."""
     from attnserve.model.layers import fused_ops
 
     generator = torch.Generator("cuda").manual_seed(m)
     x, residual = (3 * torch.randn(2, m, 4096, device="cuda", generator=generator)).bfloat16()
     weight = (1 + 0.1 * torch.randn(4096, device="cuda", generator=generator)).bfloat16()
     got, summed = fused_ops.rms_norm_fp8(x, None, weight, 1e-6)
-    assert summed is None and _same_bits(got, fused_ops.rms_norm(x, weight, 1e-6))
+    assert summed is None
+    _near_bits(got, fused_ops.rms_norm(x, weight, 1e-6))
     got, summed = fused_ops.rms_norm_fp8(x, residual, weight, 1e-6)
     normed, expected_sum = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
     assert summed is not None and torch.equal(summed, expected_sum)
-    assert _same_bits(got, normed)
+    _near_bits(got, normed)
     gate_up = (3 * torch.randn(m, 2 * 14336, device="cuda", generator=generator)).bfloat16()
     assert _same_bits(fused_ops.silu_and_mul_fp8(gate_up), fused_ops.silu_and_mul(gate_up))
 

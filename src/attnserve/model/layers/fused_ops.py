@@ -198,8 +198,10 @@ def rms_norm_fp8(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[Fp8Activation, torch.Tensor | None]:
     """`rms_norm` (or, with `residual`, `fused_add_rms_norm`) of [T, N] rows in the weight's
-    dtype, its output quantized per row as `fp8.quantize_rows` would (the same bits), in one
-    launch: (the FP8 rows and their scales, the sum when `residual` was added)."""
+    dtype, its output quantized per row as `fp8.quantize_rows` would, in one launch (the
+    same values, except that the mean of squares may be summed in another order: a row can
+    differ in the norm's last bit, as between any two compilations of the norm). Returns (the
+    FP8 rows and their scales, the sum when `residual` was added)."""
     outputs = _launch_rms_norm(x, residual, weight, eps, quantize=True)
     assert outputs.scale is not None
     return Fp8Activation(outputs.out, outputs.scale), outputs.residual

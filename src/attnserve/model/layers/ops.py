@@ -99,7 +99,7 @@ def rms_norm_fp8(
 ) -> tuple[Fp8Activation, torch.Tensor | None]:
     """`rms_norm` of x (or, with `residual`, `fused_add_rms_norm`) quantized per row for an FP8
     linear layer: (the quantized rows, the sum when `residual` was added). One launch on CUDA
-    for [T, N] rows in the weight's dtype; else the norm, then `quantize_rows` (the same bits)."""
+    for [T, N] rows in the weight's dtype; else the norm, then `quantize_rows`."""
     in_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     if use_triton(x) and x.dim() == 2 and weight.dtype == in_dtype:
         from attnserve.model.layers import fused_ops
@@ -113,7 +113,7 @@ def rms_norm_fp8(
 
 def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Activation:
     """`silu_and_mul` of [T, 2*I] rows quantized per row for an FP8 linear layer: one launch on
-    CUDA, else the op then `quantize_rows` (the same bits)."""
+    CUDA, else the op then `quantize_rows` (the same bits either way)."""
     if use_triton(x):
         from attnserve.model.layers import fused_ops
 
