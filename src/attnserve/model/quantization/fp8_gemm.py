@@ -104,15 +104,15 @@ def default_config(m: int, block_k: int) -> GemmConfig:
 def pick_config(m: int, n: int, k: int) -> GemmConfig | None:
     """The tile shape for an [m, k] x [k, n] row-scaled product where this kernel beat
     `torch._scaled_mm`'s row-wise GEMM on the H200 (Llama-3-8B's four projections, M from 1 to
-    16,384: docs/benchmarks.md), else None. Up to 128 rows it wins on every shape (by 1.2-1.7x:
+    16,384: docs/benchmarks.md), else None. Up to 64 rows it wins on every shape (by 1.2-1.7x:
     the row-wise GEMM takes ~13 us even for a 4096 x 4096 weight, which takes 4 us to read);
-    at 256 on the narrow ones; beyond, they tie or the row-wise one wins."""
+    up to 256 on the narrow ones (N < 16,384); beyond, they tie or the row-wise one wins."""
     wide, deep = n >= 16384, k >= 8192
     if m <= 16:
         config = GemmConfig(16, 128, 128, 4, 4) if wide else GemmConfig(16, 32, 256, 4, 4)
         if m <= 4 and not (wide or deep):
             config = GemmConfig(16, 64, 256, 4, 3)
-    elif m <= 128:
+    elif m <= 64 or (m <= 128 and not wide):
         config = GemmConfig(64, 256, 128, 4, 4) if wide else GemmConfig(64, 64, 256, 4, 3)
     elif m <= 256 and not (wide or deep):
         config = GemmConfig(64, 128, 128, 4, 4)
