@@ -56,21 +56,31 @@ def fp8_matmul(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Rows quantized per row times the E4M3 weight [N, K] (float32 row scales [N])
-    transposed, in `out_dtype`: on CUDA the GEMM `fp8_gemm.row_scaled_mm` picks for the shape,
-    on the CPU torch's `_scaled_mm`."""
+    transposed, in `out_dtype`: on CUDA by the Triton GEMM where `fp8_gemm.pick_config` takes
+    it for the shape, else by torch's `_scaled_mm` (whose CUDA row-wise mode writes bfloat16
+    only: cast after)."""
     values, x_scale = x
     if values.shape[0] == 0:
         return torch.empty(0, weight.shape[0], dtype=out_dtype, device=values.device)
-    if values.is_cuda:
-        from attnserve.model.quantization import fp8_gemm
-
-        out = fp8_gemm.row_scaled_mm(values, x_scale, weight, weight_scale, out_dtype)
-    else:
+    out = _triton_matmul(x, weight, weight_scale, out_dtype) if values.is_cuda else None
+    if out is None:
         out = torch._scaled_mm(
             values, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
-            out_dtype=out_dtype,
-        )  # fmt: skip
+            out_dtype=torch.bfloat16 if values.is_cuda else out_dtype,
+        ).to(out_dtype)  # fmt: skip
     return out if bias is None else out + bias
+
+
+def _triton_matmul(
+    x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The product by `fp8_gemm`'s kernel, or None where it is not the faster GEMM."""
+    from attnserve.model.quantization import fp8_gemm
+
+    config = fp8_gemm.pick_config(x.values.shape[0], *weight.shape)
+    if config is None:
+        return None
+    return fp8_gemm.scaled_mm(x.values, x.scale, weight, weight_scale, out_dtype, config=config)
 
 
 def fp8_linear(

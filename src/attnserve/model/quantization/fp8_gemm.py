@@ -121,24 +121,6 @@ def pick_config(m: int, n: int, k: int) -> GemmConfig | None:
     return config if k % config.block_k == 0 else None
 
 
-def row_scaled_mm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """The row-scaled product (scales [M] and [N]) by the faster GEMM for its shape: this
-    module's kernel or `torch._scaled_mm`'s row-wise one (which writes bfloat16 only)."""
-    config = pick_config(a.shape[0], *b.shape)
-    if config is not None:
-        return scaled_mm(a, a_scale, b, b_scale, out_dtype, config=config)
-    out = torch._scaled_mm(
-        a, b.t(), scale_a=a_scale[:, None], scale_b=b_scale[None, :], out_dtype=torch.bfloat16
-    )
-    return out.to(out_dtype)
-
-
 def scaled_mm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
