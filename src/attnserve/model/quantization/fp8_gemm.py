@@ -12,7 +12,8 @@ keep it). Scales come in one of two granularities:
 One program computes a BLOCK_M x BLOCK_N tile, programs ordered in groups of GROUP_M row
 tiles so that neighbours share the weight tiles in L2. K must be a multiple of BLOCK_K (and
 BLOCK_K divide the group), so the K loop needs no masks; rows past M and N are clamped on load
-and masked on store. The tile shape is picked per call by `pick_config` from M, N and K.
+and masked on store. `fp8.fp8_matmul` runs it with the tile `pick_config` picks for M, N and K
+(where it is the faster GEMM); other callers may pass a tile or take `default_config`.
 """
 
 from __future__ import annotations
