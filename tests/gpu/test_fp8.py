@@ -123,11 +123,15 @@ def test_the_quantizing_norm_and_activation_equal_the_separate_ops(m: int) -> No
 
 
 @needs_fp8
-@pytest.mark.parametrize(("m", "k", "n"), [(1, 4096, 6144), (64, 4096, 4096), (300, 14336, 4096),
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 4096, 6144), (5, 14336, 4096), (16, 4096, 28672),
+                                           (32, 14336, 4096), (64, 4096, 4096), (100, 4096, 6144),
+                                           (128, 14336, 4096), (200, 4096, 28672),
+                                           (256, 14336, 4096), (300, 14336, 4096),
                                            (2048, 4096, 28672)])  # fmt: skip
 def test_the_triton_fp8_gemm_against_its_rounded_operands(m: int, k: int, n: int) -> None:
     """Every tile shape the GEMM would run this product with (the one picked for the shape,
-    if any, and the default), against float32 on the same E4M3 operands."""
+    if any: split over K at 1-256 rows of the 4096-row weights; and the default), against
+    float32 on the same E4M3 operands."""
     from attnserve.model.quantization import fp8_gemm
 
     generator = torch.Generator("cuda").manual_seed(m + n)
@@ -138,6 +142,24 @@ def test_the_triton_fp8_gemm_against_its_rounded_operands(m: int, k: int, n: int
     for config in configs:
         got = fp8_gemm.scaled_mm(x_q, x_scale, w_q, w_scale, torch.bfloat16, config=config)
         assert _relative(got, rounded) < ROUNDED_TOL, config
+
+
+@needs_fp8
+@pytest.mark.parametrize(("m", "split"), [(1, 2), (37, 4), (64, 8)])
+def test_the_split_k_fp8_gemm_equals_the_unsplit_one(m: int, split: int) -> None:
+    """Split-K (each program a slice of K, the slices' sums added and scaled in a second
+    launch) against the same tile over the whole K: equal up to the order of float32 sums."""
+    from attnserve.model.quantization import fp8_gemm
+
+    generator = torch.Generator("cuda").manual_seed(m + split)
+    x_q, x_scale = quantize_rows(torch.randn(m, 14336, device="cuda", generator=generator))
+    w_q, w_scale = quantize_rows(torch.randn(4096, 14336, device="cuda", generator=generator))
+    config = fp8_gemm.GemmConfig(16, 64, 256, 4, 3, split_k=split)
+    got, unsplit = (
+        fp8_gemm.scaled_mm(x_q, x_scale, w_q, w_scale, torch.float32, config=c)
+        for c in (config, fp8_gemm.GemmConfig(16, 64, 256, 4, 3))
+    )
+    assert _relative(got, unsplit) < 1e-5
 
 
 @needs_fp8

@@ -1,6 +1,6 @@
 """FP8 layers take their input quantized by the op before them (issue 30): the fused RMSNorm and
 SiLU-and-mul kernels that end in per-row quantization, the wiring of decoder layers, and the
-Triton FP8 GEMM (row-wise and block-wise scales) under Triton's interpreter.
+Triton FP8 GEMM (row-wise scales, split over K or not; block-wise ones) under the interpreter.
 
 The interpreter's E4M3 cast rounds some values wrongly, by up to a binade (tests/gpu/test_fp8.py
 compares the kernels' bits on the GPU): here the scales (each row's max, exact) and the residual
@@ -9,6 +9,7 @@ sums are compared exactly, the quantized values by sign and within a factor of t
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -145,8 +146,43 @@ def test_triton_fp8_gemm_is_the_product_of_its_scaled_operands(
 
 
 @interpreted
-def test_triton_fp8_gemm_refuses_a_k_off_its_blocks() -> None:
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize(("m", "n"), [(5, 40), (33, 64)])
+def test_split_k_fp8_gemm_is_the_product_of_its_scaled_operands(m: int, n: int, split: int) -> None:
+    """Each program sums a slice of K into a float32 workspace; a second launch adds the slices
+    and scales the sum per row and column: the product of the scaled operands."""
+    a, a_scale, b, b_scale = _rounded_operands(m, n, 512, None)
+    config = fp8_gemm.GemmConfig(16, 32, 64, 4, 2, group_m=2, split_k=split)
+    got = fp8_gemm.scaled_mm(a, a_scale.squeeze(1), b, b_scale.squeeze(1), torch.float32,
+                             config=config)  # fmt: skip
+    expected = _dequantized(a, a_scale) @ _dequantized(b, b_scale).t()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@interpreted
+def test_triton_fp8_gemm_refuses_a_k_off_its_blocks_and_split_group_scales() -> None:
     a, a_scale, b, b_scale = _rounded_operands(4, 32, 96, None)
     with pytest.raises(ValueError, match="K=96"):
         fp8_gemm.scaled_mm(a, a_scale, b, b_scale, torch.float32,
                            config=fp8_gemm.GemmConfig(16, 32, 64, 4, 2))  # fmt: skip
+    a, a_scale, b, b_scale = _rounded_operands(4, 32, 256, None)
+    with pytest.raises(ValueError, match="K=256"):  # 4 slices of whole 128-column blocks: 512+
+        fp8_gemm.scaled_mm(a, a_scale, b, b_scale, torch.float32,
+                           config=fp8_gemm.GemmConfig(16, 32, 128, 4, 2, split_k=4))  # fmt: skip
+    a, a_scale, b, b_scale = _rounded_operands(4, 32, 256, 64)
+    with pytest.raises(ValueError, match="split-K"):
+        fp8_gemm.scaled_mm(a, a_scale, b, b_scale, torch.float32, group=64,
+                           config=fp8_gemm.GemmConfig(16, 32, 64, 4, 2, split_k=2))  # fmt: skip
+
+
+def test_picked_tiles_cover_k_in_whole_blocks_up_to_256_rows() -> None:
+    """`pick_config` takes the Triton GEMM up to 256 rows only, and every tile it picks covers
+    K in whole blocks of every slice (FP8 linear sizes are multiples of 16; others go to
+    torch's GEMM)."""
+    sizes = (1024, 1040, 2048, 3072, 4096, 5120, 6144, 12288, 14336, 25600, 28672)
+    for m, n, k in itertools.product((1, 7, 16, 33, 64, 100, 128, 200, 256), sizes, sizes):
+        config = fp8_gemm.pick_config(m, n, k)
+        if config is not None:
+            assert k % (config.block_k * config.split_k) == 0, (m, n, k, config)
+            assert k // config.split_k >= 1024, (m, n, k, config)
+    assert fp8_gemm.pick_config(257, 4096, 4096) is None
