@@ -313,6 +313,10 @@ BENCHMARKS = {
         "attnserve.bench.kv_quality",
         "a KV-cache dtype's logits against another's (fp8 against auto) on the same weights",
     ),
+    "kv-memory": (
+        "attnserve.bench.kv_memory",
+        "the KV memory one sequence holds at a long context (sliding-window blocks freed or not)",
+    ),
     "llamacpp": ("attnserve.bench.llamacpp", "single-stream chat decode against llama.cpp (CPU)"),
 }
 

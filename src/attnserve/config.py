@@ -16,7 +16,10 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 class CacheConfig:
     """block_size tokens per block; the KV budget is kv_cache_memory_bytes when given (and on
     CPU, where it defaults to 1 GiB), else gpu_memory_utilization of the GPU. swap_space_bytes of
-    host memory hold swapped-out blocks (used with preemption_mode="swap")."""
+    host memory hold swapped-out blocks (used with preemption_mode="swap"). A model that mixes
+    sliding-window and global layers keeps a block table per KV-cache group and frees the
+    blocks its window layers have left behind, unless disable_hybrid_kv_cache_manager (then
+    every layer keeps every block, as vLLM's flag of that name does)."""
 
     block_size: int = 16
     kv_cache_dtype: str = "auto"
@@ -24,6 +27,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 0
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if self.swap_space_bytes < 0:

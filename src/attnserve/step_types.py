@@ -55,19 +55,23 @@ class NewSequence:
     token_ids: list[int]  # every token known: the prompt, then the outputs so far
     num_prompt_tokens: int
     num_computed_tokens: int  # already in the cache (a cached prefix, swapped-in blocks)
-    block_ids: list[int]
+    block_ids: list[int]  # of KV-cache group 0
     sampling: SamplingParams | None = None
     index: int = 0  # the completion's index in its request (seeded draws depend on it)
     num_first_draws: int = 1  # draws at its next sampling step (parallel-sampling forks)
+    # of groups 1.. (as long as block_ids); none: every group uses block_ids (start-up runs)
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class BlockUpdate:
-    """A held sequence's new block table: its first `num_kept` blocks, then `appended`."""
+    """A held sequence's new block table: its first `num_kept` blocks, then `appended` (in
+    KV-cache group 0; in groups 1.., `group_appended`)."""
 
     seq_id: int
     num_kept: int
     appended: list[int]
+    group_appended: tuple[list[int], ...] = ()
 
 
 @dataclass(frozen=True)

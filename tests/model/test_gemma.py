@@ -17,6 +17,7 @@ import transformers
 
 from attnserve import LLM, SamplingParams
 from attnserve.attention import Attention
+from attnserve.bench.kv_memory import blocks_held
 from attnserve.model import ModelConfig
 from attnserve.model.config import layer_sliding_windows, rope_settings
 from attnserve.model.loader import build_model
@@ -61,10 +62,15 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+SMALL_CACHE = {"block_size": 4, "max_num_batched_tokens": 8, "kv_cache_memory_bytes": 36 << 10}
 ENGINE_SETUPS: dict[str, dict[str, Any]] = {
     "prefix-cache": {"block_size": 4},
     "no-prefix-cache": {"block_size": 4, "enable_prefix_caching": False},
     "chunked-prefill": {"block_size": 4, "max_num_batched_tokens": 6},
+    "no-hybrid-kv-cache": {"block_size": 4, "disable_hybrid_kv_cache_manager": True},
+    # a pool too small for the three at once: freed window blocks are reused, some preempted
+    "preempted-by-swap": {**SMALL_CACHE, "preemption_mode": "swap"},
+    "preempted-by-recompute": SMALL_CACHE,
 }
 
 
@@ -161,6 +167,33 @@ def test_greedy_matches_hf(
         again = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in again] == expected[arch]
         assert llm.llm_engine.stats()["prefix_cache_hit_rate"] > 0.3
+    if setup.startswith("preempted"):
+        assert llm.llm_engine.stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_window_layers_free_the_blocks_behind_their_window(
+    checkpoints: dict[str, tuple[Path, Any]], arch: str
+) -> None:
+    """One sequence of 200 tokens and a few more: with the window layers' blocks behind the
+    window freed, it holds less KV memory than with every block kept, by about the share of
+    window layers."""
+    held = {}
+    for freed in (True, False):
+        llm = LLM(
+            str(checkpoints[arch][0]),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            enable_prefix_caching=False,
+            disable_hybrid_kv_cache_manager=not freed,
+        )
+        engine = llm.llm_engine
+        _, blocks = blocks_held(engine, 200, 4)
+        held[freed] = blocks * engine.executor.driver_runner.bytes_per_block()
+    windows = layer_sliding_windows(checkpoints[arch][1].config)
+    share = windows.count(None) / len(windows)  # global layers: Gemma 2 half, Gemma 3 a sixth
+    assert held[False] * share < held[True] < held[False] * (share + 0.15)
 
 
 @pytest.mark.parametrize("arch", MODELS)
@@ -247,3 +280,44 @@ def test_tp2_greedy_matches_hf(
     the final soft-cap after the logits' gather."""
     got = token_ids(prompts, GREEDY, model=str(checkpoints[arch][0]), tensor_parallel_size=2)
     assert [list(tokens) for tokens, _, _ in got] == expected[arch]
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_no_layer_reads_a_freed_block(
+    checkpoints: dict[str, tuple[Path, Any]],
+    prompts: list[list[int]],
+    expected: dict[str, list[list[int]]],
+    arch: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before every step, every block no sequence holds is filled with large values (through
+    the backend's own block copy): the tokens stay HF's, so no layer reads a block its
+    window left behind (nor any other free block)."""
+    llm = LLM(
+        str(checkpoints[arch][0]),
+        device="cpu",
+        dtype="float32",
+        enable_prefix_caching=False,
+        **SMALL_CACHE,
+    )
+    core = llm.llm_engine.engine_core
+    runner = core.executor.driver_runner
+    cache = runner.cache_engine
+    block_size, head_size = SMALL_CACHE["block_size"], _TINY["head_dim"]
+    shape = cache.backend.get_kv_cache_shape(1, block_size, runner.num_kv_heads, head_size)
+    poison = torch.full(shape, 1e4, dtype=cache.kv_caches[0].dtype)
+    launch = core.executor.execute_model_async
+    poisoned_steps = []
+
+    def poison_then_launch(plan: Any) -> Any:
+        free = [b for b in range(runner.num_blocks) if core.allocator.ref_count(b) == 0]
+        pairs = torch.tensor([[0, block] for block in free], dtype=torch.int64)
+        for tensor in cache.kv_caches:
+            cache.backend.swap_blocks(poison, tensor, pairs.reshape(-1, 2))
+        poisoned_steps.append(len(free))
+        return launch(plan)
+
+    monkeypatch.setattr(core.executor, "execute_model_async", poison_then_launch)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected[arch]
+    assert sum(poisoned_steps) > 0

@@ -45,8 +45,12 @@ class AttentionSpec:
     sliding_window: int | None = None
     use_alibi: bool = False
     logits_soft_cap: float | None = None
+    kv_cache_group: int = 0  # the layer's KV-cache group: whose block table it reads
 
     def __post_init__(self) -> None:
+        group = self.kv_cache_group
+        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+            raise ValueError(f"AttentionSpec.kv_cache_group must be an int >= 0, got {group!r}")
         for name in ("num_heads", "num_kv_heads", "head_size", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -41,14 +41,20 @@ def metadata_builders(
 
 
 def build_metadata(builders: Builders, layout: StepLayout) -> StepMetadata:
-    """Every spec's metadata for one step."""
-    return {spec: builder.build(layout) for spec, builder in builders.items()}
+    """Every spec's metadata for one step (from its KV-cache group's block table)."""
+    return {
+        spec: builder.build(layout.for_group(spec.kv_cache_group))
+        for spec, builder in builders.items()
+    }
 
 
 def build_graph_metadata(builders: Builders, padded: StepLayout) -> StepMetadata:
     """Every spec's metadata for a decode step padded to a capture bucket, written into the
     builders' persistent buffers."""
-    return {spec: builder.build_for_graph(padded) for spec, builder in builders.items()}
+    return {
+        spec: builder.build_for_graph(padded.for_group(spec.kv_cache_group))
+        for spec, builder in builders.items()
+    }
 
 
 _current: StepMetadata | None = None

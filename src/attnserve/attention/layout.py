@@ -3,7 +3,8 @@
 Builders differ in what they hand their kernels; they all need the same facts first: which
 sequence and position each new token has, its cache slot, and the padded block table. This
 module computes them with a handful of tensor ops (no Python loop over tokens), once per step
-for the model runner and every builder (the model's positions are `token_pos`). It also pads a
+for the model runner and every builder (the model's positions are `token_pos`); a model of
+several KV-cache groups has a block table and slots per group (`for_group`). It also pads a
 decode step to a graph bucket, recasts a step of a few new tokens per sequence as decode rows,
 and holds the dense query grid of backends that pad queries into [B, Q] batches, and the
 plain-torch slot write shared by layouts whose K and V planes flatten to [slots, Hkv, D].
@@ -12,7 +13,7 @@ plain-torch slot write shared by layouts whose K and V planes flatten to [slots,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Any
 
@@ -38,10 +39,21 @@ class StepLayout:
     token_seq: torch.Tensor  # [T] int64: sequence index of each new token
     token_pos: torch.Tensor  # [T] int64: position of each new token in its sequence
     slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token
+    # KV-cache groups 1.. (group 0's are the fields above): each (block_table, slot_mapping)
+    group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.numel())
+
+    def for_group(self, group: int) -> StepLayout:
+        """The layout as KV-cache group `group`'s layers see it: its block table and slots."""
+        if group == 0:
+            return self
+        if not 0 < group <= len(self.group_tables):
+            raise ValueError(f"the step's layout has no KV-cache group {group}")
+        table, slots = self.group_tables[group - 1]
+        return replace(self, block_table=table, slot_mapping=slots, group_tables=())
 
     def int32_block_table(self, device: torch.device | str) -> torch.Tensor:
         """The [B, W] block table as int32 (the kernels' type) on `device`, in one transfer."""
@@ -119,12 +131,14 @@ def layout_from_arrays(
     context_lens: np.ndarray,
     query_lens: np.ndarray,
     block_size: int,
+    group_tables: Sequence[np.ndarray] = (),
 ) -> StepLayout:
     """`build_step_layout` from int64 arrays: the [B, W] block table (row i's first
-    `num_blocks[i]` entries are its blocks), and each sequence's context and query lengths."""
+    `num_blocks[i]` entries are its blocks), and each sequence's context and query lengths;
+    `group_tables` are the block tables of KV-cache groups 1.., shaped as the first."""
     ctx, qry, table = context_lens, query_lens, block_table
     num_prefills = _validate(num_blocks, ctx, qry, block_size)
-    if table.size and int(table.min()) < 0:
+    if any(t.size and int(t.min()) < 0 for t in (table, *group_tables)):
         raise ValueError("block ids must be >= 0")
     start_loc = np.zeros(len(qry) + 1, dtype=np.int64)
     np.cumsum(qry, out=start_loc[1:])
@@ -133,7 +147,10 @@ def layout_from_arrays(
     token_pos = np.arange(num_tokens) + np.repeat(ctx - start_loc[:-1], qry)
     block_index, offset = _block_and_offset(token_pos, block_size)
     block_index += token_seq * table.shape[1]
-    slot_mapping = table.ravel().take(block_index) * block_size + offset
+
+    def slots_of(blocks: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(blocks.ravel().take(block_index) * block_size + offset)
+
     num_prefill_tokens = int(start_loc[num_prefills])
     as_tensor = torch.from_numpy
     return StepLayout(
@@ -147,7 +164,8 @@ def layout_from_arrays(
         block_table=as_tensor(table),
         token_seq=as_tensor(token_seq),
         token_pos=as_tensor(token_pos),
-        slot_mapping=as_tensor(slot_mapping),
+        slot_mapping=slots_of(table),
+        group_tables=tuple((as_tensor(t), slots_of(t)) for t in group_tables),
     )
 
 
@@ -215,6 +233,7 @@ def pad_for_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
         token_seq=rows[:-1],
         token_pos=padded(layout.token_pos, 0),
         slot_mapping=padded(layout.slot_mapping, -1),
+        group_tables=tuple((padded(t, 0), padded(s, -1)) for t, s in layout.group_tables),
     )
 
 
@@ -239,6 +258,7 @@ def as_decode_rows(layout: StepLayout) -> StepLayout:
         token_seq=torch.arange(num_tokens),
         token_pos=positions,
         slot_mapping=layout.slot_mapping,
+        group_tables=tuple((t[token_seq], s) for t, s in layout.group_tables),
     )
 
 

@@ -98,6 +98,11 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(
         True, "reuse the cached KV blocks of prompt prefixes seen before"
     )
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False,
+        "keep every KV block of a model that mixes sliding window and global layers (by "
+        "default its window layers' blocks behind the window are freed)",
+    )
     preemption_mode: str = _arg(
         "recompute",
         f"how a full KV cache makes room: one of {', '.join(PREEMPTION_MODES)}",
@@ -187,6 +192,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space_bytes=self.swap_space_bytes if self.preemption_mode == "swap" else 0,
+            disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
         )
         model_config = ModelConfig.resolve(
             model=default_model_dir() if self.model is None else self.model,

@@ -70,9 +70,7 @@ class LLMEngine:
             self.client.shutdown()
             raise
         ready = self.client.ready
-        self.processor = Processor(
-            self.model_config, self.tokenizer, ready.num_blocks * ready.block_size
-        )
+        self.processor = Processor(self.model_config, self.tokenizer, ready.kv_cache_tokens)
         self.output_processor = OutputProcessor()
         self._lock = threading.Lock()  # the output processor, for callers on several threads
         where = "in its own process" if core_process else "in this process"

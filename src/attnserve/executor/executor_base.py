@@ -32,6 +32,11 @@ class ExecutorBase(ABC):
     def num_swap_blocks(self) -> int:
         """Host swap blocks per rank."""
 
+    @property
+    @abstractmethod
+    def kv_cache_windows(self) -> list[int | None]:
+        """Each KV-cache group's sliding window (None: its blocks are kept), group 0 first."""
+
     @abstractmethod
     def execute_model(self, plan: StepPlan) -> StepResults:
         """Run one step on every rank; each sequence's draws (None where nothing is drawn)."""

@@ -126,6 +126,10 @@ class MultiprocExecutor(ExecutorBase):
     def num_swap_blocks(self) -> int:
         return self.driver.runner.num_swap_blocks
 
+    @property
+    def kv_cache_windows(self) -> list[int | None]:
+        return self.driver.runner.kv_cache_windows
+
     def check_health(self) -> None:
         if self._shut_down and not self._broken:
             raise RuntimeError("the tensor-parallel executor is shut down")

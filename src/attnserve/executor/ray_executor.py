@@ -41,11 +41,12 @@ class RayWorkerWrapper:
         """This host's address and a free port on it (for the rank-0 actor's group)."""
         return get_ip(), get_open_port()
 
-    def init_worker(self, init_method: str) -> tuple[int, int]:
+    def init_worker(self, init_method: str) -> tuple[int, int, list[int | None]]:
         self.worker = Worker(self.config, self.rank, self.device, init_method)
         self.worker.init_device()
         self.worker.load_model()
-        return self.worker.runner.num_blocks, self.worker.runner.num_swap_blocks
+        runner = self.worker.runner
+        return runner.num_blocks, runner.num_swap_blocks, runner.kv_cache_windows
 
     def execute_model(self, plan: StepPlan) -> StepResults:
         return self._worker().execute_model(plan)
@@ -110,7 +111,7 @@ class RayExecutor(ExecutorBase):
         ip, port = ray.get(self.actors[0].get_address.remote())
         init_method = get_distributed_init_method(ip, port)
         counts = ray.get([actor.init_worker.remote(init_method) for actor in self.actors])
-        self._num_blocks, self._num_swap_blocks = counts[0]
+        self._num_blocks, self._num_swap_blocks, self._kv_cache_windows = counts[0]
         self._loops = [actor.execute_model_loop.remote() for actor in self.actors[1:]]
 
     @property
@@ -120,6 +121,10 @@ class RayExecutor(ExecutorBase):
     @property
     def num_swap_blocks(self) -> int:
         return int(self._num_swap_blocks)
+
+    @property
+    def kv_cache_windows(self) -> list[int | None]:
+        return list(self._kv_cache_windows)
 
     def execute_model(self, plan: StepPlan) -> StepResults:
         if self._shut_down:

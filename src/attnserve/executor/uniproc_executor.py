@@ -34,6 +34,10 @@ class UniProcExecutor(ExecutorBase):
     def num_swap_blocks(self) -> int:
         return self.worker.runner.num_swap_blocks
 
+    @property
+    def kv_cache_windows(self) -> list[int | None]:
+        return self.worker.runner.kv_cache_windows
+
     def execute_model(self, plan: StepPlan) -> StepResults:
         return self.worker.execute_model(plan)
 

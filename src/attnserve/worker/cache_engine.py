@@ -1,4 +1,7 @@
-"""`CacheEngine`: the per-layer KV cache tensors, shaped and moved only through the backend.
+"""`CacheEngine`: the KV cache tensors, shaped and moved only through the backend.
+
+One tensor per attention layer, or, for a model of several KV-cache groups, one per place in a
+group (`attention.kv_cache_groups`: the i-th layer of every group shares the i-th tensor).
 
 The number of blocks comes from a memory budget: `kv_cache_memory_bytes` on the CPU, or a
 fraction (`gpu_memory_utilization`) of the GPU's memory less what is already in use.
@@ -17,7 +20,7 @@ class CacheEngine:
     def __init__(
         self,
         backend: type[AttentionBackend],
-        num_layers: int,
+        num_tensors: int,
         num_kv_heads: int,
         head_size: int,
         block_size: int,
@@ -36,7 +39,7 @@ class CacheEngine:
 
         def allocate(blocks: int, where: torch.device | str) -> list[torch.Tensor]:
             shape = backend.get_kv_cache_shape(blocks, block_size, num_kv_heads, head_size)
-            return [torch.zeros(shape, dtype=cache_dtype, device=where) for _ in range(num_layers)]
+            return [torch.zeros(shape, dtype=cache_dtype, device=where) for _ in range(num_tensors)]
 
         self.kv_caches = allocate(num_blocks, device)
         self.swap_caches = allocate(num_swap_blocks, "cpu") if num_swap_blocks else []
@@ -44,30 +47,30 @@ class CacheEngine:
     @staticmethod
     def bytes_per_block(
         backend: type[AttentionBackend],
-        num_layers: int,
+        num_tensors: int,
         num_kv_heads: int,
         head_size: int,
         block_size: int,
         dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
     ) -> int:
-        """Bytes one block takes across all layers, from the backend's own shape."""
+        """Bytes one block takes across all cache tensors, from the backend's own shape."""
         shape = backend.get_kv_cache_shape(1, block_size, num_kv_heads, head_size)
         element = backend.get_kv_cache_torch_dtype(kv_cache_dtype, dtype).itemsize
-        return num_layers * math.prod(shape) * element
+        return num_tensors * math.prod(shape) * element
 
     def swap_out(self, device_to_host: torch.Tensor) -> None:
-        """Copy device blocks [:, 0] to swap blocks [:, 1], layer by layer."""
+        """Copy device blocks [:, 0] to swap blocks [:, 1], tensor by tensor."""
         for src, dst in zip(self.kv_caches, self.swap_caches, strict=True):
             self.backend.swap_blocks(src, dst, device_to_host)
 
     def swap_in(self, host_to_device: torch.Tensor) -> None:
-        """Copy swap blocks [:, 0] back to device blocks [:, 1], layer by layer."""
+        """Copy swap blocks [:, 0] back to device blocks [:, 1], tensor by tensor."""
         for src, dst in zip(self.swap_caches, self.kv_caches, strict=True):
             self.backend.swap_blocks(src, dst, host_to_device)
 
     def copy(self, src_to_dsts: torch.Tensor) -> None:
-        """Copy device blocks [:, 0] onto device blocks [:, 1] in every layer."""
+        """Copy device blocks [:, 0] onto device blocks [:, 1] in every tensor."""
         self.backend.copy_blocks(self.kv_caches, src_to_dsts)
 
 

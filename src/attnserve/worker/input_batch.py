@@ -15,6 +15,7 @@ sequence has gone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,7 +156,8 @@ class InputBatch:
         self.num_host_tokens = np.zeros(0, dtype=np.int64)  # known on the host
         self.num_tokens = np.zeros(0, dtype=np.int64)  # in all, drawn ones on the device too
         self.num_computed = np.zeros(0, dtype=np.int64)
-        self.block_table = np.zeros((0, self.max_blocks), dtype=np.int64)
+        self.num_groups = 1  # KV-cache groups: a block table each
+        self.block_tables = np.zeros((0, 1, self.max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(0, dtype=np.int64)
         self.generation = np.zeros(0, dtype=np.int64)
         self.samples = np.zeros(0, dtype=np.bool_)  # has sampling params
@@ -170,7 +172,7 @@ class InputBatch:
             "num_host_tokens",
             "num_tokens",
             "num_computed",
-            "block_table",
+            "block_tables",
             "num_blocks",
             "generation",
             "samples",
@@ -185,6 +187,34 @@ class InputBatch:
         self.sampling_table.grow(capacity)
         self._free_slots += reversed(range(old, capacity))
 
+    def set_kv_cache_groups(self, num_groups: int) -> None:
+        """Keep a block table per KV-cache group (before any sequence is held)."""
+        if self.states:
+            raise RuntimeError("KV-cache groups are set before the batch holds sequences")
+        self.num_groups = num_groups
+        self.block_tables = np.zeros((len(self.num_blocks), num_groups, self.max_blocks), np.int64)
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """KV-cache group 0's block tables, [slots, max_blocks] (a view)."""
+        return self.block_tables[:, 0]
+
+    def _group_tables(
+        self, seq_id: int, first: list[int], others: Sequence[list[int]]
+    ) -> np.ndarray:
+        """A sequence's blocks in each KV-cache group, [groups, len(first)]: `first`, then
+        `others` (those of groups this batch does not keep are ignored: a draft model keeps
+        one); none given: every group uses `first`."""
+        if not others:
+            return np.tile(np.asarray(first, dtype=np.int64), (self.num_groups, 1))
+        tables = [first, *others[: self.num_groups - 1]]
+        if len(tables) < self.num_groups or any(len(t) != len(first) for t in tables):
+            raise ValueError(
+                f"sequence {seq_id}: block ids for {len(tables)} KV-cache groups of lengths "
+                f"{[len(t) for t in tables]}; the model has {self.num_groups}, one length"
+            )
+        return np.asarray(tables, dtype=np.int64).reshape(self.num_groups, len(first))
+
     def apply(self, plan: StepPlan) -> None:
         """Drop the released sequences, take in the new ones, update block tables."""
         self.release(plan.released_seq_ids)
@@ -194,7 +224,8 @@ class InputBatch:
             slot = self._slot(update.seq_id)
             end = update.num_kept + len(update.appended)
             self._check_blocks(update.seq_id, end)
-            self.block_table[slot, update.num_kept : end] = update.appended
+            tables = self._group_tables(update.seq_id, update.appended, update.group_appended)
+            self.block_tables[slot, :, update.num_kept : end] = tables
             self.num_blocks[slot] = end
 
     def release(self, seq_ids: list[int]) -> None:
@@ -234,7 +265,8 @@ class InputBatch:
         self.token_ids[slot, :num_tokens] = np.fromiter(seq.token_ids, np.int64, num_tokens)
         self.num_host_tokens[slot] = self.num_tokens[slot] = num_tokens
         self.num_computed[slot] = seq.num_computed_tokens
-        self.block_table[slot, : len(seq.block_ids)] = seq.block_ids
+        tables = self._group_tables(seq.seq_id, seq.block_ids, seq.group_block_ids)
+        self.block_tables[slot, :, : len(seq.block_ids)] = tables
         self.num_blocks[slot] = len(seq.block_ids)
         self.generation[slot] += 1
         self.samples[slot] = seq.sampling is not None
@@ -260,9 +292,11 @@ class InputBatch:
         if len(query) != len(slots) or (context + query > total).any():
             raise ValueError("the plan computes tokens its sequences do not have")
         width = max(int(self.num_blocks[slots].max(initial=0)), 1)
+        tables = self.block_tables[slots, :, :width]
         layout = layout_from_arrays(
-            self.block_table[slots, :width], self.num_blocks[slots], context, query, self.block_size
-        )
+            tables[:, 0], self.num_blocks[slots], context, query, self.block_size,
+            [tables[:, group] for group in range(1, self.num_groups)],
+        )  # fmt: skip
         token_seq, positions = layout.token_seq.numpy(), layout.token_pos.numpy()
         flat_index = (slots * self.max_tokens).take(token_seq) + positions
         token_ids = torch.from_numpy(self.token_ids.ravel().take(flat_index))

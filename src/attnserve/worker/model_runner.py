@@ -1,9 +1,9 @@
 """`ModelRunner`: one rank's model, KV cache and persistent batch; runs each step's plan.
 
-The worker sets it up in explicit phases, in order: `load_model` (the model, one attention
-backend selected for the specs of its attention layers and bound, one metadata builder per
-spec), `profile_activation_memory` (on CUDA, a profile run of the largest possible step measures
-its activations), `initialize_kv_cache` (sized from what is left, bound to the layers),
+The worker sets it up in explicit phases, in order: `load_model` (the model, its layers'
+KV-cache groups, one attention backend selected for their specs and bound, one metadata builder
+per spec), `profile_activation_memory` (on CUDA, a profile run of the largest possible step
+measures its activations), `initialize_kv_cache` (sized from what is left, bound to the layers),
 `calibrate_kv_scales` (an fp8 cache's scales, from a prefill of random tokens: `kv_calibration`),
 `warm_up` (on CUDA the longest prompts a step can hold run once: what their kernels compile on
 first use compiles at start-up) and `capture_graphs`. Graphs, when the backend supports them:
@@ -33,13 +33,17 @@ import torch
 from attnserve.attention import (
     attention_specs,
     bind_attention_backend,
-    bind_kv_caches,
     build_metadata,
     calibrating_kv_scales,
     get_model_attn_backend,
     kv_scales_from_checkpoint,
     metadata_builders,
     set_forward_context,
+)
+from attnserve.attention.kv_cache_groups import (
+    assign_kv_cache_groups,
+    bind_group_caches,
+    num_cache_tensors,
 )
 from attnserve.config import DEFAULT_CPU_KV_CACHE_BYTES
 from attnserve.distributed import get_tensor_model_parallel_world_size
@@ -91,6 +95,9 @@ class ModelRunner:
         self.model = load_model(
             self.model_config, self.device, self.cache_config.kv_cache_dtype, self.block_size
         )
+        hybrid = not self.cache_config.disable_hybrid_kv_cache_manager
+        self.kv_cache_groups = assign_kv_cache_groups(self.model, hybrid)
+        self.input_batch.set_kv_cache_groups(len(self.kv_cache_groups))
         specs = attention_specs(self.model)
         self.backend = get_model_attn_backend(specs, self.attention_backend)
         bind_attention_backend(self.model, self.backend)
@@ -107,6 +114,10 @@ class ModelRunner:
     @property
     def num_swap_blocks(self) -> int:
         return self.cache_engine.num_swap_blocks
+
+    @property
+    def kv_cache_windows(self) -> list[int | None]:
+        return [group.sliding_window for group in self.kv_cache_groups]
 
     def profile_activation_memory(self) -> int:
         """On CUDA, the memory the profile run takes beyond the weights at its peak (0 where the
@@ -167,13 +178,13 @@ class ModelRunner:
 
     def _bind_cache(self, cache_engine: CacheEngine) -> None:
         self.cache_engine = cache_engine
-        bind_kv_caches(self.model, cache_engine.kv_caches)
+        bind_group_caches(self.model, self.kv_cache_groups, cache_engine.kv_caches)
 
     def bytes_per_block(self) -> int:
         mc, cc = self.model_config, self.cache_config
         return CacheEngine.bytes_per_block(
             self.backend,
-            mc.num_layers,
+            num_cache_tensors(self.kv_cache_groups),
             self.num_kv_heads,
             mc.head_size,
             cc.block_size,
@@ -185,7 +196,7 @@ class ModelRunner:
         mc, cc = self.model_config, self.cache_config
         return CacheEngine(
             self.backend,
-            mc.num_layers,
+            num_cache_tensors(self.kv_cache_groups),
             self.num_kv_heads,
             mc.head_size,
             cc.block_size,

@@ -97,7 +97,14 @@ class Worker:
         config, spec = self.config, self.config.speculative_config
         if config.draft_model_config is None or spec is None:
             return None
-        draft_config = dataclasses.replace(config, model_config=config.draft_model_config)
+        # one KV-cache group, following the target's group 0 (which keeps every block when
+        # the target has global layers)
+        cache_config = dataclasses.replace(
+            config.cache_config, disable_hybrid_kv_cache_manager=True
+        )
+        draft_config = dataclasses.replace(
+            config, model_config=config.draft_model_config, cache_config=cache_config
+        )
         draft = ModelRunner(draft_config, self.device)
         draft.load_model()
         self.proposer = DraftProposer(draft, spec.num_speculative_tokens)

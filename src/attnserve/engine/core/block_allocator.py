@@ -118,19 +118,25 @@ class BlockAllocator:
         self._block_of[block_hash] = block
         self._tokens_of[block] = tokens
 
-    def acquire_cached(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
-        """The cached block holding exactly `tokens` under `block_hash`, with one more holder."""
-        if not self.enable_prefix_caching:
-            return None
-        self.prefix_queries += 1
+    def cached_block(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+        """The cached block holding exactly `tokens` under `block_hash`, if any."""
         block = self._block_of.get(block_hash)
-        if block is None or self._tokens_of[block] != tokens:
-            return None
-        self.prefix_hits += 1
+        return None if block is None or self._tokens_of[block] != tokens else block
+
+    def hold_cached(self, block_hash: int, tokens: tuple[int, ...]) -> int:
+        """`cached_block`, with one more holder (RuntimeError if it is not cached)."""
+        block = self.cached_block(block_hash, tokens)
+        if block is None:
+            raise RuntimeError(f"no cached block holds {tokens} under {block_hash}")
         if self._ref_counts[block] == 0:
             del self._evictable[block]
         self._ref_counts[block] += 1
         return block
+
+    def record_prefix_match(self, num_queried: int, num_hits: int) -> None:
+        """Count a prompt's prefix lookup: of its `num_queried` full blocks, `num_hits` hit."""
+        self.prefix_queries += num_queried
+        self.prefix_hits += num_hits
 
     def _forget_hash(self, block: int) -> None:
         block_hash = self._hash_of.pop(block)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from attnserve.engine.core.block_allocator import BlockAllocator
-from attnserve.engine.core.block_table import BlockTable
+from attnserve.engine.core.block_table import BlockTable, max_sequence_tokens
 from attnserve.engine.core.messages import (
     CoreReady,
     EngineCoreOutput,
@@ -96,6 +96,7 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.executor = get_executor_class(parallel_config)(config)
         self.block_size = cache_config.block_size
+        self.kv_cache_windows = self.executor.kv_cache_windows
         self.allocator = BlockAllocator(
             self.executor.num_blocks, cache_config.enable_prefix_caching
         )
@@ -125,7 +126,13 @@ class EngineCore:
         logger.info("engine core ready in %.1f s", time.perf_counter() - started)
 
     def ready_message(self) -> CoreReady:
-        return CoreReady(self.allocator.num_blocks, self.block_size, os.getpid())
+        tokens = max_sequence_tokens(
+            self.allocator.num_blocks,
+            self.block_size,
+            self.kv_cache_windows,
+            self.config.scheduler_config.max_num_batched_tokens,
+        )
+        return CoreReady(tokens, os.getpid())
 
     def shutdown(self) -> None:
         """Stop the executor's ranks (worker processes, Ray actors); idempotent."""
@@ -133,7 +140,7 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the front end has checked (ids unique, prompt in range)."""
-        block_table = BlockTable(self.allocator, self.block_size)
+        block_table = BlockTable(self.allocator, self.block_size, self.kv_cache_windows)
         seq = Sequence(
             request.request_id, request.prompt_token_ids, request.sampling_params, block_table
         )

@@ -87,8 +87,7 @@ HEARTBEAT_INTERVAL_S = 0.5
 class CoreReady:
     """The core is up: what the front end needs to know of it."""
 
-    num_blocks: int
-    block_size: int
+    kv_cache_tokens: int  # the most tokens one sequence's KV blocks can hold
     pid: int
 
 

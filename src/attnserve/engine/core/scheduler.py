@@ -193,8 +193,8 @@ class Scheduler:
             if not self.allocator.can_allocate(seq.block_table.extra_blocks_for(end)):
                 break
             self.swapped.popleft()
+            out.swap_in += seq.block_table.swap_in(seq.swapped_blocks)
             seq.block_table.ensure_capacity(end)
-            out.swap_in += zip(seq.swapped_blocks, seq.block_table.blocks, strict=False)
             if self.swap_allocator is not None:
                 self.swap_allocator.free(seq.swapped_blocks)
             seq.swapped_blocks = []
@@ -258,16 +258,15 @@ class Scheduler:
         self.running.remove(seq)
         self.num_preemptions += 1
         seq.spec_token_ids = []
-        blocks = seq.block_table.blocks
+        num_held = len(seq.block_table.held_blocks())
         swap = self.swap_allocator
         if (
             self.config.preemption_mode == "swap"
             and swap is not None
-            and swap.can_allocate(len(blocks))
+            and swap.can_allocate(num_held)
         ):
-            seq.swapped_blocks = swap.allocate(len(blocks))
-            out.swap_out += zip(blocks, seq.swapped_blocks, strict=True)
-            seq.block_table.free()
+            seq.swapped_blocks = swap.allocate(num_held)
+            out.swap_out += zip(seq.block_table.swap_out(), seq.swapped_blocks, strict=True)
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
             return
@@ -283,13 +282,14 @@ class Scheduler:
 
     def advance(self, out: SchedulerOutput) -> None:
         """The step's new tokens are in the cache (or on their way there): count them, register
-        newly full blocks, and count each draw as pending (appended by `resolve`)."""
+        newly full blocks, free what window layers no longer read, and count each draw as
+        pending (appended by `resolve`)."""
         for item in out.scheduled:
             seq = item.seq
             if seq.is_finished:  # aborted, or finished by the previous step's results
                 continue
             seq.num_computed_tokens += item.num_target_tokens
-            seq.block_table.register_full_blocks(seq.token_ids, seq.num_computed_tokens)
+            seq.block_table.commit_computed(seq.token_ids, seq.num_computed_tokens)
             if item.samples:
                 seq.num_pending_tokens += 1
                 seq.num_forks_pending = 0  # this step's draws include the forks' first tokens
@@ -348,7 +348,7 @@ class Scheduler:
             seq.append(*draw)
             seq.num_step_tokens += 1
         seq.num_computed_tokens += min(seq.num_step_tokens, accepted)
-        seq.block_table.register_full_blocks(seq.token_ids, seq.num_computed_tokens)
+        seq.block_table.commit_computed(seq.token_ids, seq.num_computed_tokens)
         seq.spec_token_ids = result.draft_token_ids or []
         return seq
 

@@ -28,6 +28,7 @@ def _new_sequence(seq: Sequence) -> NewSequence:
         seq.sampling_params,
         seq.index,
         1 + seq.num_forks_pending,
+        [list(table) for table in seq.block_table.tables[1:]],
     )
 
 
@@ -57,7 +58,8 @@ class StepPlanner:
                 continue
             update = seq.block_table.take_update()
             if update is not None:
-                updates.append(BlockUpdate(seq.seq_id, *update))
+                kept, (appended, *others) = update
+                updates.append(BlockUpdate(seq.seq_id, kept, appended, tuple(others)))
         return StepPlan(
             seq_ids=[item.seq.seq_id for item in out.scheduled],
             num_new_tokens=[item.num_new_tokens for item in out.scheduled],
