@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from attnserve.attention import build_step_layout
+from attnserve.attention import as_decode_rows, build_step_layout, pad_for_graph
 
 
 def test_mixed_step_positions_slots_and_table() -> None:
@@ -43,3 +43,26 @@ def test_bad_batches_are_rejected(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         build_step_layout(block_tables, context_lens, query_lens, block_size=16)
+
+
+def test_each_kv_cache_group_has_its_own_table_and_slots() -> None:
+    layout = build_step_layout([[3, 4], [5]], [2, 0], [3, 2], 4, [[[7, 8], [9]]])
+    group = layout.for_group(1)
+    assert group.block_table.tolist() == [[7, 8], [9, 0]]
+    assert group.slot_mapping.tolist() == [30, 31, 32, 36, 37]
+    assert layout.slot_mapping.tolist() == [14, 15, 16, 20, 21]
+    assert layout.for_group(0) is layout
+    assert group.token_pos.tolist() == layout.token_pos.tolist()
+    rows = as_decode_rows(layout).for_group(1)
+    assert rows.block_table.tolist() == [[7, 8]] * 3 + [[9, 0]] * 2
+    with pytest.raises(ValueError, match="no KV-cache group 2"):
+        layout.for_group(2)
+    with pytest.raises(ValueError, match="as long as group 0's"):
+        build_step_layout([[3, 4]], [0], [5], 4, [[[7]]])
+
+
+def test_a_padded_graph_step_pads_every_group() -> None:
+    layout = build_step_layout([[3], [5]], [1, 2], [1, 1], 4, [[[6], [7]]])
+    padded = pad_for_graph(layout, 4).for_group(1)
+    assert padded.block_table.tolist() == [[6], [7], [0], [0]]
+    assert padded.slot_mapping.tolist() == [25, 30, -1, -1]

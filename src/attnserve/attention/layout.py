@@ -112,8 +112,10 @@ def build_step_layout(
     context_lens: Sequence[int],
     query_lens: Sequence[int],
     block_size: int,
+    group_block_tables: Sequence[Sequence[Sequence[int]]] = (),
 ) -> StepLayout:
-    """Validate one step's batch and compute its token positions, slots and block table."""
+    """Validate one step's batch and compute its token positions, slots and block table (and
+    those of KV-cache groups 1.., from `group_block_tables`: each as long as `block_tables`)."""
     if not len(block_tables) == len(context_lens) == len(query_lens):
         raise ValueError(
             f"block_tables ({len(block_tables)}), context_lens ({len(context_lens)}) and "
@@ -122,7 +124,13 @@ def build_step_layout(
     lens = _int64s([len(t) for t in block_tables])
     width = max(int(lens.max(initial=0)), 1)
     table = _padded_table(block_tables, lens, width)
-    return layout_from_arrays(table, lens, _int64s(context_lens), _int64s(query_lens), block_size)
+    groups = []
+    for tables in group_block_tables:
+        if [len(t) for t in tables] != lens.tolist():
+            raise ValueError("each KV-cache group's block tables must be as long as group 0's")
+        groups.append(_padded_table(tables, lens, width))
+    ctx, qry = _int64s(context_lens), _int64s(query_lens)
+    return layout_from_arrays(table, lens, ctx, qry, block_size, groups)
 
 
 def layout_from_arrays(

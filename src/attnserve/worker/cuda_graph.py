@@ -48,7 +48,12 @@ class CUDAGraphRunner(GraphRunner):
 
     def _dummy_metadata(self, size: int) -> StepMetadata:
         """A decode step of `size` sequences at position 1, both tokens in block 0 (the table
-        names block 0 twice, so it holds them whatever the block size)."""
+        names block 0 twice, so it holds them whatever the block size), in every KV-cache
+        group."""
         block_size = next(iter(self.builders)).block_size
-        layout = build_step_layout([[0, 0]] * size, [1] * size, [1] * size, block_size)
+        tables = [[0, 0]] * size
+        num_groups = 1 + max(spec.kv_cache_group for spec in self.builders)
+        layout = build_step_layout(
+            tables, [1] * size, [1] * size, block_size, [tables] * (num_groups - 1)
+        )
         return build_graph_metadata(self.builders, pad_for_graph(layout, size))

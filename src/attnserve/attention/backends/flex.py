@@ -77,12 +77,12 @@ class FlexMetadata(AttentionMetadata):
 
 
 def _positions(
-    table: torch.Tensor, num_pages: torch.Tensor, query_pos: torch.Tensor, block_size: int
+    table: torch.Tensor, live: torch.Tensor, query_pos: torch.Tensor, block_size: int
 ) -> Positions:
-    """(b, q_idx, kv_idx) -> (query position, logical key position; -1 off b's pages)."""
+    """(b, q_idx, kv_idx) -> (query position, logical key position; -1 off b's live pages)."""
     num_cache_pages = int(table.max()) + 1
     logical = torch.arange(table.shape[1]).expand_as(table)
-    pages = torch.where(logical < num_pages[:, None], table, num_cache_pages)  # padding: spare
+    pages = torch.where(live, table, num_cache_pages)  # padding and pages behind: spare
     page_to_logical = torch.full((table.shape[0], num_cache_pages + 1), -1, dtype=torch.int64)
     page_to_logical.scatter_(1, pages, logical.contiguous())
     page_to_logical = to_device(page_to_logical[:, :num_cache_pages], query_pos.device)
@@ -105,23 +105,32 @@ def _flex_group(
     grid, block_size = query_grid(layout, seqs, padding_pos=-1), spec.block_size
     num_rows = grid.num_rows
     seq_lens = layout.seq_lens[seqs.start : seqs.stop]
+    context_lens = layout.context_lens[seqs.start : seqs.stop]
     num_pages = -(-seq_lens // block_size)
     table = layout.block_table[seqs.start : seqs.stop, : int(num_pages.max())]
-    table = torch.where(torch.arange(table.shape[1]) < num_pages[:, None], table, 0)
-    # a query tile reads its sequence's pages up to its last row's position (causal)
+    # pages before the window of the first new token are never read (a window's KV-cache
+    # group may have freed them: their ids may be any block's now)
+    first_page = torch.zeros_like(num_pages)
+    if spec.sliding_window is not None:
+        first_page = (context_lens - spec.sliding_window + 1).clamp(min=0) // block_size
+    logical = torch.arange(table.shape[1])
+    live = (logical >= first_page[:, None]) & (logical < num_pages[:, None])
+    table = torch.where(live, table, 0)
+    # a query tile reads its sequence's pages from the first live one up to its last row's
+    # position (causal)
     tiles = -(-num_rows // Q_SPARSE_BLOCK)
     tile_last_row = torch.arange(1, tiles + 1) * Q_SPARSE_BLOCK - 1
-    last_pos = torch.minimum(
-        layout.context_lens[seqs.start : seqs.stop, None] + tile_last_row[None, :],
-        seq_lens[:, None] - 1,
+    last_pos = torch.minimum(context_lens[:, None] + tile_last_row[None, :], seq_lens[:, None] - 1)
+    kv_num_blocks = (
+        torch.minimum(last_pos // block_size + 1, num_pages[:, None]) - first_page[:, None]
     )
-    kv_num_blocks = torch.minimum(last_pos // block_size + 1, num_pages[:, None])
+    read = table.gather(1, (first_page[:, None] + logical).clamp(max=table.shape[1] - 1))
     # page p is KV tiles p * per_page .. p * per_page + per_page - 1
     per_page = block_size // KV_SPARSE_BLOCK
-    tile_ids = (table[:, :, None] * per_page + torch.arange(per_page)).flatten(1)
+    tile_ids = (read[:, :, None] * per_page + torch.arange(per_page)).flatten(1)
     query_pos = to_device(grid.query_pos.view(len(seqs), num_rows), device)
     kv_indices = tile_ids[:, None, None, :].expand(-1, 1, tiles, -1)
-    positions = _positions(table, num_pages, query_pos, block_size)
+    positions = _positions(table, live, query_pos, block_size)
     kv_len = (int(table.max()) + 1) * block_size
     block_mask = BlockMask.from_kv_blocks(
         to_device((kv_num_blocks * per_page)[:, None].to(torch.int32), device),
