@@ -2,9 +2,10 @@
 
 One request of `--context` random prompt tokens, then `--output-len` tokens (greedy,
 `ignore_eos`), alone in the engine and without prefix caching, so every block in use is its
-own. After each step: the blocks held (all KV-cache groups), times the bytes a block takes
-across the cache tensors. Reported: the peak (during the prompt's chunks, where a window group
-holds its window and a whole chunk) and what it holds while it decodes at the full context.
+own. Between steps: the blocks held (all KV-cache groups), times the bytes a block takes
+across the cache tensors. Reported: the most held between steps and what it holds while it
+decodes at the full context (while a prompt chunk is computed, each window group also holds
+that chunk's blocks, freed behind the window once it is done).
 With `--disable-hybrid-kv-cache-manager` every layer keeps every block: the figure to compare
 a model with sliding-window layers against.
 """

@@ -135,10 +135,17 @@ def _sweep(
 
 
 def _cache_facts(llm: LLM, block_size: int) -> dict[str, Any]:
-    """The attention backend and the KV cache's size in tokens. No reference to the runner
-    outlives this call: a benchmark that drops the engine to build another must free its cache."""
+    """The attention backend and the KV cache's size in tokens (where every KV-cache group
+    holds a block per `block_size` tokens: a model whose window layers free blocks holds more),
+    and its groups. No reference to the runner outlives this call: a benchmark that drops the
+    engine to build another must free its cache."""
     runner = llm.llm_engine.executor.driver_runner
-    return {"backend": runner.backend.get_name(), "kv_cache_tokens": runner.num_blocks * block_size}
+    groups = len(runner.kv_cache_windows)
+    return {
+        "backend": runner.backend.get_name(),
+        "kv_cache_tokens": runner.num_blocks // groups * block_size,
+        "kv_cache_groups": groups,
+    }
 
 
 def _eager_engine(engine_args: EngineArgs, workload: Workload) -> LLM:

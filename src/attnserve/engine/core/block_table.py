@@ -57,6 +57,8 @@ class BlockTable:
         block_size: int,
         windows: Sequence[int | None] = (None,),
     ) -> None:
+        if not windows:
+            raise ValueError("a block table needs at least one KV-cache group")
         self.allocator = allocator
         self.block_size = block_size
         self.windows = tuple(windows)  # each group's sliding window (None: keeps every block)
