@@ -62,6 +62,12 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
 SMALL_CACHE = {"block_size": 4, "max_num_batched_tokens": 8, "kv_cache_memory_bytes": 36 << 10}
 ENGINE_SETUPS: dict[str, dict[str, Any]] = {
     "prefix-cache": {"block_size": 4},
@@ -71,6 +77,7 @@ ENGINE_SETUPS: dict[str, dict[str, Any]] = {
     # a pool too small for the three at once: freed window blocks are reused, some preempted
     "preempted-by-swap": {**SMALL_CACHE, "preemption_mode": "swap"},
     "preempted-by-recompute": SMALL_CACHE,
+    "ngram-speculation": {"block_size": 4, "speculative_config": NGRAM},
 }
 
 
@@ -169,6 +176,8 @@ def test_greedy_matches_hf(
         assert llm.llm_engine.stats()["prefix_cache_hit_rate"] > 0.3
     if setup.startswith("preempted"):
         assert llm.llm_engine.stats()["num_preemptions"] > 0
+    if setup == "ngram-speculation":  # verify steps over every KV-cache group's table
+        assert llm.llm_engine.stats()["spec_decode_num_drafts"] > 0
 
 
 @pytest.mark.parametrize("arch", MODELS)
