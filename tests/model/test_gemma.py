@@ -1,9 +1,12 @@
 """Gemma 2 and Gemma 3 (text) against HF transformers on the same tiny random weights, in float32
 on the CPU: logits at every position through the paged KV cache, and greedy tokens through `LLM`
-for prompts longer than the sliding window, with and without prefix caching and with chunked
-prefill, and at tensor parallel 2; dummy weights exported to HF; the dummy presets at their real
-configs (config and a meta build only, no weights); a multimodal Gemma 3 checkpoint served as
-its text model."""
+for prompts longer than the sliding window, with and without prefix caching, with chunked
+prefill, with KV-cache groups (the window layers' blocks behind the window freed: a pool small
+enough to preempt by swap and by recompute, every free block poisoned before each step) and
+without, with n-gram speculation, and at tensor parallel 2; the KV memory a sequence holds with
+and without freed blocks; dummy weights exported to HF; the dummy presets at their real configs
+(config and a meta build only, no weights); a multimodal Gemma 3 checkpoint served as its text
+model."""
 
 from __future__ import annotations
 
