@@ -148,6 +148,30 @@ def test_mixed_batch_matches_dense_reference(
     _check_mixed_step(runner, seqs)
 
 
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.sliding_window and c.block_size <= 16] + FP8_CASES[1:2], ids=str
+)
+def test_window_reads_no_page_behind_it(
+    backend_on_device: tuple[type[AttentionBackend], str], case: Case
+) -> None:
+    """A sliding window's KV-cache group frees a sequence's pages once its next token's window
+    has passed them; their places keep stale ids, which may name any block, one the sequence
+    holds now included. With the context written, each sequence's pages behind the window of
+    its first new token are renamed to its last page: the step's outputs do not change."""
+    backend, device = backend_on_device
+    runner, seqs = _setup(backend, case, device)
+    _write_context(runner, seqs)
+    window = case.sliding_window or 0
+    renamed = 0
+    for seq in seqs:
+        behind = max(0, seq.context_len - window + 1) // case.block_size
+        seq.blocks[:behind] = [seq.blocks[-1]] * behind
+        renamed += behind
+    if not renamed:
+        pytest.skip("no sequence of this case has a page behind its window")
+    _check_mixed_step(runner, seqs)
+
+
 @pytest.mark.parametrize("case", CASES[::7] + FP8_CASES[:1], ids=str)
 def test_swap_out_and_in_keeps_outputs(
     backend_on_device: tuple[type[AttentionBackend], str], case: Case
