@@ -24,9 +24,10 @@ import torch
 from attnserve.host_copy import device_tensor
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import SampleOutput, StepResults, TokenBitmask
-from attnserve.worker.input_batch import InputBatch, PreparedStep, SequenceState
+from attnserve.worker.input_batch import InputBatch, PreparedStep
 from attnserve.worker.sampler import Sampler, SamplingRow
 from attnserve.worker.sampling_metadata import SamplingMetadata
+from attnserve.worker.sequence_state import SequenceState
 
 
 class DraftPosition:
