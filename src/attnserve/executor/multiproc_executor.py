@@ -149,9 +149,11 @@ class MultiprocExecutor(ExecutorBase):
     def _check_workers_alive(self) -> None:
         """A worker already dead fails the step before its broadcast, whether or not the
         monitor has woken yet: gloo does not always see a dead peer, and a broadcast to one
-        could then block for good."""
+        could then block for good. Its sentinel tells: `is_alive` can still say yes for a
+        moment after the process has closed its files on the way out."""
+        dead = wait([process.sentinel for process in self.processes], timeout=0)
         for rank, process in enumerate(self.processes, 1):
-            if not process.is_alive():
+            if process.sentinel in dead or not process.is_alive():
                 raise RuntimeError(f"tensor-parallel worker rank {rank} is not alive")
 
     def _wait_for_failure(self) -> str | None:
