@@ -128,9 +128,9 @@ class InputBatch:
     ) -> np.ndarray:
         """A sequence's blocks in each KV-cache group, [groups, len(first)]: `first`, then
         `others` (those of groups this batch does not keep are ignored: a draft model keeps
-        one); none given: every group uses `first`."""
+        one); none given: `first` alone, [len(first)], which every group's row takes."""
         if not others:
-            return np.tile(np.asarray(first, dtype=np.int64), (self.num_groups, 1))
+            return np.asarray(first, dtype=np.int64)
         tables = [first, *others[: self.num_groups - 1]]
         if len(tables) < self.num_groups or any(len(t) != len(first) for t in tables):
             raise ValueError(

@@ -151,7 +151,8 @@ class BlockTable:
                 break  # group 0 reads every block: the prefix ends at its first miss
             hashes.append(block_hash)
         length = len(hashes)
-        for group in range(len(self.tables)):
+        checked = 1 if self.windows[0] is None else 0  # group 0's blocks: looked up above
+        for group in range(checked, len(self.tables)):
             length = self._cached_length(group, hashes[:length], token_ids)
         for group, table in enumerate(self.tables):
             first = self._first_needed(group, length * self.block_size)
