@@ -22,7 +22,7 @@ if BACKEND.unavailable_reason() or DEVICE not in BACKEND.capabilities.devices:
     pytest.skip("TRITON does not run here", allow_module_level=True)
 
 from attnserve.attention.ops.triton_cache import reshape_and_cache  # noqa: E402
-from attnserve.attention.ops.triton_common import AttentionParams  # noqa: E402
+from attnserve.attention.ops.triton_common import AttentionParams, KernelConfig  # noqa: E402
 from attnserve.attention.ops.triton_decode import paged_decode  # noqa: E402
 
 
@@ -72,6 +72,37 @@ def test_split_kv_decode_matches_reference(num_splits: int, window: int | None) 
     )
     want = _decode_reference(q, dense, seq_lens, window)
     torch.testing.assert_close(out.cpu(), want, atol=2e-5, rtol=2e-5)
+
+
+# the fp8 cache's decode tiles `default_decode_config` picks (keys, warps, stages), and bf16's
+FP8_DECODE_TILES = [KernelConfig(16, n, w, s) for n, w, s in ((64, 2, 5), (32, 1, 5), (64, 4, 3))]
+
+
+@pytest.mark.parametrize("tile", FP8_DECODE_TILES, ids=str)
+@pytest.mark.parametrize(("head_size", "num_splits"), [(128, 1), (80, 3)])
+def test_fp8_cache_decode_tiles_match_reference(
+    tile: KernelConfig, head_size: int, num_splits: int
+) -> None:
+    seq_lens, kv_heads, group, block_size = [5, 130, 300, 64], 2, 4, 16
+    cache, table, _ = _paged_cache(seq_lens, kv_heads, head_size, block_size)
+    cache = cache.to(torch.float8_e4m3fn)
+    dense = cache.float()[table.long()].permute(0, 2, 3, 1, 4, 5).flatten(3, 4)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    q = torch.randn(len(seq_lens), kv_heads * group, head_size)
+    out = torch.full_like(q, float("nan"), dtype=dtype, device=DEVICE)
+    paged_decode(
+        q.to(DEVICE, dtype),
+        cache.to(DEVICE),
+        table.to(DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        out,
+        AttentionParams(scale=1 / math.sqrt(head_size)),
+        num_splits,
+        tile,
+    )
+    want = _decode_reference(q.to(dtype).float(), dense, seq_lens, None)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.cpu().float(), want, atol=tol, rtol=tol)
 
 
 def test_fp8_cache_write_scales_each_head_saturates_and_skips_padding() -> None:

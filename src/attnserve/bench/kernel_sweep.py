@@ -183,7 +183,8 @@ def sweep_decode(
     q = torch.randn(batch, heads, setup.head_size, device=setup.device, dtype=setup.dtype)
     kv = dense_kv(cache, table, length).float().repeat_interleave(heads // kv_heads, dim=2)
     want = F.scaled_dot_product_attention(q.float()[:, :, None], kv[:, 0], kv[:, 1])[:, :, 0]
-    planned = choose_num_splits(batch, kv_heads, length, num_sms(torch.device(setup.device)))
+    sms = num_sms(torch.device(setup.device))
+    planned = choose_num_splits(batch, kv_heads, length, sms, setup.kv_cache_dtype == "fp8")
     runs: list[tuple[KernelConfig | None, int]] = [(None, planned)]
     runs += [(tile, planned) for tile in tiles]
     runs += [(None, n) for n in splits if n != planned]

@@ -74,6 +74,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     def __init__(self, spec: AttentionSpec, device: torch.device | str) -> None:
         super().__init__(spec, device)
         self.num_sms = num_sms(self.device) if _TRITON_ERROR is None else 1
+        self._fp8_cache = spec.kv_cache_dtype == "fp8"
 
     def build(self, layout: StepLayout) -> TritonMetadata:
         prefill_lens = layout.query_lens[: layout.num_prefills]
@@ -92,7 +93,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         )
 
     def _num_splits(self, num_decodes: int, max_seq_len: int) -> int:
-        return choose_num_splits(num_decodes, self.spec.num_kv_heads, max_seq_len, self.num_sms)
+        return choose_num_splits(
+            num_decodes, self.spec.num_kv_heads, max_seq_len, self.num_sms, self._fp8_cache
+        )
 
     def init_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:

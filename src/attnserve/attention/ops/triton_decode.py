@@ -154,25 +154,43 @@ def num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int, min_split_len: int = 256
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    sm_count: int,
+    fp8: bool = False,
+    min_split_len: int = 256,
 ) -> int:
-    """How many parts to split each decode sequence's keys into: enough programs for about two
-    waves over the SMs, never parts shorter than `min_split_len` tokens, at most 64."""
+    """How many parts to split each decode sequence's keys into: enough programs for two per
+    SM (three for an fp8 cache, whose 2-warp programs fit four to an SM), never parts shorter
+    than `min_split_len` tokens, at most 64."""
     programs = num_seqs * num_kv_heads
     if programs == 0:
         return 1
-    wanted = -(-2 * sm_count // programs)
+    wanted = -(-(3 if fp8 else 2) * sm_count // programs)
     return max(1, min(wanted, max_seq_len // min_split_len, 64))
 
 
-def default_decode_config(device: torch.device, head_size: int) -> KernelConfig:
-    """Key tiles of 64 tokens (32 for heads over 128), for fp8 caches too: an fp8 tile is
-    converted whole before its dots, so (ptxas for sm_90, head 128, 4 warps) 64 keys take 148
-    registers a thread (3 programs an SM) and 128 keys 202 (2), where bf16's 64 take 86."""
+def default_decode_config(
+    device: torch.device, head_size: int, fp8: bool = False, group_pad: int = 16, programs: int = 0
+) -> KernelConfig:
+    """Key tiles of 64 tokens (32 for heads over 128), 4 warps, for a bf16 cache.
+
+    An fp8 cache's tile is converted whole before its dots, which takes registers (ptxas for
+    sm_90, head 128: 148 a thread at 4 warps, where bf16 takes 86), so its programs run fewer
+    warps over five stages: 2 warps (about 206 registers, four programs an SM), or 1 warp over
+    32 keys where the `programs` (sequences x KV heads x splits) fill eight an SM. On the H200
+    (`bench kernels --sweep decode --kv-cache-dtype fp8`) 2 warps took 0.60-0.77x the time of
+    4, and 1 warp 0.90x that of 2 at 2,048 programs (1.2x at 512). GQA groups over 16 heads
+    keep 4 warps."""
     if device.type != "cuda":
         return KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=1)
     block_n = 32 if head_size > 128 else 64
-    return KernelConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=3)
+    if not fp8 or group_pad > 16:
+        return KernelConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=3)
+    if head_size <= 128 and programs >= 8 * num_sms(device):
+        return KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=5)
+    return KernelConfig(block_m=16, block_n=block_n, num_warps=2, num_stages=5)
 
 
 def paged_decode(
@@ -193,8 +211,11 @@ def paged_decode(
         return
     if query.stride()[1:] != (head_size, 1) or out.stride()[1:] != (head_size, 1):
         raise ValueError("query and out must be contiguous within each token's heads")
-    cfg = config or default_decode_config(query.device, head_size)
     group = num_heads // num_kv_heads
+    group_pad = max(16, triton.next_power_of_2(group))
+    fp8 = is_fp8(kv_cache)
+    programs = num_seqs * num_kv_heads * num_splits
+    cfg = config or default_decode_config(query.device, head_size, fp8, group_pad, programs)
     storage = cache_storage(kv_cache)
     part_out = part_lse = out
     if num_splits > 1:
@@ -213,13 +234,13 @@ def paged_decode(
         scales_operand(params.kv_scales, kv_cache, query),
         params.scale, params.soft_cap or 1.0, params.sliding_window or 0, num_splits,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_PAD=group_pad,
         HEAD_SIZE=head_size, HEAD_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=kv_cache.shape[3], BLOCK_N=cfg.block_n, SPLIT_KEYS=num_splits > 1,
         USE_WINDOW=params.sliding_window is not None,
         USE_ALIBI=params.alibi_slopes is not None,
         USE_SOFTCAP=params.soft_cap is not None,
-        FP8=is_fp8(kv_cache),
+        FP8=fp8,
         DOT_FP32=query.dtype == torch.float32 or query.device.type == "cpu",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
