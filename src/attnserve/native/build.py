@@ -7,10 +7,10 @@ The kernels use AVX2/FMA/F16C; those of `AVX512_SOURCES` AVX-512 too, built only
 CPU capability is AVX512. They share one thread pool (`native_pool.c`, a library of its own
 that every kernel library is linked against, so one set of workers serves them all); a kernel
 takes its thread count as an argument (callers pass `torch.get_num_threads()`). Only OpenMP's
-`simd` pragmas are on (-fopenmp-simd: no OpenMP runtime). The shared headers (`native_*.h`: the
-pool's, vector math; `gguf_rows.h`) are part of every library's key. Where they cannot run (torch's CPU
-capability below AVX2, no compiler, a failed build), `load_native` returns None, logging why
-once, and the callers take their torch path.
+`simd` pragmas are on (-fopenmp-simd: no OpenMP runtime). The shared headers (`native_*.h`:
+the pool's, vector math; `gguf_rows.h`) are part of every library's key. Where they cannot run
+(torch's CPU capability below AVX2 or what the source needs, no compiler, a failed build),
+`load_native` returns None, logging why once, and the callers take their torch path.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
  * 8, bytes 2u and 2u + 1: codes 2u, 2u + 1 in the low nibbles, 2u + 16, 2u + 17 in the high;
  * Q8_0: 16, codes 2u and 2u + 1); `d` and `c` [T, G, 16] float16 (c: Q4_1's m only).
  *
- * `gguf512_mm` multiplies the activation rows rounded as gguf_cpu.c rounds them (gguf_rows.h),
+ * `gguf_mm` multiplies the activation rows rounded as gguf_cpu.c rounds them (gguf_rows.h),
  * with the same integer and float sums in the same order, so its results are bit-identical to
  * gguf_cpu.c's: a unit's 32 int16 words (lane i: row i's two codes) times the activation's two
  * matching int16 codes broadcast to every lane, summed by `vpdpwssd` (exact int32, no
@@ -18,7 +18,7 @@
  * at the end as gguf_cpu.c's horizontal sum adds its eight lanes. A tile's block is decoded once
  * for every activation row (up to ROW_GROUP of them: more make more passes), and each row's sums
  * are the same whatever the number of rows, so a row's result does not depend on M.
- * `gguf512_dequantize` writes float32 rows, rounded as gguf.quants.dequantize rounds them.
+ * `gguf_dequantize` writes float32 rows, rounded as gguf.quants.dequantize rounds them.
  * Both split their work into chunks for `threads` threads of the shared pool (native_pool.h).
  */
 #include <immintrin.h>
@@ -40,7 +40,7 @@ typedef struct {
 } Tiled;
 
 /* Whether this CPU runs the kernels (AVX512F, BW, VL and VNNI). */
-int gguf512_supported(void) {
+int gguf_avx512_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -145,7 +145,7 @@ static void product_tiles(const void *job, int64_t first, int64_t end) {
 
 /* out [M, N] = x [M, K] times the weight [N, K] transposed, on `threads` threads. Returns 0,
  * or -1 for a bad type or K, or no memory. */
-int gguf512_mm(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c, int64_t N,
+int gguf_mm(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c, int64_t N,
                int64_t K, const float *x, int64_t M, float *out, int threads) {
     if (type < Q4_0 || type > Q8_0 || K % BLOCK) return -1;
     Product p = {{type, codes, d, c, N, K / BLOCK}, {NULL, NULL, NULL, NULL}, M, out};
@@ -218,7 +218,7 @@ static void dequantize_rows(const void *job, int64_t first, int64_t end) {
 /* out [R, K] = float32 rows `row_ids[i]` (or rows first..first+R-1 without ids) of the weight
  * [N, K], on `threads` threads. Returns 0, -1 for a bad type or K, or -2 for a row outside
  * 0..N-1. */
-int gguf512_dequantize(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c,
+int gguf_dequantize(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c,
                        int64_t N, int64_t K, int64_t first, const int64_t *row_ids, int64_t R,
                        float *out, int threads) {
     if (type < Q4_0 || type > Q8_0 || K % BLOCK) return -1;
@@ -228,14 +228,14 @@ int gguf512_dequantize(int type, const uint8_t *codes, const uint16_t *d, const 
     return 0;
 }
 
-int gguf512_mm_packed(const int64_t *a) {
-    return gguf512_mm((int)a[0], SLOT_PTR(const uint8_t, a[1]), SLOT_PTR(const uint16_t, a[2]),
+int gguf_mm_packed(const int64_t *a) {
+    return gguf_mm((int)a[0], SLOT_PTR(const uint8_t, a[1]), SLOT_PTR(const uint16_t, a[2]),
                       SLOT_PTR(const uint16_t, a[3]), a[4], a[5], SLOT_PTR(const float, a[6]),
                       a[7], SLOT_PTR(float, a[8]), (int)a[9]);
 }
 
-int gguf512_dequantize_packed(const int64_t *a) {
-    return gguf512_dequantize(
+int gguf_dequantize_packed(const int64_t *a) {
+    return gguf_dequantize(
         (int)a[0], SLOT_PTR(const uint8_t, a[1]), SLOT_PTR(const uint16_t, a[2]),
         SLOT_PTR(const uint16_t, a[3]), a[4], a[5], a[6], SLOT_PTR(const int64_t, a[7]), a[8],
         SLOT_PTR(float, a[9]), (int)a[10]);

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 TYPE_IDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 KERNELS_ENV = "ATTNSERVE_GGUF_KERNELS"
-ISAS = {"avx2": ("gguf_cpu.c", "gguf_"), "avx512": ("gguf_avx512.c", "gguf512_")}
+SOURCES = {"avx2": "gguf_cpu.c", "avx512": "gguf_avx512.c"}  # each exports gguf_mm, gguf_dequantize
 TILE = 16  # weight rows a tile of the AVX-512 layout (gguf_avx512.c)
 
 
@@ -38,23 +38,21 @@ class GGUFKernels:
 
 @functools.cache
 def kernels(isa: str) -> GGUFKernels | None:
-    """The built kernels of `isa` (a key of ISAS) with their signatures, or None where they
+    """The built kernels of `isa` (a key of SOURCES) with their signatures, or None where they
     cannot run here."""
-    source, prefix = ISAS[isa]
-    library = load_native(source)
+    library = load_native(SOURCES[isa])
     if library is None:
         return None
-    if isa == "avx512" and not library.gguf512_supported():
+    if isa == "avx512" and not library.gguf_avx512_supported():
         logger.info("AVX-512 GGUF kernels off: this CPU lacks AVX512BW, VL or VNNI")
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     weight: list[Any] = [ctypes.c_int, pointer, pointer, pointer]  # type, codes, d, c
     threads = ctypes.c_int
-    mm, dequantize = getattr(library, f"{prefix}mm"), getattr(library, f"{prefix}dequantize")
-    mm.argtypes = [*weight, size, size, pointer, size, pointer, threads]
-    dequantize.argtypes = [*weight, size, size, size, pointer, size, pointer, threads]
+    library.gguf_mm.argtypes = [*weight, size, size, pointer, size, pointer, threads]
+    library.gguf_dequantize.argtypes = [*weight, size, size, size, pointer, size, pointer, threads]
     return GGUFKernels(
-        isa, NativeFunction(library, f"{prefix}mm"), NativeFunction(library, f"{prefix}dequantize")
+        isa, NativeFunction(library, "gguf_mm"), NativeFunction(library, "gguf_dequantize")
     )
 
 
