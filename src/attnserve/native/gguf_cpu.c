@@ -25,7 +25,6 @@
 #include <stdint.h>
 
 #include "gguf_rows.h"
-#include "native_packed.h"
 #include "native_pool.h"
 
 typedef struct {
@@ -253,16 +252,4 @@ int gguf_dequantize(int type, const uint8_t *codes, const uint16_t *d, const uin
     const Dequantization job = {{type, codes, d, c, N, K / BLOCK}, first, row_ids, out};
     pool_run(threads, R, chunk_rows(K, 1, 4), dequantize_rows, &job);
     return 0;
-}
-
-int gguf_mm_packed(const int64_t *a) {
-    return gguf_mm((int)a[0], SLOT_PTR(const uint8_t, a[1]), SLOT_PTR(const uint16_t, a[2]),
-                   SLOT_PTR(const uint16_t, a[3]), a[4], a[5], SLOT_PTR(const float, a[6]), a[7],
-                   SLOT_PTR(float, a[8]), (int)a[9]);
-}
-
-int gguf_dequantize_packed(const int64_t *a) {
-    return gguf_dequantize((int)a[0], SLOT_PTR(const uint8_t, a[1]), SLOT_PTR(const uint16_t, a[2]),
-                           SLOT_PTR(const uint16_t, a[3]), a[4], a[5], a[6],
-                           SLOT_PTR(const int64_t, a[7]), a[8], SLOT_PTR(float, a[9]), (int)a[10]);
 }

@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "native_packed.h"
+
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 #define BLOCK 32
 
@@ -77,6 +79,25 @@ static inline int rows_inside(int64_t N, int64_t first, const int64_t *row_ids, 
 static inline int64_t chunk_rows(int64_t K, int64_t M, int64_t least) {
     const int64_t rows = CHUNK_PRODUCTS / (K * M);
     return rows < least ? least : rows;
+}
+
+/* The entry points each GGUF library defines (see gguf_cpu.c), and their packed forms. */
+int gguf_mm(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c, int64_t N,
+            int64_t K, const float *x, int64_t M, float *out, int threads);
+int gguf_dequantize(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c,
+                    int64_t N, int64_t K, int64_t first, const int64_t *row_ids, int64_t R,
+                    float *out, int threads);
+
+int gguf_mm_packed(const int64_t *a) {
+    return gguf_mm((int)a[0], SLOT_PTR(const uint8_t, a[1]), SLOT_PTR(const uint16_t, a[2]),
+                   SLOT_PTR(const uint16_t, a[3]), a[4], a[5], SLOT_PTR(const float, a[6]), a[7],
+                   SLOT_PTR(float, a[8]), (int)a[9]);
+}
+
+int gguf_dequantize_packed(const int64_t *a) {
+    return gguf_dequantize((int)a[0], SLOT_PTR(const uint8_t, a[1]), SLOT_PTR(const uint16_t, a[2]),
+                           SLOT_PTR(const uint16_t, a[3]), a[4], a[5], a[6],
+                           SLOT_PTR(const int64_t, a[7]), a[8], SLOT_PTR(float, a[9]), (int)a[10]);
 }
 
 #endif
