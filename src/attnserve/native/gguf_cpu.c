@@ -11,7 +11,8 @@
  * `gguf_mm` rounds each 32-block of an activation row to int16 codes with its own scale s (s =
  * max|x| / 32767: a relative rounding of 1.5e-5 of the block's largest value, where llama.cpp's
  * int8 blocks round to 4e-3) and computes x_g . q_g as s (xq_g . q_g) in integers (madd_epi16),
- * the sums sum(x_g) in float32 from x itself. Eight blocks' integer sums are reduced together
+ * the sums sum(x_g) in float32 from x itself (the rounding is gguf_rows.h's, which the AVX-512
+ * kernels of gguf_avx512.c share: they compute the same sums in the same order). Eight blocks' integer sums are reduced together
  * (hadd), converted and scaled by one vector of their d s, so the float work is per eight blocks.
  * With three or more activation rows, a Q4 weight row's codes are decoded once per eight blocks
  * for four rows at a time (Q8_0's codes and two rows are cheaper to decode again than to keep);
@@ -21,17 +22,10 @@
  * (native_pool.h), which degrades gracefully where another process takes a core.
  */
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 
-#include "native_packed.h"
+#include "gguf_rows.h"
 #include "native_pool.h"
-
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
-#define BLOCK 32
-
-#define PAD(g) (((g) + 7) / 8 * 8) /* per-row length of the scale arrays: whole eights */
 
 typedef struct {
     int type;
@@ -39,8 +33,6 @@ typedef struct {
     const uint16_t *d, *c; /* [N, PAD(G)] float16, zero past G (c: Q4_1 only) */
     int64_t rows, groups;
 } Weight;
-
-static inline int code_bytes(int type) { return type == Q8_0 ? BLOCK : BLOCK / 2; }
 
 static inline float half(uint16_t bits) { return _cvtsh_ss(bits); }
 
@@ -105,43 +97,6 @@ static inline __m256 add_scaled(int type, __m256 acc, const __m256i p[8], __m256
 
 static inline __m256 half8(const uint16_t *bits) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)bits));
-}
-
-/* Activation rows rounded per block (see the module comment). */
-typedef struct {
-    int16_t *codes; /* [M, K] */
-    float *scale;   /* [M, PAD(G)], zero past G */
-    float *sum;     /* [M, PAD(G)], of x itself, zero past G */
-} Rows;
-
-static void free_rows(Rows *r) {
-    free(r->codes);
-    free(r->scale);
-    free(r->sum);
-}
-
-static int round_rows(const float *x, int64_t M, int64_t K, Rows *r) {
-    const int64_t G = K / BLOCK, padded = PAD(G);
-    r->codes = malloc(sizeof(int16_t) * M * K);
-    r->scale = calloc((size_t)(M * padded), sizeof(float));
-    r->sum = calloc((size_t)(M * padded), sizeof(float));
-    if (r->codes == NULL || r->scale == NULL || r->sum == NULL) return -1;
-    for (int64_t b = 0; b < M * G; b++) {
-        const float *xb = x + b * BLOCK;
-        const int64_t at = b / G * padded + b % G;
-        float amax = 0.0f, sum = 0.0f;
-        for (int j = 0; j < BLOCK; j++) {
-            const float a = fabsf(xb[j]);
-            amax = a > amax ? a : amax;
-            sum += xb[j];
-        }
-        const float scale = amax / 32767.0f;
-        const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-        for (int j = 0; j < BLOCK; j++) r->codes[b * BLOCK + j] = (int16_t)lrintf(xb[j] * inverse);
-        r->scale[at] = scale;
-        r->sum[at] = sum;
-    }
-    return 0;
 }
 
 /* Weight row n . activation row m, eight blocks at a time (the last eight padded with zero
@@ -223,13 +178,6 @@ static void rows_times_row(const Weight *w, int64_t n, const Rows *x, int64_t M,
     }
 }
 
-#define CHUNK_PRODUCTS 32768 /* weights x activation rows per chunk of pool work, about */
-
-static int64_t chunk_rows(int64_t K, int64_t M) {
-    const int64_t rows = CHUNK_PRODUCTS / (K * M);
-    return rows < 4 ? 4 : rows;
-}
-
 typedef struct {
     Weight w;
     Rows rows;
@@ -247,18 +195,19 @@ static void product_rows(const void *job, int64_t first, int64_t end) {
 int gguf_mm(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c, int64_t N,
             int64_t K, const float *x, int64_t M, float *out, int threads) {
     if (type < Q4_0 || type > Q8_0 || K % BLOCK) return -1;
-    Product p = {{type, codes, d, c, N, K / BLOCK}, {NULL, NULL, NULL}, M, out};
+    Product p = {{type, codes, d, c, N, K / BLOCK}, {NULL, NULL, NULL, NULL}, M, out};
     if (round_rows(x, M, K, &p.rows) != 0) {
         free_rows(&p.rows);
         return -1;
     }
-    pool_run(threads, N, chunk_rows(K, M), product_rows, &p);
+    pool_run(threads, N, chunk_rows(K, M, 4), product_rows, &p);
     free_rows(&p.rows);
     return 0;
 }
 
 typedef struct {
     Weight w;
+    int64_t first;
     const int64_t *row_ids;
     float *out;
 } Dequantization;
@@ -271,7 +220,7 @@ static void dequantize_rows(const void *job, int64_t first, int64_t end) {
     const int64_t G = dq->w.groups, K = G * BLOCK, padded = PAD(G), bytes = code_bytes(type);
     float *out = dq->out;
     for (int64_t i = first; i < end; i++) {
-        const int64_t n = dq->row_ids == NULL ? i : dq->row_ids[i];
+        const int64_t n = dq->row_ids == NULL ? dq->first + i : dq->row_ids[i];
         for (int64_t g = 0; g < G; g++) {
             __m256i words[2];
             code_words(type, codes + (n * G + g) * bytes, words);
@@ -292,27 +241,15 @@ static void dequantize_rows(const void *job, int64_t first, int64_t end) {
     }
 }
 
-/* out [R, K] = float32 rows `row_ids[i]` (or rows 0..R-1 without ids) of the weight [N, K],
- * on `threads` threads. Returns 0, -1 for a bad type or K, or -2 for an id outside 0..N-1. */
+/* out [R, K] = float32 rows `row_ids[i]` (or rows first..first+R-1 without ids) of the weight
+ * [N, K], on `threads` threads. Returns 0, -1 for a bad type or K, or -2 for a row outside
+ * 0..N-1. */
 int gguf_dequantize(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c,
-                    int64_t N, int64_t K, const int64_t *row_ids, int64_t R, float *out,
-                    int threads) {
+                    int64_t N, int64_t K, int64_t first, const int64_t *row_ids, int64_t R,
+                    float *out, int threads) {
     if (type < Q4_0 || type > Q8_0 || K % BLOCK) return -1;
-    for (int64_t i = 0; row_ids != NULL && i < R; i++)
-        if (row_ids[i] < 0 || row_ids[i] >= N) return -2;
-    const Dequantization job = {{type, codes, d, c, R, K / BLOCK}, row_ids, out};
-    pool_run(threads, R, chunk_rows(K, 1), dequantize_rows, &job);
+    if (!rows_inside(N, first, row_ids, R)) return -2;
+    const Dequantization job = {{type, codes, d, c, N, K / BLOCK}, first, row_ids, out};
+    pool_run(threads, R, chunk_rows(K, 1, 4), dequantize_rows, &job);
     return 0;
-}
-
-int gguf_mm_packed(const int64_t *a) {
-    return gguf_mm((int)a[0], SLOT_PTR(const uint8_t, a[1]), SLOT_PTR(const uint16_t, a[2]),
-                   SLOT_PTR(const uint16_t, a[3]), a[4], a[5], SLOT_PTR(const float, a[6]), a[7],
-                   SLOT_PTR(float, a[8]), (int)a[9]);
-}
-
-int gguf_dequantize_packed(const int64_t *a) {
-    return gguf_dequantize((int)a[0], SLOT_PTR(const uint8_t, a[1]), SLOT_PTR(const uint16_t, a[2]),
-                           SLOT_PTR(const uint16_t, a[3]), a[4], a[5],
-                           SLOT_PTR(const int64_t, a[6]), a[7], SLOT_PTR(float, a[8]), (int)a[9]);
 }

@@ -17,6 +17,7 @@ draws the same tokens as it would without speculation.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from itertools import accumulate
 
 import torch
@@ -73,15 +74,20 @@ def num_accepted(drawn: list[int], drafts: list[int]) -> int:
 
 
 class DraftVerifier:
+    """`sampling_threads`: a context for the sampler's ops (the model runner's: one thread on
+    the CPU), which the LM head's product is kept out of (it wants every thread)."""
+
     def __init__(
         self,
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
         sampler: Sampler,
         input_batch: InputBatch,
+        sampling_threads: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
         self.compute_logits = compute_logits
         self.sampler = sampler
         self.input_batch = input_batch
+        self.sampling_threads = sampling_threads
 
     def verify(
         self, step: PreparedStep, hidden: torch.Tensor, token_bitmask: TokenBitmask | None
@@ -109,7 +115,8 @@ class DraftVerifier:
             rows_at = [offsets[r] for r in token_bitmask.rows]
             token_bitmask = TokenBitmask(rows_at, token_bitmask.bitmask)
         metadata = SamplingMetadata.from_rows(inputs, hidden.device)
-        draw = self.sampler.draw(logits, inputs, metadata, token_bitmask)
+        with self.sampling_threads():
+            draw = self.sampler.draw(logits, inputs, metadata, token_bitmask)
         drawn = self.sampler.split(
             draw.tokens.tolist(), draw.token_logprobs.tolist(), draw.top, draw.counts
         )

@@ -293,9 +293,10 @@ class ModelRunner:
             self.input_batch.advance(step, None)
             return StepFuture(num_seqs, ready=results)
         if step.drafts is not None:
-            verifier = DraftVerifier(self.model.compute_logits, self.sampler, self.input_batch)
-            with self._sampling_threads():
-                results = verifier.verify(step, hidden, plan.token_bitmask)
+            verifier = DraftVerifier(
+                self.model.compute_logits, self.sampler, self.input_batch, self._sampling_threads
+            )
+            results = verifier.verify(step, hidden, plan.token_bitmask)
             self._add_prompt_logprobs(step, hidden, starts, results)
             return StepFuture(num_seqs, ready=results)
         logits = self.model.compute_logits(self._last_hidden(hidden, step))
