@@ -46,7 +46,9 @@ from attnserve.bench.kernel_common import (
 )
 
 Shape = tuple[int, int, int, int]  # batch, tokens per sequence, query heads, KV heads
-DECODE_TILES = [KernelConfig(16, n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+DECODE_TILES = [
+    KernelConfig(16, n, w, s) for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4, 5)
+]
 PREFILL_GRID: list[tuple[FreshKeys, KernelConfig]] = [
     ("cache", KernelConfig(256, 64, 8, 3)),
     *(

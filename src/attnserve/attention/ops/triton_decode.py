@@ -172,25 +172,21 @@ def choose_num_splits(
 
 
 def default_decode_config(
-    device: torch.device, head_size: int, fp8: bool = False, group_pad: int = 16, programs: int = 0
+    device: torch.device, head_size: int, fp8: bool = False, group_pad: int = 16
 ) -> KernelConfig:
-    """Key tiles of 64 tokens (32 for heads over 128), 4 warps, for a bf16 cache.
+    """Key tiles of 64 tokens (32 for heads over 128), 4 warps over 3 stages for a bf16 cache.
 
-    An fp8 cache's tile is converted whole before its dots, which takes registers (ptxas for
-    sm_90, head 128: 148 a thread at 4 warps, where bf16 takes 86), so its programs run fewer
-    warps over five stages: 2 warps (about 206 registers, four programs an SM), or 1 warp over
-    32 keys where the `programs` (sequences x KV heads x splits) fill eight an SM. On the H200
-    (`bench kernels --sweep decode --kv-cache-dtype fp8`) 2 warps took 0.60-0.77x the time of
-    4, and 1 warp 0.90x that of 2 at 2,048 programs (1.2x at 512). GQA groups over 16 heads
-    keep 4 warps."""
+    An fp8 cache's tile is converted whole to fp16 before its dots, which takes registers
+    (ptxas for sm_90, head 128: 148 a thread at 4 warps, where bf16 takes 86; three programs an
+    SM, one tile in flight each): its programs run 2 warps (about 206 registers, four programs
+    an SM) over 5 stages (more tiles in flight), 0.60-0.77x the time of the 4-warp kernel on the
+    H200 (docs/benchmarks.md). GQA groups over 16 heads keep 4 warps."""
     if device.type != "cuda":
         return KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=1)
     block_n = 32 if head_size > 128 else 64
-    if not fp8 or group_pad > 16:
-        return KernelConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=3)
-    if head_size <= 128 and programs >= 8 * num_sms(device):
-        return KernelConfig(block_m=16, block_n=32, num_warps=1, num_stages=5)
-    return KernelConfig(block_m=16, block_n=block_n, num_warps=2, num_stages=5)
+    if fp8 and group_pad <= 16:
+        return KernelConfig(block_m=16, block_n=block_n, num_warps=2, num_stages=5)
+    return KernelConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=3)
 
 
 def paged_decode(
@@ -214,8 +210,7 @@ def paged_decode(
     group = num_heads // num_kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
     fp8 = is_fp8(kv_cache)
-    programs = num_seqs * num_kv_heads * num_splits
-    cfg = config or default_decode_config(query.device, head_size, fp8, group_pad, programs)
+    cfg = config or default_decode_config(query.device, head_size, fp8, group_pad)
     storage = cache_storage(kv_cache)
     part_out = part_lse = out
     if num_splits > 1:
