@@ -190,6 +190,22 @@ def test_another_draft_model_of_the_vocabulary(
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
 
 
+def test_a_draft_model_whose_drafts_fail_steps_aside(
+    tiny_llama_dir: Path, head64_llama_dir: Path
+) -> None:
+    """Another random model drafts for 96 tokens and is nearly never right: after a few rounds
+    it pauses (16 steps, then 32, then 64), so it drafts in a few rounds of the 96 steps, and
+    the outputs are the target's without speculation."""
+    model, draft = str(tiny_llama_dir), str(head64_llama_dir)
+    spec = {"model": draft, "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    want, _ = generate(model, PROMPTS[:1], params)
+    got, stats = generate(model, PROMPTS[:1], params, speculative_config=spec)
+    assert_same_outputs(got, want)
+    assert stats["spec_decode_acceptance_rate"] < 0.1
+    assert 0 < stats["spec_decode_num_drafts"] <= 16
+
+
 def test_a_draft_of_another_vocabulary_is_refused_before_loading(tiny_llama_dir: Path) -> None:
     spec = {"model": "llama-tiny", "num_speculative_tokens": 2}  # 512 tokens, the target 384
     with pytest.raises(ValueError, match=r"speculative_config.model 'llama-tiny': a vocabulary"):

@@ -194,7 +194,8 @@ class EngineCore:
         self._admit_compiled(out)
         scheduled = self.scheduler.schedule()
         speculator = self.speculator
-        speculating = speculator is not None and speculator.active(len(self.scheduler.running))
+        running = self.scheduler.running
+        speculating = speculator is not None and speculator.active(running, self.num_steps)
         scheduled.propose_drafts = speculating
         self._report(scheduled.finished, out, drew=False)
         if self.pipeline.busy and _needs_host_tokens(scheduled):
@@ -205,7 +206,7 @@ class EngineCore:
         if not self.async_scheduling or not scheduled.scheduled or speculating:
             self._report(self.pipeline.drain(), out, drew=True)
         if speculating and speculator is not None:
-            speculator.propose(self.scheduler.running)
+            speculator.propose(self.scheduler.running, self.num_steps)
         out.finished_requests, self._ended = self._ended, []
         out.timestamp = time.monotonic()
         return out

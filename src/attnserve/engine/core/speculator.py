@@ -13,6 +13,11 @@ grammar constrains it (its mask would have to follow each draft), or where the d
 token after them would run past `max_tokens` or `max_model_len`. Each sequence's tokens are
 mirrored in a growing numpy array, extended with the new tokens only, so a lookup does not
 convert the whole history every step.
+
+Speculation also steps aside where drafts fail (`DraftPace`): each sequence's drafts are scored
+against the tokens that followed them, and a sequence whose recent drafts were nearly all wrong
+gets none for a while (16 steps, doubling while it keeps failing, at most 256), then is tried
+again. While no running sequence may draft, a draft model is not asked to propose at all.
 """
 
 from __future__ import annotations
@@ -88,6 +93,47 @@ class _History:
         return self.tokens[:end]
 
 
+class DraftPace:
+    """One sequence's record of how its drafts fared: the share of each round's drafts that
+    matched the tokens that followed (a moving average, halved each round), and the step from
+    which it may draft again after failing (see the module docstring)."""
+
+    __slots__ = ("acceptance", "drafts", "length", "pause", "resume_step")
+
+    MIN_ACCEPTANCE = 0.1  # below this recent share of right drafts, a sequence pauses
+    FIRST_PAUSE, MAX_PAUSE = 16, 256  # steps
+
+    def __init__(self) -> None:
+        self.acceptance = 1.0
+        self.pause = self.FIRST_PAUSE
+        self.resume_step = 0
+        self.drafts: list[int] = []  # the last round's drafts, after `length` tokens
+        self.length = 0
+
+    def may_draft(self, step: int) -> bool:
+        return step >= self.resume_step
+
+    def observe(self, token_ids: list[int], step: int) -> None:
+        """Score the last round's drafts against the tokens that followed them, once some did
+        (drafts not verified, whose followers all match so far, count as right)."""
+        followed = token_ids[self.length : self.length + len(self.drafts)]
+        if not self.drafts or not followed:
+            return
+        right = next((i for i, t in enumerate(followed) if t != self.drafts[i]), len(followed))
+        decided = right < len(followed) or right == len(self.drafts)  # else: right so far
+        self.acceptance = (self.acceptance + (right / len(self.drafts) if decided else 1.0)) / 2
+        self.pause = self.FIRST_PAUSE if right * 2 >= len(self.drafts) else self.pause
+        self.drafts = []
+        if self.acceptance < self.MIN_ACCEPTANCE:
+            self.resume_step = step + self.pause
+            self.pause = min(2 * self.pause, self.MAX_PAUSE)
+            self.acceptance = 0.5  # the round after the pause starts from an even guess
+
+    def expect(self, drafts: list[int], length: int) -> None:
+        """Remember this round's drafts, proposed after the first `length` tokens."""
+        self.drafts, self.length = drafts, length
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
@@ -100,25 +146,33 @@ class Speculator:
             else None
         )
         self._histories: dict[int, _History] = {}  # seq id -> its tokens
+        self._paces: dict[int, DraftPace] = {}  # seq id -> how its drafts fared
 
-    def active(self, num_running: int) -> bool:
-        """Whether the batch is small enough to speculate."""
-        return num_running <= self.config.disable_by_batch_size
+    def active(self, running: list[Sequence], step: int) -> bool:
+        """Whether to speculate in engine step `step`: the batch is small enough, and some
+        running sequence may draft (a new one may)."""
+        if len(running) > self.config.disable_by_batch_size:
+            return False
+        paces = self._paces
+        return any(s.seq_id not in paces or paces[s.seq_id].may_draft(step) for s in running)
 
-    def propose(self, running: list[Sequence]) -> None:
-        """Set each running sequence's drafts for the next step (none where it gets none)."""
+    def propose(self, running: list[Sequence], step: int) -> None:
+        """Set each running sequence's drafts for the step after engine step `step` (none where
+        it gets none), having scored its last drafts."""
         histories, self._histories = self._histories, {}
+        paces, self._paces = self._paces, {}
         for seq in running:
-            room = max(self._room(seq), 0)
+            pace = self._paces[seq.seq_id] = paces.get(seq.seq_id) or DraftPace()
+            pace.observe(seq.token_ids, step)
+            room = max(self._room(seq), 0) if pace.may_draft(step) else 0
             if self.proposer is None:  # the draft model's, from the step's results
                 seq.spec_token_ids = seq.spec_token_ids[:room]
-                continue
-            seq.spec_token_ids = []
-            if room < 1:
-                continue
-            history = histories.get(seq.seq_id) or _History()
-            self._histories[seq.seq_id] = history
-            seq.spec_token_ids = self.proposer.propose(history.sync(seq.token_ids), room)
+            elif room < 1:
+                seq.spec_token_ids = []
+            else:
+                history = self._histories[seq.seq_id] = histories.get(seq.seq_id) or _History()
+                seq.spec_token_ids = self.proposer.propose(history.sync(seq.token_ids), room)
+            pace.expect(seq.spec_token_ids, len(seq.token_ids))
 
     def _room(self, seq: Sequence) -> int:
         """How many drafts `seq` may carry: 0 unless it decodes with all its tokens on the
