@@ -75,12 +75,12 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str
                         "seq_lens_ptr": "*i32", "slopes_ptr": "*bf16", "out_ptr": "*bf16",
                         "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "scales_ptr": "*fp32",
                         "sm_scale": "fp32", "soft_cap": "fp32"}  # fmt: skip
-        for block_n in (32, 64, 128):
+        for block_n, warps, stages in ((32, 4, 3), (64, 4, 3), (128, 4, 3), (64, 2, 5)):
             decode = {**HEADS, **OFF, "NUM_HEADS": 32, "GROUP": 4, "GROUP_PAD": 16,
                       "BLOCK_N": block_n, "SPLIT_KEYS": True, "FP8": fp8}  # fmt: skip
-            rows.append((f"{tag} decode {block_n} keys, 4 warps",
+            rows.append((f"{tag} decode {block_n} keys, {warps} warps, {stages} stages",
                          triton_decode._paged_decode_kernel, decode_types, decode,
-                         {"num_warps": 4, "num_stages": 3}))  # fmt: skip
+                         {"num_warps": warps, "num_stages": stages}))  # fmt: skip
         prefill_types = {"q_ptr": "*bf16", "k_src": "*bf16", "v_src": "*bf16",
                          "cache_ptr": cache, "table_ptr": "*i32", "seq_lens_ptr": "*i32",
                          "query_start_ptr": "*i32", "slopes_ptr": "*bf16", "out_ptr": "*bf16",
