@@ -71,12 +71,17 @@ class GraphRunner(ABC):
     ) -> None:
         self.model = model
         self.builders = builders
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = self.bucket_sizes(max_num_seqs)
         self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
         for builder in builders.values():
             builder.init_graph_buffers(max_num_seqs, max_blocks_per_seq)
+
+    @staticmethod
+    def bucket_sizes(max_num_seqs: int) -> list[int]:
+        """The buckets for steps of up to `max_num_seqs` sequences (`capture_sizes`)."""
+        return capture_sizes(max_num_seqs)
 
     @property
     def max_num_seqs(self) -> int:
