@@ -196,10 +196,7 @@ int gguf_mm(int type, const uint8_t *codes, const uint16_t *d, const uint16_t *c
             int64_t K, const float *x, int64_t M, float *out, int threads) {
     if (type < Q4_0 || type > Q8_0 || K % BLOCK) return -1;
     Product p = {{type, codes, d, c, N, K / BLOCK}, {NULL, NULL, NULL, NULL}, M, out};
-    if (round_rows(x, M, K, &p.rows) != 0) {
-        free_rows(&p.rows);
-        return -1;
-    }
+    if (round_rows(x, M, K, &p.rows) != 0) return -1;
     pool_run(threads, N, chunk_rows(K, M, 4), product_rows, &p);
     free_rows(&p.rows);
     return 0;

@@ -34,14 +34,17 @@ static void free_rows(Rows *r) {
     free(r->total);
 }
 
-/* Returns 0, or -1 for no memory (`r` freed either way by free_rows). */
+/* Returns 0 (free_rows frees `r` after use), or -1 for no memory (`r` freed already). */
 static int round_rows(const float *x, int64_t M, int64_t K, Rows *r) {
     const int64_t G = K / BLOCK, padded = PAD(G);
     r->codes = malloc(sizeof(int16_t) * M * K);
     r->scale = calloc((size_t)(M * padded), sizeof(float));
     r->sum = calloc((size_t)(M * padded), sizeof(float));
     r->total = calloc((size_t)(M * padded), sizeof(int32_t));
-    if (r->codes == NULL || r->scale == NULL || r->sum == NULL || r->total == NULL) return -1;
+    if (r->codes == NULL || r->scale == NULL || r->sum == NULL || r->total == NULL) {
+        free_rows(r);
+        return -1;
+    }
     for (int64_t b = 0; b < M * G; b++) {
         const float *xb = x + b * BLOCK;
         const int64_t at = b / G * padded + b % G;
