@@ -77,10 +77,14 @@ class FlexMetadata(AttentionMetadata):
 
 
 def _positions(
-    table: torch.Tensor, live: torch.Tensor, query_pos: torch.Tensor, block_size: int
+    table: torch.Tensor,
+    live: torch.Tensor,
+    num_cache_pages: int,
+    query_pos: torch.Tensor,
+    block_size: int,
 ) -> Positions:
-    """(b, q_idx, kv_idx) -> (query position, logical key position; -1 off b's live pages)."""
-    num_cache_pages = int(table.max()) + 1
+    """(b, q_idx, kv_idx) -> (query position, logical key position; -1 off b's live pages);
+    `table`'s ids are below `num_cache_pages`."""
     logical = torch.arange(table.shape[1]).expand_as(table)
     pages = torch.where(live, table, num_cache_pages)  # padding and pages behind: spare
     page_to_logical = torch.full((table.shape[0], num_cache_pages + 1), -1, dtype=torch.int64)
@@ -130,8 +134,9 @@ def _flex_group(
     tile_ids = (read[:, :, None] * per_page + torch.arange(per_page)).flatten(1)
     query_pos = to_device(grid.query_pos.view(len(seqs), num_rows), device)
     kv_indices = tile_ids[:, None, None, :].expand(-1, 1, tiles, -1)
-    positions = _positions(table, live, query_pos, block_size)
-    kv_len = (int(table.max()) + 1) * block_size
+    num_cache_pages = int(table.max()) + 1
+    positions = _positions(table, live, num_cache_pages, query_pos, block_size)
+    kv_len = num_cache_pages * block_size
     block_mask = BlockMask.from_kv_blocks(
         to_device((kv_num_blocks * per_page)[:, None].to(torch.int32), device),
         to_device(kv_indices.to(torch.int32), device),

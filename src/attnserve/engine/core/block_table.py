@@ -82,6 +82,11 @@ class BlockTable:
         return [b for t, r in zip(self.tables, self.num_released, strict=True) for b in t[r:]]
 
     @property
+    def num_held_blocks(self) -> int:
+        """len(held_blocks()), without building the list."""
+        return sum(len(t) - r for t, r in zip(self.tables, self.num_released, strict=True))
+
+    @property
     def is_synced(self) -> bool:
         """Whether the ranks hold a version of this table (`mark_synced` since the last free)."""
         return self._num_synced is not None
@@ -113,15 +118,18 @@ class BlockTable:
         if self._swapped is not None:
             length, released = self._swapped
             restore = sum(length - r for r in released)
-        growth = max(0, blocks_needed(num_tokens, self.block_size) - length)
-        return growth * len(self.tables) + restore
+        return self._growth(num_tokens, length) * len(self.tables) + restore
 
     def ensure_capacity(self, num_tokens: int) -> None:
         """Grow to hold `num_tokens` tokens; OutOfBlocksError (taking nothing) if short."""
-        growth = max(0, blocks_needed(num_tokens, self.block_size) - len(self.blocks))
+        growth = self._growth(num_tokens, len(self.blocks))
         new = self.allocator.allocate(growth * len(self.tables))
         for index, table in enumerate(self.tables):
             table += new[index * growth : (index + 1) * growth]
+
+    def _growth(self, num_tokens: int, length: int) -> int:
+        """Places each group's table must gain past `length` to hold `num_tokens` tokens."""
+        return max(0, blocks_needed(num_tokens, self.block_size) - length)
 
     def _block_tokens(self, token_ids: list[int], index: int) -> tuple[int, ...]:
         return tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
@@ -252,7 +260,7 @@ class BlockTable:
         """Give up every block (returned, as `held_blocks` orders them) for a swap-out;
         `swap_in` takes as many again, in the same places."""
         held, swapped = self.held_blocks(), (len(self.blocks), self.num_released)
-        self.free()
+        self._release(held)
         self._swapped = swapped
         return held
 
@@ -269,7 +277,11 @@ class BlockTable:
 
     def free(self) -> None:
         """Release every block (one holder each)."""
-        self.allocator.free(self.held_blocks())
+        self._release(self.held_blocks())
+
+    def _release(self, held: list[int]) -> None:
+        """Release `held` (every block the table holds) and empty the table."""
+        self.allocator.free(held)
         self.tables = [[] for _ in self.windows]
         self.num_released = [0] * len(self.windows)
         self.block_hashes = []

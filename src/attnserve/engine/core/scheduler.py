@@ -258,7 +258,7 @@ class Scheduler:
         self.running.remove(seq)
         self.num_preemptions += 1
         seq.spec_token_ids = []
-        num_held = len(seq.block_table.held_blocks())
+        num_held = seq.block_table.num_held_blocks
         swap = self.swap_allocator
         if (
             self.config.preemption_mode == "swap"

@@ -122,7 +122,8 @@ class DraftPace:
         right = next((i for i, t in enumerate(followed) if t != self.drafts[i]), len(followed))
         decided = right < len(followed) or right == len(self.drafts)  # else: right so far
         self.acceptance = (self.acceptance + (right / len(self.drafts) if decided else 1.0)) / 2
-        self.pause = self.FIRST_PAUSE if right * 2 >= len(self.drafts) else self.pause
+        if right * 2 >= len(self.drafts):  # a good round: a later pause starts short again
+            self.pause = self.FIRST_PAUSE
         self.drafts = []
         if self.acceptance < self.MIN_ACCEPTANCE:
             self.resume_step = step + self.pause
