@@ -77,7 +77,7 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str
                         "sm_scale": "fp32", "soft_cap": "fp32"}  # fmt: skip
         for block_n, warps, stages in ((32, 4, 3), (64, 4, 3), (128, 4, 3), (64, 2, 5)):
             decode = {**HEADS, **OFF, "NUM_HEADS": 32, "GROUP": 4, "GROUP_PAD": 16,
-                      "BLOCK_N": block_n, "SPLIT_KEYS": True, "FP8": fp8}  # fmt: skip
+                      "BLOCK_N": block_n, "SPLIT_KEYS": True, "FP8": 2 if fp8 else 0}  # fmt: skip
             rows.append((f"{tag} decode {block_n} keys, {warps} warps, {stages} stages",
                          triton_decode._paged_decode_kernel, decode_types, decode,
                          {"num_warps": warps, "num_stages": stages}))  # fmt: skip

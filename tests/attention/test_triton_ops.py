@@ -22,7 +22,11 @@ if BACKEND.unavailable_reason() or DEVICE not in BACKEND.capabilities.devices:
     pytest.skip("TRITON does not run here", allow_module_level=True)
 
 from attnserve.attention.ops.triton_cache import reshape_and_cache  # noqa: E402
-from attnserve.attention.ops.triton_common import AttentionParams, KernelConfig  # noqa: E402
+from attnserve.attention.ops.triton_common import (  # noqa: E402
+    AttentionParams,
+    KernelConfig,
+    fp8_mode,
+)
 from attnserve.attention.ops.triton_decode import paged_decode  # noqa: E402
 
 
@@ -103,6 +107,18 @@ def test_fp8_cache_decode_tiles_match_reference(
     want = _decode_reference(q.to(dtype).float(), dense, seq_lens, None)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.cpu().float(), want, atol=tol, rtol=tol)
+
+
+def test_fp8_mode_takes_the_pair_conversion_only_for_half_precision_queries_on_cuda() -> None:
+    bf16_cache = torch.zeros(1, 2, 1, 16, 8, dtype=torch.bfloat16, device=DEVICE)
+    fp8_cache = bf16_cache.to(torch.float8_e4m3fn)
+    query = torch.zeros(1, 2, 8, dtype=torch.bfloat16, device=DEVICE)
+    assert fp8_mode(bf16_cache, query) == 0
+    assert fp8_mode(fp8_cache, query.float()) == 1  # fp32 dots convert with Triton's casts
+    if DEVICE == "cpu":
+        assert fp8_mode(fp8_cache, query) == 1  # the interpreter has no inline assembly
+    elif torch.cuda.get_device_capability() >= (8, 9):
+        assert fp8_mode(fp8_cache, query) == 2
 
 
 def test_fp8_cache_write_scales_each_head_saturates_and_skips_padding() -> None:

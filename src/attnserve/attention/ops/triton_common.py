@@ -29,6 +29,18 @@ def is_fp8(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dtype == torch.float8_e4m3fn
 
 
+def fp8_mode(kv_cache: torch.Tensor, query: torch.Tensor) -> int:
+    """The decode kernel's FP8 constexpr: 0 for a cache of another dtype; 2 for an fp8 cache read
+    by a half-precision query (which the kernel turns to fp16) on a GPU with e4m3 pair
+    conversions (sm_89+: `load_kv` converts value tiles before their layout change); 1 for any
+    other fp8 case (Triton's own casts)."""
+    if not is_fp8(kv_cache):
+        return 0
+    if query.is_cuda and query.dtype != torch.float32:
+        return 2 if torch.cuda.get_device_capability(query.device) >= (8, 9) else 1
+    return 1
+
+
 def scales_operand(
     kv_scales: torch.Tensor | None, kv_cache: torch.Tensor, placeholder: torch.Tensor
 ) -> torch.Tensor:
@@ -98,8 +110,24 @@ def load_kv(  # type: ignore[no-untyped-def]
         v = tl.load(ptrs + stride_kv, mask=kv_mask, other=0)
     if FP8:
         k = k.to(tl.float8e4nv, bitcast=True)
-        v = v.to(tl.float8e4nv, bitcast=True)
+        # FP8 2: DTYPE is fp16 (fp8_mode)
+        v = _e4m3_bytes_to_f16(v) if FP8 == 2 else v.to(tl.float8e4nv, bitcast=True)
     return k.to(DTYPE), v.to(DTYPE)
+
+
+@triton.jit
+def _e4m3_bytes_to_f16(x):  # type: ignore[no-untyped-def]
+    """e4m3 bytes -> fp16 by the hardware's pair conversion, in the layout the bytes were
+    loaded in. A value tile is the B operand of P @ V, whose layout wants consecutive keys, 16
+    bytes apart in the cache: with Triton's cast the compiler moves the layout change before the
+    conversion and reads the 8-bit tile from shared memory a byte at a time (sm_90 has no 8-bit
+    ldmatrix transpose). Declared impure so that it stays put: the tile is converted as loaded
+    (16-byte reads) and its fp16 copy takes the transposing ldmatrix."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4,
+    )  # fmt: skip
 
 
 @triton.jit

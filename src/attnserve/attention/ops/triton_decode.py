@@ -8,7 +8,8 @@ a partial output and its log-sum-exp, and a small kernel merges them. The tile s
 K/V loads are `triton_common`'s.
 
 An fp8 cache's bytes are converted to fp16 on the GPU (`cvt.rn.f16x2.e4m3x2`, one instruction
-per pair of bytes), and the query with them (fp16's range covers any e4m3 value; a query beyond
+per pair of bytes; value tiles before their layout change, see `triton_common.load_kv`), and the
+query with them (fp16's range covers any e4m3 value; a query beyond
 +-65504 would overflow); its per-head scales are folded in, the keys' into the softmax scale
 and the values' into the output, so no element is multiplied.
 """
@@ -26,6 +27,7 @@ from attnserve.attention.ops.triton_common import (
     AttentionParams,
     KernelConfig,
     attend_tile,
+    fp8_mode,
     is_fp8,
     load_scales,
     scales_operand,
@@ -176,11 +178,11 @@ def default_decode_config(
 ) -> KernelConfig:
     """Key tiles of 64 tokens (32 for heads over 128), 4 warps over 3 stages for a bf16 cache.
 
-    An fp8 cache's tile is converted whole to fp16 before its dots, which takes registers
-    (ptxas for sm_90, head 128: 148 a thread at 4 warps, where bf16 takes 86; three programs an
-    SM, one tile in flight each): its programs run 2 warps (about 206 registers, four programs
-    an SM) over 5 stages (more tiles in flight), 0.60-0.77x the time of the 4-warp kernel on the
-    H200 (docs/benchmarks.md). GQA groups over 16 heads keep 4 warps."""
+    An fp8 cache's tiles are converted to fp16 in registers before their dots (ptxas for sm_90,
+    head 128: 104 registers a thread at 4 warps, where bf16 takes 86): its programs run 2 warps
+    (176 registers) over 5 stages, which keeps more tiles in flight; on the H200 that beat every
+    4- and 8-warp tile on the three shapes of `bench kernels` (docs/benchmarks.md). GQA groups
+    over 16 heads keep 4 warps."""
     if device.type != "cuda":
         return KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=1)
     block_n = 32 if head_size > 128 else 64
@@ -235,7 +237,7 @@ def paged_decode(
         USE_WINDOW=params.sliding_window is not None,
         USE_ALIBI=params.alibi_slopes is not None,
         USE_SOFTCAP=params.soft_cap is not None,
-        FP8=fp8,
+        FP8=fp8_mode(kv_cache, query),
         DOT_FP32=query.dtype == torch.float32 or query.device.type == "cpu",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
