@@ -102,7 +102,8 @@ class StepPlan:
     token_bitmask: TokenBitmask | None = None  # where structured outputs constrain the draws
     # speculative decoding: seq id -> the draft tokens ending its new tokens (to verify)
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    propose_drafts: bool = False  # a draft model proposes the next step's drafts after this one
+    # a draft model proposes the next step's drafts for these sequences after this step
+    draft_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

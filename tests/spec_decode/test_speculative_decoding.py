@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from attnserve import LLM, SamplingParams
+from attnserve.worker.model_runner import ModelRunner
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}  # fmt: skip
@@ -173,6 +174,30 @@ def test_a_draft_model_changes_no_output(tiny_llama_dir: Path, name: str) -> Non
         assert stats["num_preemptions"] > 0
 
 
+def test_a_draft_computes_a_cached_prefix_it_skipped(tiny_llama_dir: Path) -> None:
+    """A batch too large to speculate runs first (the draft computes nothing for it); then a
+    prompt sharing its prefix hits the target's prefix cache, whose blocks the draft's cache
+    does not hold: the draft computes that prefix itself, and its drafts are right as ever
+    (drafts over keys it never wrote would be wrong)."""
+    model = str(tiny_llama_dir)
+    spec = {"model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    llm = LLM(model, device="cpu", dtype="float32", speculative_config=spec)
+    prefix = [40 + (7 * i) % 23 for i in range(48)]  # three blocks of 16
+    try:
+        llm.generate([[*prefix, i] for i in range(4)], GREEDY, use_tqdm=False)
+        skipped = llm.llm_engine.stats()
+        output = llm.generate([[*prefix, 9, 9]], GREEDY, use_tqdm=False)[0].outputs[0]
+        stats = llm.llm_engine.stats()
+    finally:
+        llm.shutdown()
+    assert skipped["spec_decode_num_drafts"] == 0
+    assert stats["prefix_cache_hit_rate"] > 0
+    want, _ = generate(model, [[*prefix, 9, 9]], GREEDY)
+    assert output.token_ids == want[0][0]
+    assert stats["spec_decode_num_drafts"] > 0
+    assert stats["spec_decode_acceptance_rate"] > 0.9
+
+
 def test_another_draft_model_of_the_vocabulary(
     tiny_llama_dir: Path, head64_llama_dir: Path
 ) -> None:
@@ -191,19 +216,30 @@ def test_another_draft_model_of_the_vocabulary(
 
 
 def test_a_draft_model_whose_drafts_fail_steps_aside(
-    tiny_llama_dir: Path, head64_llama_dir: Path
+    tiny_llama_dir: Path, head64_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another random model drafts for 96 tokens and is nearly never right: after a few rounds
     it pauses (16 steps, then 32, then 64), so it drafts in a few rounds of the 96 steps, and
-    the outputs are the target's without speculation."""
+    the outputs are the target's without speculation. While paused the draft computes nothing:
+    its forward passes are its drafting rounds', not one a step."""
     model, draft = str(tiny_llama_dir), str(head64_llama_dir)
     spec = {"model": draft, "num_speculative_tokens": 3}
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     want, _ = generate(model, PROMPTS[:1], params)
+    forwards = []
+    forward_plan = ModelRunner.forward_plan  # the draft's passes (the target's are `execute`)
+    monkeypatch.setattr(
+        ModelRunner,
+        "forward_plan",
+        lambda runner, plan: forwards.append(plan) or forward_plan(runner, plan),
+    )
     got, stats = generate(model, PROMPTS[:1], params, speculative_config=spec)
     assert_same_outputs(got, want)
     assert stats["spec_decode_acceptance_rate"] < 0.1
     assert 0 < stats["spec_decode_num_drafts"] <= 16
+    # three a drafting round, and a round whose drafts are dropped as a pause starts; following
+    # every step would take at least 96
+    assert len(forwards) < 48
 
 
 def test_a_draft_of_another_vocabulary_is_refused_before_loading(tiny_llama_dir: Path) -> None:

@@ -1,15 +1,23 @@
 """`DraftProposer`: the draft model of speculative decoding on one rank — a second
 `ModelRunner`, of the draft model, whose KV cache holds as many blocks as the target's under the
-same block ids, and whose persistent batch follows the target's step by step.
+same block ids, and whose persistent batch takes in every step's plan and kept tokens.
 
-After the target has run a step, the draft runs the same plan's tokens through its own model
-(so its cache holds what the target's holds), takes in the tokens the target kept, and then,
-for each sequence that drew, proposes drafts greedily: forward steps of one token each over its
-own cache, up to `num_speculative_tokens`, as far as the sequence's blocks reach (the scheduler
-allocates that many positions ahead) and its length allows. Then it forgets its drafts again
-(`InputBatch.truncate`): the next step carries them to the target to verify, and the draft runs
-them with that step's plan. A greedy draft proposes one token with certainty, so the verifier's
+The draft computes only for the sequences it drafts for (the plan's `draft_seq_ids`; none while
+the batch is large, none paused for failing): after the target's step it takes in the plan
+(sequences, blocks) and the tokens the target kept, computing nothing; then, for each sequence
+it drafts for, it catches up — one forward pass over every token of the sequence not yet in
+its own cache (the step's new tokens, or everything since it last drafted, or the whole prompt),
+whose last token's logits give the first draft — and proposes the rest greedily: forward steps
+of one token each over its own cache, up to `num_speculative_tokens` drafts, as far as the
+sequence's blocks reach (the scheduler allocates that many positions ahead) and its length
+allows. Then it forgets its drafts again (`InputBatch.truncate`): the next step carries them to
+the target to verify. A greedy draft proposes one token with certainty, so the verifier's
 accept-while-equal rule keeps the target's distribution exactly.
+
+Blocks shared through prefix caching may hold the target's keys for positions the draft never
+computed (it skipped the sequence that wrote them): the proposer keeps which full blocks its
+own cache holds (`_valid`, following swaps and copies), and a new sequence counts as computed
+in the draft only its cached prefix's leading valid blocks.
 """
 
 from __future__ import annotations
@@ -18,7 +26,6 @@ import numpy as np
 import torch
 
 from attnserve.step_types import SampleOutput, StepPlan, StepResults
-from attnserve.worker.input_batch import PreparedStep
 from attnserve.worker.model_runner import ModelRunner
 
 
@@ -26,48 +33,124 @@ class DraftProposer:
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int) -> None:
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
+        self._valid = np.zeros(0, dtype=bool)  # block id -> the draft's keys fill it
+        self._host_valid: dict[int, bool] = {}  # the same for swapped-out blocks
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan, results: StepResults) -> None:
-        """Run the target's step on the draft too, then set each drawing sequence's result's
-        `draft_token_ids` (see the module docstring)."""
-        step, _ = self.runner.forward_plan(plan)
+        """Take in the target's step, then set the result's `draft_token_ids` of each sequence
+        the plan drafts for (see the module docstring)."""
+        self._move_validity(plan)
+        self.runner.apply_plan(plan)
         batch = self.runner.input_batch
-        batch.accept_results(step, results)
-        if not plan.propose_drafts:  # a large batch: the draft only keeps its cache up
-            return
-        rows = [row for row in step.sample_rows if results[row] is not None]
-        drafts = self._propose(step, rows, [plan.seq_ids[row] for row in rows])
+        for seq in plan.new_seqs:
+            batch.num_computed[batch.states[seq.seq_id].slot] = self._valid_prefix(
+                seq.block_ids, seq.num_computed_tokens
+            )
+        for seq_id, result in zip(plan.seq_ids, results, strict=True):
+            if result is not None:
+                batch.append_tokens(seq_id, result.token_ids)
+        wanted = set(plan.draft_seq_ids)
+        rows = [
+            row
+            for row, seq_id in enumerate(plan.seq_ids)
+            if seq_id in wanted and results[row] is not None
+        ]
+        drafts = self._propose([plan.seq_ids[row] for row in rows])
         for row, tokens in zip(rows, drafts, strict=True):
             result = results[row]
             if result is not None:
                 result.draft_token_ids = tokens
 
-    def _room(self, step: PreparedStep, rows: list[int]) -> np.ndarray:
-        """How many drafts each row's sequence may get: its blocks must hold the positions the
+    def _move_validity(self, plan: StepPlan) -> None:
+        """Blocks keep what the draft computed through swaps and copies; blocks newly given to
+        a sequence hold nothing of it yet."""
+        if len(self._valid) == 0:
+            self._valid = np.zeros(self.runner.cache_engine.num_blocks, dtype=bool)
+        valid = self._valid
+        for device_block, host_block in plan.blocks_to_swap_out:
+            self._host_valid[host_block] = bool(valid[device_block])
+        for host_block, device_block in plan.blocks_to_swap_in:
+            valid[device_block] = self._host_valid.pop(host_block, False)
+        for src, dst in plan.blocks_to_copy:
+            valid[dst] = valid[src]
+        block_size = self.runner.input_batch.block_size
+        for seq in plan.new_seqs:
+            valid[seq.block_ids[-(-seq.num_computed_tokens // block_size) :]] = False
+        for update in plan.block_updates:
+            valid[update.appended] = False
+
+    def _valid_prefix(self, block_ids: list[int], num_computed: int) -> int:
+        """How many of a new sequence's `num_computed` cached tokens the draft's cache holds:
+        those of its leading valid blocks."""
+        block_size = self.runner.input_batch.block_size
+        cached = self._valid[block_ids[: num_computed // block_size]]
+        leading = len(cached) if cached.all() else int(np.argmin(cached))
+        return min(leading * block_size, num_computed)
+
+    def _room(self, slots: np.ndarray) -> np.ndarray:
+        """How many drafts each slot's sequence may get: its blocks must hold the positions the
         draft steps write (its last token's and all drafts' but the last), and its tokens fit."""
         batch = self.runner.input_batch
-        slots = step.slots[rows]
         num_tokens = batch.num_tokens[slots]
         capacity = batch.num_blocks[slots] * batch.block_size
         room = np.minimum(capacity - num_tokens + 1, batch.max_tokens - num_tokens - 1)
         return np.clip(room, 0, self.num_speculative_tokens)
 
-    def _propose(self, step: PreparedStep, rows: list[int], seq_ids: list[int]) -> list[list[int]]:
-        """Each row's drafts (`seq_ids`: the rows' sequences): greedy one-token steps of the
-        draft over its cache, undone after."""
-        room = self._room(step, rows)
-        drafts: list[list[int]] = [[] for _ in rows]
-        for ahead in range(int(room.max(initial=0))):
-            active = [i for i in range(len(rows)) if room[i] > ahead]
-            plan = StepPlan([seq_ids[i] for i in active], [1] * len(active))
-            draft_step, hidden = self.runner.forward_plan(plan)
-            tokens = self.runner.model.compute_logits(hidden).argmax(dim=-1)
-            drawn: list[int] = tokens.tolist()
-            drawn_results: StepResults = [SampleOutput([token]) for token in drawn]
-            self.runner.input_batch.accept_results(draft_step, drawn_results)
+    def _propose(self, seq_ids: list[int]) -> list[list[int]]:
+        """Each sequence's drafts: the catch-up pass, then greedy one-token steps of the draft
+        over its cache, undone after."""
+        batch = self.runner.input_batch
+        slots = np.fromiter((batch.states[s].slot for s in seq_ids), np.int64, len(seq_ids))
+        room = self._room(slots)
+        drafts: list[list[int]] = [[] for _ in seq_ids]
+        active = [i for i in range(len(seq_ids)) if room[i] > 0]
+        if not active:
+            return drafts
+        self._catch_up([seq_ids[i] for i in active], slots[active])
+        for ahead in range(int(room.max())):
+            behind = batch.num_tokens[slots] - batch.num_computed[slots]
+            active = _prefills_first([i for i in active if room[i] > ahead], behind)
+            plan = StepPlan([seq_ids[i] for i in active], behind[active].tolist())
+            step, hidden = self.runner.forward_plan(plan)
+            logits = self.runner.model.compute_logits(self.runner.last_hidden(hidden, step))
+            drawn: list[int] = logits.argmax(dim=-1).tolist()
+            batch.accept_results(step, [SampleOutput([token]) for token in drawn])
             for i, token in zip(active, drawn, strict=True):
                 drafts[i].append(token)
-        slots = step.slots[rows]
-        self.runner.input_batch.truncate(slots, room)
+            if ahead == 0:
+                self._mark_valid(slots[active])
+        batch.truncate(slots, room)
         return drafts
+
+    def _catch_up(self, seq_ids: list[int], slots: np.ndarray) -> None:
+        """Compute the sequences' tokens that are not in the draft's cache, in passes of at most
+        the runner's token budget, all but the last of each sequence (the first draft step
+        computes that one, and more where the budget allows)."""
+        batch = self.runner.input_batch
+        budget = self.runner.max_num_batched_tokens
+        while True:
+            behind = batch.num_tokens[slots] - batch.num_computed[slots]
+            wanted = behind - 1
+            counts = np.clip(budget - (np.cumsum(wanted) - wanted), 0, wanted)
+            if behind.sum() <= budget or not counts.any():
+                return
+            chosen = _prefills_first(np.flatnonzero(counts).tolist(), counts)
+            step, _ = self.runner.forward_plan(
+                StepPlan([seq_ids[i] for i in chosen], counts[chosen].tolist())
+            )
+            batch.accept_results(step, [None] * len(chosen))
+
+    def _mark_valid(self, slots: np.ndarray) -> None:
+        """The blocks the draft's cache now fills for each slot's sequence (its computed
+        tokens' full blocks)."""
+        batch = self.runner.input_batch
+        full = batch.num_computed[slots] // batch.block_size
+        for slot, count in zip(slots.tolist(), full.tolist(), strict=True):
+            self._valid[batch.block_tables[slot, 0, :count]] = True
+
+
+def _prefills_first(rows: list[int], counts: np.ndarray) -> list[int]:
+    """`rows` with those computing more than one token first (a step's layout puts its
+    prefills before its decodes)."""
+    return sorted(rows, key=lambda row: bool(counts[row] == 1))

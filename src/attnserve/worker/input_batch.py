@@ -329,6 +329,16 @@ class InputBatch:
             if drafts and drafts[row] and result is not None:
                 self.extend(step, row, result.token_ids[1:])
 
+    def append_tokens(self, seq_id: int, tokens: list[int]) -> None:
+        """Take in tokens a sequence kept that were computed elsewhere (a draft model's batch
+        takes the target's), known on the host and not counted as computed here."""
+        slot = self._slot(seq_id)
+        start = int(self.num_tokens[slot])
+        if start + len(tokens) > self.max_tokens:
+            raise ValueError(f"sequence {seq_id}: {start + len(tokens)} tokens, past max_model_len")
+        self.token_ids[slot, start : start + len(tokens)] = tokens
+        self.num_tokens[slot] = self.num_host_tokens[slot] = start + len(tokens)
+
     def truncate(self, slots: np.ndarray, counts: np.ndarray) -> None:
         """Forget each slot's last `counts` tokens, computed and known (a draft model's own
         drafts, once proposed)."""

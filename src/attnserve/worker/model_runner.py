@@ -299,7 +299,7 @@ class ModelRunner:
             results = verifier.verify(step, hidden, plan.token_bitmask)
             self._add_prompt_logprobs(step, hidden, starts, results)
             return StepFuture(num_seqs, ready=results)
-        logits = self.model.compute_logits(self._last_hidden(hidden, step))
+        logits = self.model.compute_logits(self.last_hidden(hidden, step))
         with marked(SAMPLING_RANGE), self._sampling_threads():
             draw = self.sampler.draw(
                 logits, step.sampling, step.sampling_metadata, plan.token_bitmask
@@ -323,8 +323,13 @@ class ModelRunner:
         return StepFuture(num_seqs, ready=results)
 
     def _prepare(self, plan: StepPlan) -> PreparedStep:
+        """The plan applied (`apply_plan`), then the step's inputs."""
+        self.apply_plan(plan)
+        return self.input_batch.prepare(plan)
+
+    def apply_plan(self, plan: StepPlan) -> None:
         """Block moves first (swaps, copy-on-write copies: the forward pass may reuse the
-        blocks), then the plan applied to the persistent batch, then the step's inputs."""
+        blocks), then the plan applied to the persistent batch; nothing computed."""
         for pairs, move in (
             (plan.blocks_to_swap_out, self.cache_engine.swap_out),
             (plan.blocks_to_swap_in, self.cache_engine.swap_in),
@@ -333,7 +338,6 @@ class ModelRunner:
             if pairs:
                 move(torch.tensor(pairs, dtype=torch.int64))
         self.input_batch.apply(plan)
-        return self.input_batch.prepare(plan)
 
     @contextlib.contextmanager
     def _sampling_threads(self) -> Iterator[None]:
@@ -373,7 +377,7 @@ class ModelRunner:
         return device_tensor([0, *accumulate(counts)][:-1], self.device)
 
     @staticmethod
-    def _last_hidden(hidden: torch.Tensor, step: PreparedStep) -> torch.Tensor:
+    def last_hidden(hidden: torch.Tensor, step: PreparedStep) -> torch.Tensor:
         """The hidden states of the last new token of each sampling row."""
         if len(step.sample_rows) == len(hidden):  # one token per sequence, each sampling
             return hidden

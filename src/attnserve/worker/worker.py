@@ -8,7 +8,8 @@ and runs it; every other rank sits in `execute_model_loop`, applying each plan i
 its own persistent batch and running it, until the driver broadcasts None. All ranks sample (the
 logits are all-gathered, the draws the same on every rank), so each rank's batch knows the tokens
 its next step reads; only the driver's results are returned. With a draft model (speculative
-decoding) each rank also holds the draft's runner (`DraftProposer`), which follows every step.
+decoding) each rank also holds the draft's runner (`DraftProposer`), which takes in every step
+and computes for the sequences it drafts for.
 """
 
 from __future__ import annotations

@@ -195,8 +195,9 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         speculator = self.speculator
         running = self.scheduler.running
-        speculating = speculator is not None and speculator.active(running, self.num_steps)
-        scheduled.propose_drafts = speculating
+        drafting = speculator.drafting(running, self.num_steps) if speculator is not None else []
+        speculating = bool(drafting)
+        scheduled.draft_seq_ids = drafting
         self._report(scheduled.finished, out, drew=False)
         if self.pipeline.busy and _needs_host_tokens(scheduled):
             self._report(self.pipeline.drain(), out, drew=True)

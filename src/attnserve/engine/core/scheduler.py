@@ -74,7 +74,7 @@ class SchedulerOutput:
     swap_out: BlockPairs = field(default_factory=list)  # (device block, host block)
     copies: BlockPairs = field(default_factory=list)  # (device src, device dst)
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler itself
-    propose_drafts: bool = False  # a draft model proposes after this step (a small batch)
+    draft_seq_ids: list[int] = field(default_factory=list)  # a draft model proposes for these
 
 
 class Scheduler:

@@ -149,13 +149,15 @@ class Speculator:
         self._histories: dict[int, _History] = {}  # seq id -> its tokens
         self._paces: dict[int, DraftPace] = {}  # seq id -> how its drafts fared
 
-    def active(self, running: list[Sequence], step: int) -> bool:
-        """Whether to speculate in engine step `step`: the batch is small enough, and some
-        running sequence may draft (a new one may)."""
+    def drafting(self, running: list[Sequence], step: int) -> list[int]:
+        """The running sequences that may draft after engine step `step`: none while the batch
+        is large, else each but those paused (a new one may)."""
         if len(running) > self.config.disable_by_batch_size:
-            return False
+            return []
         paces = self._paces
-        return any(s.seq_id not in paces or paces[s.seq_id].may_draft(step) for s in running)
+        return [
+            s.seq_id for s in running if s.seq_id not in paces or paces[s.seq_id].may_draft(step)
+        ]
 
     def propose(self, running: list[Sequence], step: int) -> None:
         """Set each running sequence's drafts for the step after engine step `step` (none where

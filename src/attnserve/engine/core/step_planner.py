@@ -73,5 +73,5 @@ class StepPlanner:
             spec_token_ids={
                 i.seq.seq_id: i.spec_token_ids for i in out.scheduled if i.spec_token_ids
             },
-            propose_drafts=out.propose_drafts,
+            draft_seq_ids=out.draft_seq_ids,
         )
