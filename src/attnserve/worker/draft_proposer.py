@@ -33,6 +33,9 @@ class DraftProposer:
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int) -> None:
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
+        # a catch-up of the target's last round (its last token, the accepted drafts, the token
+        # after them) runs as decode rows, as the target's verify step does
+        runner.input_batch.decode_rows_up_to = num_speculative_tokens + 2
         self._valid = np.zeros(0, dtype=bool)  # block id -> the draft's keys fill it
         self._host_valid: dict[int, bool] = {}  # the same for swapped-out blocks
 

@@ -75,6 +75,9 @@ class InputBatch:
         self.max_blocks = -(-max_model_len // block_size)
         self.states: dict[int, SequenceState] = {}  # seq id -> state
         self.prompt_logprob_seqs: set[int] = set()  # held sequences that ask for them
+        # a step whose every sequence computes at most this many tokens after a cached context
+        # runs as decode rows (a draft model's catch-up passes); verify steps always do
+        self.decode_rows_up_to = 1
         self._free_slots: list[int] = []
         self.token_ids = np.zeros((0, self.max_tokens), dtype=np.int64)
         self.num_host_tokens = np.zeros(0, dtype=np.int64)  # known on the host
@@ -226,11 +229,7 @@ class InputBatch:
         token_ids = torch.from_numpy(self.token_ids.ravel().take(flat_index))
         carried_at = self._carried_at(slots, context + query, token_seq, positions)
         last_tokens = layout.query_start_loc.numpy()[1:] - 1  # each sequence's, flat
-        if (
-            drafts is not None
-            and self.prompt_logprob_seqs.isdisjoint(plan.seq_ids)  # read per-sequence rows
-            and _verifies_only(context, query, drafts)
-        ):
+        if self._as_decode_rows(plan, context, query, drafts):
             layout = as_decode_rows(layout)
         rows = np.flatnonzero((context + query == total) & self.samples[slots])
         sample_rows: list[int] = rows.tolist()
@@ -243,6 +242,23 @@ class InputBatch:
             layout, token_ids, carried, slots, draw_slots, sample_tokens, query, states,
             sample_rows, sampling, metadata, drafts,
         )  # fmt: skip
+
+    def _as_decode_rows(
+        self,
+        plan: StepPlan,
+        context: np.ndarray,
+        query: np.ndarray,
+        drafts: list[list[int]] | None,
+    ) -> bool:
+        """Whether a step runs as decode rows: no prompt, no sequence asking for prompt
+        log-probabilities (they read per-sequence rows), and either drafts to verify beside
+        plain decodes or at most `decode_rows_up_to` new tokens a sequence, some more than one."""
+        if not self.prompt_logprob_seqs.isdisjoint(plan.seq_ids) or not (context > 0).all():
+            return False
+        if drafts is not None:
+            num_drafts = np.fromiter(map(len, drafts), np.int64, len(drafts))
+            return bool((query == num_drafts + 1).all())
+        return 1 < int(query.max(initial=0)) <= self.decode_rows_up_to
 
     def _write_drafts(self, plan: StepPlan, states: list[SequenceState]) -> list[list[int]]:
         """Each sequence's draft tokens, written after its known tokens (where the step's
@@ -353,10 +369,3 @@ class InputBatch:
         slots, positions = pending.slots[alive], pending.positions[alive]
         self.token_ids[slots, positions] = np.asarray(tokens, dtype=np.int64)[alive]
         self.num_host_tokens[slots] = positions + 1
-
-
-def _verifies_only(context: np.ndarray, query: np.ndarray, drafts: list[list[int]]) -> bool:
-    """Whether every sequence of a step computes just its last token and its drafts (a step
-    that verifies drafts beside plain decodes, and no prompt): then it runs as decode rows."""
-    num_drafts = np.fromiter(map(len, drafts), np.int64, len(drafts))
-    return bool((query == num_drafts + 1).all() and (context > 0).all())
