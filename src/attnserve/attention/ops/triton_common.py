@@ -119,10 +119,10 @@ def load_kv(  # type: ignore[no-untyped-def]
 def _e4m3_bytes_to_f16(x):  # type: ignore[no-untyped-def]
     """e4m3 bytes -> fp16 by the hardware's pair conversion, in the layout the bytes were
     loaded in. A value tile is the B operand of P @ V, whose layout wants consecutive keys, a
-    head's size apart in the cache: with Triton's cast the compiler moves the layout change before the
-    conversion and reads the 8-bit tile from shared memory a byte at a time (sm_90 has no 8-bit
-    ldmatrix transpose). Declared impure so that it stays put: the tile is converted as loaded
-    (16-byte reads) and its fp16 copy takes the transposing ldmatrix."""
+    head's size apart in the cache: with Triton's cast the compiler moves the layout change
+    before the conversion and reads the 8-bit tile from shared memory a byte at a time (sm_90
+    has no 8-bit ldmatrix transpose). Declared impure so that it stays put: the tile is
+    converted as loaded (16-byte reads) and its fp16 copy takes the transposing ldmatrix."""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
         "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
