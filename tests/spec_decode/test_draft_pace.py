@@ -27,9 +27,18 @@ def test_failing_drafts_pause_the_sequence_and_longer_each_time() -> None:
     assert not pace.may_draft(step + DraftPace.FIRST_PAUSE - 1)
     step += DraftPace.FIRST_PAUSE
     assert pace.may_draft(step)
-    step = fail_rounds(pace, tokens, step, 3)  # from 0.5 again: three rounds to pause
+    step = fail_rounds(pace, tokens, step, 1)  # a probe round: one failure pauses it again
     assert not pace.may_draft(step + 2 * DraftPace.FIRST_PAUSE - 1)
     assert pace.may_draft(step + 2 * DraftPace.FIRST_PAUSE)
+
+
+def test_a_probe_round_with_a_right_draft_keeps_the_sequence_drafting() -> None:
+    pace, tokens = DraftPace(), list(PROMPT)
+    step = fail_rounds(pace, tokens, 0, 4) + DraftPace.FIRST_PAUSE
+    pace.expect([5, 6, 7], len(tokens))
+    tokens += [5, 8]  # one of three right
+    pace.observe(tokens, step)
+    assert pace.may_draft(step + 1)
 
 
 def test_right_drafts_keep_a_sequence_drafting_and_reset_its_pause() -> None:

@@ -17,7 +17,9 @@ convert the whole history every step.
 Speculation also steps aside where drafts fail (`DraftPace`): each sequence's drafts are scored
 against the tokens that followed them, and a sequence whose recent drafts were nearly all wrong
 gets none for a while (16 steps, doubling while it keeps failing, at most 256), then is tried
-again. While no running sequence may draft, a draft model is not asked to propose at all.
+again for one round (wholly wrong drafts pause it again at once). While no running sequence may
+draft, a draft model is not asked to propose at all, and it computes only for the sequences
+that draft.
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ class DraftPace:
     __slots__ = ("acceptance", "drafts", "length", "pause", "resume_step")
 
     MIN_ACCEPTANCE = 0.1  # below this recent share of right drafts, a sequence pauses
+    # a paused sequence's next round is a probe: if none of its drafts is right, it pauses again
+    PROBE_ACCEPTANCE = 0.15
     FIRST_PAUSE, MAX_PAUSE = 16, 256  # steps
 
     def __init__(self) -> None:
@@ -128,7 +132,7 @@ class DraftPace:
         if self.acceptance < self.MIN_ACCEPTANCE:
             self.resume_step = step + self.pause
             self.pause = min(2 * self.pause, self.MAX_PAUSE)
-            self.acceptance = 0.5  # the round after the pause starts from an even guess
+            self.acceptance = self.PROBE_ACCEPTANCE
 
     def expect(self, drafts: list[int], length: int) -> None:
         """Remember this round's drafts, proposed after the first `length` tokens."""
