@@ -30,7 +30,8 @@ from attnserve.model.quantization.gguf_torch import TorchPackedWeight
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
 SHAPES = [(16, 32), (7, 96), (33, 160), (100, 64), (1, 32)]  # (N, K): N is not a multiple of 16
-ROWS = (1, 3, 5, NATIVE_MAX_ROWS + 9)  # a tile of 4 and a remainder; past the native limit
+# a tile of 4 and a remainder; past every native limit
+ROWS = (1, 3, 5, max(NATIVE_MAX_ROWS.values()) + 9)
 native = pytest.mark.skipif(native_library() is None, reason="no AVX2 CPU or C compiler here")
 avx512 = pytest.mark.skipif(kernels("avx512") is None, reason="no AVX-512 VNNI CPU here")
 # both kernel sets where each runs: AVX2's are forced by name on an AVX-512 CPU
@@ -129,7 +130,8 @@ def test_exact_paths_against_dequantized_product(qtype: str, n: int, k: int, m: 
     torch.testing.assert_close(
         TorchPackedWeight.from_gguf(weight).mm(x).double(), exact, **tolerance
     )
-    if native_library() is not None and m > NATIVE_MAX_ROWS:
+    library = native_library()
+    if library is not None and m > NATIVE_MAX_ROWS[library.isa]:
         torch.testing.assert_close(PackedSegment(weight).mm(x).double(), exact, **tolerance)
 
 
@@ -137,7 +139,7 @@ def test_exact_paths_against_dequantized_product(qtype: str, n: int, k: int, m: 
 def test_segment_picks_the_blas_path_past_the_native_limit() -> None:
     raw = _raw("Q8_0", 40, 64, seed=1)
     segment = PackedSegment(from_blocks("Q8_0", raw, (40, 64)))
-    x = torch.randn(NATIVE_MAX_ROWS + 1, 64)
+    x = torch.randn(NATIVE_MAX_ROWS[segment.kernel.isa] + 1, 64)
     exact = x.double() @ _dequantized("Q8_0", raw).t()
     # the dequantized weight through the BLAS: float32 rounding only, far below the int16 bound
     assert (segment.mm(x).double() - exact).abs().max() < 1e-5 * exact.abs().max()

@@ -6,9 +6,10 @@ which the loader dequantizes as before). After loading, runs of rows of one kind
 segment: a packed segment multiplies by the blocks themselves, a dense one by `F.linear` in the
 model's dtype; a layer of several segments (e.g. q in Q4_0, k in Q4_1, v in Q8_0, or a v in
 F16) concatenates their outputs. Packed segments run the native kernels (`gguf_cpu`): up to
-`NATIVE_MAX_ROWS` activation rows straight from the blocks, more by dequantizing a chunk of
-weight rows at a time into float32 for the BLAS; without the native kernels, through torch's
-int4 kernel (`gguf_torch`). Vocabulary lookups dequantize only the looked-up rows.
+`NATIVE_MAX_ROWS` activation rows (per kernel set) straight from the blocks, more by
+dequantizing a chunk of weight rows at a time into float32 for the BLAS; without the native
+kernels, through torch's int4 kernel (`gguf_torch`). Vocabulary lookups dequantize only the
+looked-up rows.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from attnserve.model.quantization.gguf_cpu import NativeWeight, native_library
 from attnserve.model.quantization.gguf_torch import TorchPackedWeight
 from attnserve.model.quantization.weight_utils import LoadedWeight, full_weight, set_row_store
 
-NATIVE_MAX_ROWS = 12  # above, dequantized chunks through the BLAS are faster (crossover 12-16)
+# activation rows up to which each native kernel set multiplies from the blocks; above,
+# dequantized chunks through the BLAS are faster (crossovers on the embedded model's prefill:
+# AVX2 16-32 rows, AVX-512 VNNI 512-768; docs/benchmarks.md)
+NATIVE_MAX_ROWS = {"avx2": 16, "avx512": 512}
 CHUNK_FLOATS = 1 << 20  # weight floats dequantized at a time for the BLAS path
 
 
@@ -52,7 +56,7 @@ class PackedSegment:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] times the rows transposed, in float32 [M, rows]."""
         kernel = self.kernel
-        if isinstance(kernel, TorchPackedWeight) or x.shape[0] <= NATIVE_MAX_ROWS:
+        if isinstance(kernel, TorchPackedWeight) or x.shape[0] <= NATIVE_MAX_ROWS[kernel.isa]:
             return kernel.mm(x)
         return self._through_blas(kernel, x.to(torch.float32))
 
