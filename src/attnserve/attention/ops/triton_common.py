@@ -7,6 +7,7 @@ masking, as the contract defines. Cache layout: see `triton_cache`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +38,15 @@ def fp8_mode(kv_cache: torch.Tensor, query: torch.Tensor) -> int:
     if not is_fp8(kv_cache):
         return 0
     if query.is_cuda and query.dtype != torch.float32:
-        return 2 if torch.cuda.get_device_capability(query.device) >= (8, 9) else 1
+        return 2 if _converts_e4m3_pairs(query.device) else 1
     return 1
+
+
+@functools.lru_cache(maxsize=8)
+def _converts_e4m3_pairs(device: torch.device) -> bool:
+    """Whether a CUDA device has `cvt.rn.f16x2.e4m3x2` (sm_89+), asked once per device: every
+    decode launch outside a graph replay asks again."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def scales_operand(
