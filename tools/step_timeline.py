@@ -46,7 +46,7 @@ from attnserve.bench.workloads import KINDS, draw_workload
 
 # (object path from the engine core, method): host phases of a step, timed on every call
 PHASES = (
-    ("executor.driver_runner", "_layout"),
+    ("executor.driver_runner", "_prepare"),
     ("executor.driver_runner", "_forward"),
     ("executor.driver_runner.model", "compute_logits"),
     ("executor.driver_runner.sampler", "draw"),
@@ -66,7 +66,7 @@ class Step:
 
 @dataclass
 class Recorder:
-    """Wraps the engine core's `schedule` and `_launch` to time each step."""
+    """Wraps the engine core's `schedule` and its pipeline's `launch` to time each step."""
 
     steps: list[Step] = field(default_factory=list)
     compiles: list[tuple[float, float, str]] = field(default_factory=list)  # at, seconds, kernel
@@ -81,7 +81,7 @@ class Recorder:
     _gc_started: float = 0.0
 
     def install(self, core: Any) -> None:
-        schedule, launch = core.scheduler.schedule, core._launch
+        schedule, launch = core.scheduler.schedule, core.pipeline.launch
 
         def timed_schedule() -> Any:
             started = time.perf_counter()
@@ -108,7 +108,7 @@ class Recorder:
             return launched
 
         core.scheduler.schedule = timed_schedule
-        core._launch = timed_launch
+        core.pipeline.launch = timed_launch
         for path, name in PHASES:
             self._time_phase(core, path, name)
         self._install_compile_hooks()
@@ -204,8 +204,13 @@ def _engine_kwargs(pairs: list[str]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
-        kwargs[key] = int(value) if value.isdigit() else value
+        kwargs[key] = int(value) if value.isdigit() else _json_or_text(value)
     return kwargs
+
+
+def _json_or_text(value: str) -> Any:
+    """A JSON object (`speculative_config={...}`) parsed, anything else as given."""
+    return json.loads(value) if value.startswith("{") else value
 
 
 def _fresh_prompts(work: Workload, vocab: int, seed: int) -> Workload:

@@ -1,5 +1,6 @@
 """`DraftPace`: a sequence whose drafts keep failing stops drafting for a while, longer each
-time it fails again, and drafts as before once they are right again."""
+time it fails again (sequences paused apart resume together), and drafts as before once they
+are right again."""
 
 from __future__ import annotations
 
@@ -18,23 +19,37 @@ def fail_rounds(pace: DraftPace, tokens: list[int], step: int, rounds: int) -> i
     return step
 
 
+def resumes_at(pace: DraftPace, step: int, pause: int) -> int:
+    """The first step from which `pace`, paused at `step`, drafts again: at least `pause` steps
+    later, on a multiple of the first pause."""
+    resume = next(s for s in range(step, step + 2 * pause + 1) if pace.may_draft(s))
+    assert resume >= step + pause
+    assert resume % DraftPace.FIRST_PAUSE == 0
+    return resume
+
+
 def test_failing_drafts_pause_the_sequence_and_longer_each_time() -> None:
     pace, tokens = DraftPace(), list(PROMPT)
     step = fail_rounds(pace, tokens, 0, 3)
     assert pace.may_draft(step)  # 1.0 -> 0.5 -> 0.25 -> 0.125: still trying
     step = fail_rounds(pace, tokens, step, 1)
     assert not pace.may_draft(step)
-    assert not pace.may_draft(step + DraftPace.FIRST_PAUSE - 1)
-    step += DraftPace.FIRST_PAUSE
-    assert pace.may_draft(step)
+    step = resumes_at(pace, step, DraftPace.FIRST_PAUSE)
     step = fail_rounds(pace, tokens, step, 1)  # a probe round: one failure pauses it again
-    assert not pace.may_draft(step + 2 * DraftPace.FIRST_PAUSE - 1)
-    assert pace.may_draft(step + 2 * DraftPace.FIRST_PAUSE)
+    resumes_at(pace, step, 2 * DraftPace.FIRST_PAUSE)
+
+
+def test_sequences_paused_at_different_steps_are_tried_again_together() -> None:
+    first, second = DraftPace(), DraftPace()
+    fail_rounds(first, list(PROMPT), 0, 4)
+    fail_rounds(second, list(PROMPT), 9, 4)
+    assert resumes_at(first, 4, 16) == resumes_at(second, 13, 16) == 32
 
 
 def test_a_probe_round_with_a_right_draft_keeps_the_sequence_drafting() -> None:
     pace, tokens = DraftPace(), list(PROMPT)
-    step = fail_rounds(pace, tokens, 0, 4) + DraftPace.FIRST_PAUSE
+    step = fail_rounds(pace, tokens, 0, 4)
+    step = resumes_at(pace, step, DraftPace.FIRST_PAUSE)
     pace.expect([5, 6, 7], len(tokens))
     tokens += [5, 8]  # one of three right
     pace.observe(tokens, step)
@@ -48,8 +63,8 @@ def test_right_drafts_keep_a_sequence_drafting_and_reset_its_pause() -> None:
         tokens += [5, 6, 8]  # two of three right, then the token drawn instead of the third
         pace.observe(tokens, step)
         assert pace.may_draft(step)
-    step = fail_rounds(pace, tokens, 50, 4)
-    step += DraftPace.FIRST_PAUSE
+    step = fail_rounds(pace, tokens, 50, 3)  # 2/3 -> 1/3 -> 1/6 -> 1/12: paused
+    step = resumes_at(pace, step, DraftPace.FIRST_PAUSE)
     pace.expect([5, 6, 7], len(tokens))
     tokens += [5, 6, 7, 1]
     pace.observe(tokens, step)

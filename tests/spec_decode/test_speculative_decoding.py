@@ -12,12 +12,15 @@ to repeat a text is the case where most drafts are right.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from attnserve import LLM, SamplingParams
+from attnserve.step_types import StepPlan, StepResults
+from attnserve.worker.draft_proposer import DraftProposer
 from attnserve.worker.model_runner import ModelRunner
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
@@ -30,7 +33,7 @@ Outputs = list[tuple[list[int], Any]]
 
 
 def generate(
-    model: str, prompts: list[Any], params: SamplingParams, **engine: Any
+    model: str, prompts: list[Any], params: SamplingParams | list[SamplingParams], **engine: Any
 ) -> tuple[Outputs, dict[str, float]]:
     """Each prompt's first completion (tokens, log-probabilities) from a fresh engine (fp32, on
     the CPU unless `engine` names a device), and the engine's stats after."""
@@ -112,6 +115,42 @@ def test_speculation_steps_aside_for_a_large_batch(tiny_llama_dir: Path, method:
     want, _ = generate(str(tiny_llama_dir), PROMPTS, GREEDY)
     assert_same_outputs(got, want)
     assert stats["spec_decode_num_drafts"] == 0
+
+
+def test_a_draft_model_leaves_steps_without_drafts_asynchronous(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the batch is too large to speculate, each step is launched before the draft takes
+    in the step before it (as the engine reads that one back), and the draft takes every step
+    in, in launch order; once two sequences are left they draft, and the outputs are as
+    without speculation."""
+    model = str(tiny_llama_dir)
+    launched: list[StepPlan] = []  # the target's steps (the draft's passes are `forward_plan`)
+    taken_in: list[tuple[StepPlan, int]] = []  # each step the draft took in, and launches then
+    execute_async, follow = ModelRunner.execute_async, DraftProposer.follow
+
+    def launch(runner: ModelRunner, plan: StepPlan) -> Any:
+        launched.append(plan)
+        return execute_async(runner, plan)
+
+    def take_in(proposer: DraftProposer, plan: StepPlan, results: StepResults) -> None:
+        taken_in.append((plan, len(launched)))
+        follow(proposer, plan, results)
+
+    monkeypatch.setattr(ModelRunner, "execute_async", launch)
+    monkeypatch.setattr(DraftProposer, "follow", take_in)
+    params = [dataclasses.replace(GREEDY, max_tokens=n) for n in (6, 10, 40, 40)]
+    spec = {"model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    got, stats = generate(model, PROMPTS, params, speculative_config=spec)
+    assert [plan for plan, _ in taken_in] == launched
+    large = [i for i, plan in enumerate(launched) if len(plan.seq_ids) > 2]
+    ahead = [i for i in large if taken_in[i][1] > i + 1]
+    assert len(large) >= 6
+    assert len(ahead) >= len(large) - 2
+    assert stats["spec_decode_num_drafts"] > 0
+    monkeypatch.undo()
+    want, _ = generate(model, PROMPTS, params)
+    assert_same_outputs(got, want)
 
 
 def test_max_tokens_and_stop_tokens_cut_accepted_drafts(tiny_llama_dir: Path) -> None:

@@ -14,6 +14,10 @@ allows. Then it forgets its drafts again (`InputBatch.truncate`): the next step 
 the target to verify. A greedy draft proposes one token with certainty, so the verifier's
 accept-while-equal rule keeps the target's distribution exactly.
 
+A step that drafts for no sequence stays asynchronous: the engine launches it as usual, and the
+draft takes it in when its results are read back (`follow_later`), in launch order, at the
+latest before the next step that drafts (`take_in_pending`).
+
 Blocks shared through prefix caching may hold the target's keys for positions the draft never
 computed (it skipped the sequence that wrote them): the proposer keeps which full blocks its
 own cache holds (`_valid`, following swaps and copies), and a new sequence counts as computed
@@ -22,10 +26,12 @@ in the draft only its cached prefix's leading valid blocks.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import torch
 
-from attnserve.step_types import SampleOutput, StepPlan, StepResults
+from attnserve.step_types import AsyncStepOutput, SampleOutput, StepPlan, StepResults
 from attnserve.worker.model_runner import ModelRunner
 
 
@@ -38,6 +44,24 @@ class DraftProposer:
         runner.input_batch.decode_rows_up_to = num_speculative_tokens + 2
         self._valid = np.zeros(0, dtype=bool)  # block id -> the draft's keys fill it
         self._host_valid: dict[int, bool] = {}  # the same for swapped-out blocks
+        self._pending: deque[tuple[StepPlan, AsyncStepOutput]] = deque()  # not taken in yet
+
+    def follow_later(self, plan: StepPlan, launched: AsyncStepOutput) -> AsyncStepOutput:
+        """The launched step's results, which the draft takes in (without drafting) when they
+        are read, after every step launched before it."""
+        self._pending.append((plan, launched))
+        return _TakenInOnRead(self, launched)
+
+    def take_in_pending(self, upto: AsyncStepOutput | None = None) -> None:
+        """Take in the steps launched by `follow_later`, oldest first, waiting for their
+        results: all of them, or those up to `upto` (none if it was taken in already)."""
+        if upto is not None and all(launched is not upto for _, launched in self._pending):
+            return
+        while self._pending:
+            plan, launched = self._pending.popleft()
+            self.follow(plan, launched.result())
+            if launched is upto:
+                return
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan, results: StepResults) -> None:
@@ -151,6 +175,18 @@ class DraftProposer:
         full = batch.num_computed[slots] // batch.block_size
         for slot, count in zip(slots.tolist(), full.tolist(), strict=True):
             self._valid[batch.block_tables[slot, 0, :count]] = True
+
+
+class _TakenInOnRead:
+    """A launched step's results; reading them makes the draft take the step in."""
+
+    def __init__(self, proposer: DraftProposer, launched: AsyncStepOutput) -> None:
+        self._proposer = proposer
+        self._launched = launched
+
+    def result(self) -> StepResults:
+        self._proposer.take_in_pending(upto=self._launched)
+        return self._launched.result()
 
 
 def _prefills_first(rows: list[int], counts: np.ndarray) -> list[int]:

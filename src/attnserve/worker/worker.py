@@ -86,6 +86,8 @@ class Worker:
         if draft is not None:
             draft.calibrate_kv_scales()
         runner.warm_up()
+        if draft is not None:  # its catch-up passes compile their kernels now, not in a run
+            draft.warm_up()
         # Captured graphs would hold the ranks' collectives; tensor parallelism runs eagerly.
         if not config.enforce_eager and config.parallel_config.world_size == 1:
             runner.capture_graphs()
@@ -113,16 +115,21 @@ class Worker:
 
     def _run(self, plan: StepPlan) -> StepResults:
         """Run one step here; with a draft model, its proposals ride on the results."""
+        if self.proposer is not None:
+            self.proposer.take_in_pending()
         results = self.runner.execute(plan)
         if self.proposer is not None:
             self.proposer.follow(plan, results)
         return results
 
     def execute_model_async(self, plan: StepPlan) -> AsyncStepOutput:
-        """Launch one step on a single rank (its draws read back later), or with a draft model
-        run it and its proposals at once."""
+        """Launch one step on a single rank (its draws read back later). With a draft model a
+        step that drafts runs with its proposals at once; any other is launched as usual, and
+        the draft takes it in when it is read back."""
         if self.proposer is None:
             return self.runner.execute_async(plan)
+        if not plan.draft_seq_ids:
+            return self.proposer.follow_later(plan, self.runner.execute_async(plan))
         return StepFuture(len(plan.seq_ids), ready=self._run(plan))
 
     def execute_model(self, plan: StepPlan) -> StepResults:

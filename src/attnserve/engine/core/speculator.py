@@ -16,10 +16,12 @@ convert the whole history every step.
 
 Speculation also steps aside where drafts fail (`DraftPace`): each sequence's drafts are scored
 against the tokens that followed them, and a sequence whose recent drafts were nearly all wrong
-gets none for a while (16 steps, doubling while it keeps failing, at most 256), then is tried
-again for one round (wholly wrong drafts pause it again at once). While no running sequence may
-draft, a draft model is not asked to propose at all, and it computes only for the sequences
-that draft.
+gets none for a while (16 steps, doubling while it keeps failing, at most 256, each pause
+ending on a multiple of 16 steps so that paused sequences are tried again together), then is
+tried again for one round (wholly wrong drafts pause it again at once). A step in which some
+sequence drafts runs synchronously; while none may draft, steps overlap as without
+speculation, a draft model is not asked to propose at all, and it computes only for the
+sequences that draft.
 """
 
 from __future__ import annotations
@@ -130,7 +132,8 @@ class DraftPace:
             self.pause = self.FIRST_PAUSE
         self.drafts = []
         if self.acceptance < self.MIN_ACCEPTANCE:
-            self.resume_step = step + self.pause
+            # on a multiple of the first pause: the paused sequences' probes share their steps
+            self.resume_step = -(-(step + self.pause) // self.FIRST_PAUSE) * self.FIRST_PAUSE
             self.pause = min(2 * self.pause, self.MAX_PAUSE)
             self.acceptance = self.PROBE_ACCEPTANCE
 
