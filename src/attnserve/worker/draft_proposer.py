@@ -74,9 +74,7 @@ class DraftProposer:
             batch.num_computed[batch.states[seq.seq_id].slot] = self._valid_prefix(
                 seq.block_ids, seq.num_computed_tokens
             )
-        for seq_id, result in zip(plan.seq_ids, results, strict=True):
-            if result is not None:
-                batch.append_tokens(seq_id, result.token_ids)
+        batch.append_kept(plan.seq_ids, [None if r is None else r.token_ids for r in results])
         wanted = set(plan.draft_seq_ids)
         rows = [
             row

@@ -355,6 +355,21 @@ class InputBatch:
         self.token_ids[slot, start : start + len(tokens)] = tokens
         self.num_tokens[slot] = self.num_host_tokens[slot] = start + len(tokens)
 
+    def append_kept(self, seq_ids: list[int], kept: list[list[int] | None]) -> None:
+        """`append_tokens` for each sequence that kept tokens (None: none); a step where each
+        kept one token is written at once."""
+        rows = [(seq_id, tokens) for seq_id, tokens in zip(seq_ids, kept, strict=True) if tokens]
+        if any(len(tokens) != 1 for _, tokens in rows):
+            for seq_id, tokens in rows:
+                self.append_tokens(seq_id, tokens)
+            return
+        slots = np.fromiter((self._slot(seq_id) for seq_id, _ in rows), np.int64, len(rows))
+        positions = self.num_tokens[slots]
+        if len(rows) and int(positions.max()) >= self.max_tokens:
+            raise ValueError(f"a sequence of {self.max_tokens} tokens kept one more")
+        self.token_ids[slots, positions] = [tokens[0] for _, tokens in rows]
+        self.num_tokens[slots] = self.num_host_tokens[slots] = positions + 1
+
     def truncate(self, slots: np.ndarray, counts: np.ndarray) -> None:
         """Forget each slot's last `counts` tokens, computed and known (a draft model's own
         drafts, once proposed)."""
