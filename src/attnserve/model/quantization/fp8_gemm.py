@@ -172,7 +172,9 @@ def pick_config(m: int, n: int, k: int) -> GemmConfig | None:
     kernel is the faster GEMM, from the H200 sweep of Llama-3-8B's four projections at 1-256
     rows (docs/benchmarks.md: 1.0-2.1x `torch._scaled_mm`'s row-wise GEMM, which takes ~14 us
     even for a 4096 x 4096 weight that takes 4 us to read; tied for gate_up at 128 rows), else
-    None (beyond 256 rows they tie, or the row-wise one wins). Up to 16 rows: 16 x 64 tiles
+    None (beyond 256 rows they tie, or the row-wise one wins). Wide weights take 64 x 128
+    tiles at 17-64 and 129-192 rows (at 144 and 192 rows 50-51 us for gate_up, against 56-59
+    for the 128 x 256 tile that 65-128 and 193-256 rows take). Up to 16 rows: 16 x 64 tiles
     split over K up to one wave of 4 programs an SM; up to 256: the first of
     `WAVE_TILES` that fills one wave of programs with K slices of at most 4,096 columns. Wide
     weights (N >= 16,384: already enough tiles) are never split."""
@@ -181,10 +183,10 @@ def pick_config(m: int, n: int, k: int) -> GemmConfig | None:
     if n >= 16384:
         if m <= 16:
             wide = GemmConfig(16, 128, 128, 8, 4)
-        elif m <= 64:
+        elif m <= 64 or 128 < m <= 192:
             wide = GemmConfig(64, 128, 128, 4, 3)
         else:
-            wide = GemmConfig(128, 256, 128, 8, 4)
+            wide = GemmConfig(128, 256, 128, 8, 3 if m > 128 else 4)
         return wide if k % wide.block_k == 0 else None
     if m <= 16:
         return _one_wave(GemmConfig(16, 64, 128, 8, 4), 4, m, n, k)
