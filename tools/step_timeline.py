@@ -15,8 +15,8 @@ phases (scheduling, the step layout, the forward launch, logits, sampling), and 
 time (CUDA events around the step's work on the stream: from the end of the previous step's
 work to the end of this one's, so a device waiting on the host counts). Every Triton JIT compile
 and every full (or > 10 ms) garbage collection is timestamped. Launch-to-launch time is the step
-period. Printed per run: the total, the steps that carry prompt tokens, the decode-only steps
-grouped by batch size (32 at a time), the slowest steps with their host phases, the mean phases,
+period. Printed per run: the total, the steps that carry prompt tokens, the steps that verify
+drafts, the other steps grouped by batch size (32 at a time), the slowest steps with their host phases, the mean phases,
 the compiles and collections; then, of K prompt steps of the last run (every third from its
 second; each launched as usual, then waited for, and left out of that run's figures), the device
 time by kernel (attention, matmul, the rest), the top kernels and the host's CUDA calls.
@@ -57,7 +57,8 @@ PHASES = (
 class Step:
     launched_at: float
     prompt_tokens: int
-    decode_tokens: int
+    decode_tokens: int  # the decoding sequences' tokens, drafts to verify included
+    verifies: bool  # some sequence verifies drafts (speculative decoding)
     host_ms: float
     phases_ms: dict[str, float]
     events: tuple[Any, Any] | None = field(default=None, repr=False)
@@ -91,8 +92,8 @@ class Recorder:
 
         def timed_launch(scheduled: Any) -> Any:
             items = scheduled.scheduled
-            prompt = sum(i.num_new_tokens for i in items if i.is_prefill)
-            decode = sum(i.num_new_tokens for i in items if not i.is_prefill)
+            prompt = sum(i.num_new_tokens for i in items if i.is_prefill and not i.spec_token_ids)
+            decode = sum(i.num_new_tokens for i in items if not i.is_prefill or i.spec_token_ids)
             if prompt:
                 self.prompt_steps_seen += 1
                 if self.profile_left and self.prompt_steps_seen % 3 == 2:
@@ -104,7 +105,10 @@ class Recorder:
             if events is not None:
                 events[1].record()
             host_ms = (self._scheduled_s + time.perf_counter() - started) * 1e3
-            self.steps.append(Step(started, prompt, decode, host_ms, self._phases, events))
+            verifies = any(i.spec_token_ids for i in items)
+            self.steps.append(
+                Step(started, prompt, decode, verifies, host_ms, self._phases, events)
+            )
             return launched
 
         core.scheduler.schedule = timed_schedule
@@ -243,7 +247,9 @@ def _report(recorder: Recorder, start: float, total: float, made: int) -> dict[s
     ends = [s.launched_at for s in steps[1:]] + [start + total]
     groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0, 0])
     for step, end in zip(steps, ends, strict=True):
-        key = "prompt" if step.prompt_tokens else f"decode {(step.decode_tokens - 1) // 32:02d}"
+        key = "prompt" if step.prompt_tokens else "verify" if step.verifies else "decode"
+        if key == "decode":
+            key = f"decode {(step.decode_tokens - 1) // 32:02d}"
         group = groups[key]
         for i, value in enumerate(
             (
@@ -267,7 +273,7 @@ def _report(recorder: Recorder, start: float, total: float, made: int) -> dict[s
     rows = {}
     for key in sorted(groups):
         n, wall, host, device, prompt, decode = groups[key]
-        label = key if key == "prompt" else _decode_label(int(key.split()[1]))
+        label = _decode_label(int(key.split()[1])) if key.startswith("decode") else key
         print(
             f"{label:<16}{n:>6}{wall:>8.2f}{host / n:>9.2f}{device / n:>9.2f}"
             f"{prompt / n:>8.0f}{decode / n:>8.0f}"
