@@ -1,14 +1,16 @@
 """`attnserve bench speculative`: speculative decoding against none, on prompts where drafts
 pay off — asking the model to repeat or edit a text it was given.
 
-Two engines of the same arguments are run one after the other, the first without speculation
-(the baseline), the second with `--speculative-config` (required); each takes a warm-up, then
+Two engines of the same arguments run side by side, one without speculation (the baseline), one
+with `--speculative-config` (required); on a GPU the baseline takes half of
+`--gpu-memory-utilization` and the speculative engine the rest. Each takes a warm-up, then
 `--num-prompts` requests in batches of `--batch-size` (1: single stream), greedy, `--output-len`
-tokens each at most (EOS ends a request). With a tokenizer the prompts are chat requests to
-repeat or lightly edit one of a few texts; without one (dummy presets), each prompt is a random
-block of token ids given twice. It prints each engine's output tokens per second, their ratio,
-the acceptance figures, and whether every output equals the baseline's (greedy speculation
-must not change a token).
+tokens each at most (EOS ends a request); the two engines take each batch in turn (in
+alternating order), so a machine whose speed drifts during the run slows both alike. With a
+tokenizer the prompts are chat requests to repeat or lightly edit one of a few texts; without one
+(dummy presets), each prompt is a random block of token ids given twice. It prints each
+engine's output tokens per second, their ratio, the acceptance figures, and whether every output
+equals the baseline's (greedy speculation must not change a token).
 """
 
 from __future__ import annotations
@@ -67,54 +69,73 @@ def _prompts(llm: LLM, count: int, seed: int) -> list[Any]:
     ]
 
 
-def _run(llm: LLM, prompts: list[Any], args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
-    """Output tokens per second over the prompts, in batches of --batch-size, and the
-    speculation figures of the timed part; each output's token ids."""
-    params = SamplingParams(temperature=0, max_tokens=args.output_len)
-    llm.generate(prompts[: args.batch_size], params, use_tqdm=False)  # warm-up
-    outputs, tokens = [], 0
-    before = llm.llm_engine.stats()
-    sync()
-    started = time.perf_counter()
-    for start in range(0, len(prompts), args.batch_size):
-        batch = llm.generate(prompts[start : start + args.batch_size], params, use_tqdm=False)
-        outputs += [o.outputs[0].token_ids for o in batch]
-        tokens += sum(len(o.outputs[0].token_ids) for o in batch)
-    sync()
-    rate = tokens / (time.perf_counter() - started)
-    figures = spec_decode_figures(before, llm.llm_engine.stats())
-    return {"output_tokens_per_s": rate, **figures}, outputs
+def _timed_batches(
+    engines: dict[str, LLM], prompts: list[Any], params: SamplingParams, batch_size: int
+) -> dict[str, tuple[float, list[Any]]]:
+    """Each engine's seconds over all batches and each output's token ids, the engines taking
+    each batch in turn."""
+    seconds = dict.fromkeys(engines, 0.0)
+    outputs: dict[str, list[Any]] = {name: [] for name in engines}
+    for index, start in enumerate(range(0, len(prompts), batch_size)):
+        names = list(engines) if index % 2 == 0 else list(engines)[::-1]
+        for name in names:
+            sync()
+            started = time.perf_counter()
+            batch = engines[name].generate(
+                prompts[start : start + batch_size], params, use_tqdm=False
+            )
+            sync()
+            seconds[name] += time.perf_counter() - started
+            outputs[name] += [o.outputs[0].token_ids for o in batch]
+    return {name: (seconds[name], outputs[name]) for name in engines}
+
+
+def _engine_args(args: argparse.Namespace) -> dict[str, EngineArgs]:
+    """The baseline's and the speculative engine's arguments (the baseline with half of the
+    GPU memory share: the speculative engine, started second, takes what is left of it)."""
+    speculative = EngineArgs.from_cli_args(args)
+    if speculative.speculative_config is None:
+        raise ValueError("--speculative-config is required (the configuration to measure)")
+    speculative.create_engine_config()  # a bad configuration fails before any run
+    baseline = dataclasses.replace(
+        speculative,
+        speculative_config=None,
+        gpu_memory_utilization=speculative.gpu_memory_utilization / 2,
+    )
+    return {"baseline": baseline, "speculative": speculative}
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """The figures of the module docstring."""
     check_output_files(args, "json")
     check_positive(args, "num_prompts", "batch_size", "output_len")
-    speculative = EngineArgs.from_cli_args(args)
-    if speculative.speculative_config is None:
-        raise ValueError("--speculative-config is required (the configuration to measure)")
-    speculative.create_engine_config()  # a bad configuration fails before any run
-    result: dict[str, Any] = {}
-    outputs = {}
-    for name, engine_args in (
-        ("baseline", dataclasses.replace(speculative, speculative_config=None)),
-        ("speculative", speculative),
-    ):
-        progress(f"loading the {name} engine")
-        llm = LLM.from_engine_args(engine_args)
-        try:
-            prompts = _prompts(llm, args.num_prompts, args.seed)
-            progress(f"{name}: {len(prompts)} prompts, batches of {args.batch_size}")
-            figures, outputs[name] = _run(llm, prompts, args)
-            rate = figures.pop("output_tokens_per_s")
-            result |= {f"{name}_output_tokens_per_s": rate, **figures}
-        finally:
+    engines: dict[str, LLM] = {}
+    try:
+        for name, engine_args in _engine_args(args).items():
+            progress(f"loading the {name} engine")
+            engines[name] = LLM.from_engine_args(engine_args)
+        prompts = _prompts(engines["baseline"], args.num_prompts, args.seed)
+        progress(f"{len(prompts)} prompts, batches of {args.batch_size}, the engines in turn")
+        params = SamplingParams(temperature=0, max_tokens=args.output_len)
+        for llm in engines.values():
+            llm.generate(prompts[: args.batch_size], params, use_tqdm=False)  # warm-up
+        before = engines["speculative"].llm_engine.stats()
+        timed = _timed_batches(engines, prompts, params, args.batch_size)
+        figures = spec_decode_figures(before, engines["speculative"].llm_engine.stats())
+    finally:
+        for llm in engines.values():
             llm.shutdown()
-    result["speedup"] = (
-        result["speculative_output_tokens_per_s"] / (result["baseline_output_tokens_per_s"])
-    )
-    result["outputs_identical"] = outputs["speculative"] == outputs["baseline"]
-    return result
+    rates = {
+        name: sum(len(tokens) for tokens in outputs) / seconds
+        for name, (seconds, outputs) in timed.items()
+    }
+    return {
+        "baseline_output_tokens_per_s": rates["baseline"],
+        "speculative_output_tokens_per_s": rates["speculative"],
+        **figures,
+        "speedup": rates["speculative"] / rates["baseline"],
+        "outputs_identical": timed["speculative"][1] == timed["baseline"][1],
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
