@@ -29,6 +29,8 @@ PATTERN = [5, 6, 7, 8, 9, 10, 11, 12]
 # prompts that repeat themselves (drafts from the prompt) of several lengths, and one that does not
 PROMPTS = [PATTERN * 3, PATTERN * 2 + [5, 6], [40 + i for i in range(19)], PATTERN[:5] * 4]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+# two sequences end early, so the batch of four shrinks to two
+STAGGERED = [dataclasses.replace(GREEDY, max_tokens=n) for n in (6, 10, 40, 40)]
 Outputs = list[tuple[list[int], Any]]
 
 
@@ -139,9 +141,8 @@ def test_a_draft_model_leaves_steps_without_drafts_asynchronous(
 
     monkeypatch.setattr(ModelRunner, "execute_async", launch)
     monkeypatch.setattr(DraftProposer, "follow", take_in)
-    params = [dataclasses.replace(GREEDY, max_tokens=n) for n in (6, 10, 40, 40)]
     spec = {"model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
-    got, stats = generate(model, PROMPTS, params, speculative_config=spec)
+    got, stats = generate(model, PROMPTS, STAGGERED, speculative_config=spec)
     assert [plan for plan, _ in taken_in] == launched
     large = [i for i, plan in enumerate(launched) if len(plan.seq_ids) > 2]
     ahead = [i for i in large if taken_in[i][1] > i + 1]
@@ -149,7 +150,7 @@ def test_a_draft_model_leaves_steps_without_drafts_asynchronous(
     assert len(ahead) >= len(large) - 2
     assert stats["spec_decode_num_drafts"] > 0
     monkeypatch.undo()
-    want, _ = generate(model, PROMPTS, params)
+    want, _ = generate(model, PROMPTS, STAGGERED)
     assert_same_outputs(got, want)
 
 
@@ -165,12 +166,11 @@ def test_a_draft_model_takes_in_the_steps_it_did_not_draft_in(
     preemptions moved), and the outputs are as without speculation."""
     model = str(tiny_llama_dir)
     engine = CONFIGURATIONS[name]
-    params = [dataclasses.replace(GREEDY, max_tokens=n) for n in (6, 10, 40, 40)]
-    want, _ = generate(model, PROMPTS, params, **engine)
+    want, _ = generate(model, PROMPTS, STAGGERED, **engine)
     spec = {"model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
     budget = engine.get("kv_cache_memory_bytes")
     both = engine if budget is None else {**engine, "kv_cache_memory_bytes": 2 * budget}
-    got, stats = generate(model, PROMPTS, params, speculative_config=spec, **both)
+    got, stats = generate(model, PROMPTS, STAGGERED, speculative_config=spec, **both)
     assert_same_outputs(got, want)
     assert stats["spec_decode_num_drafts"] > 0
     assert stats["spec_decode_acceptance_rate"] > 0.9

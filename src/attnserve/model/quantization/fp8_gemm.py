@@ -185,8 +185,10 @@ def pick_config(m: int, n: int, k: int) -> GemmConfig | None:
             wide = GemmConfig(16, 128, 128, 8, 4)
         elif m <= 64 or 128 < m <= 192:
             wide = GemmConfig(64, 128, 128, 4, 3)
+        elif m <= 128:
+            wide = GemmConfig(128, 256, 128, 8, 4)
         else:
-            wide = GemmConfig(128, 256, 128, 8, 3 if m > 128 else 4)
+            wide = GemmConfig(128, 256, 128, 8, 3)
         return wide if k % wide.block_k == 0 else None
     if m <= 16:
         return _one_wave(GemmConfig(16, 64, 128, 8, 4), 4, m, n, k)
