@@ -16,10 +16,11 @@ time (CUDA events around the step's work on the stream: from the end of the prev
 work to the end of this one's, so a device waiting on the host counts). Every Triton JIT compile
 and every full (or > 10 ms) garbage collection is timestamped. Launch-to-launch time is the step
 period. Printed per run: the total, the steps that carry prompt tokens, the steps that verify
-drafts, the other steps grouped by batch size (32 at a time), the slowest steps with their host phases, the mean phases,
-the compiles and collections; then, of K prompt steps of the last run (every third from its
-second; each launched as usual, then waited for, and left out of that run's figures), the device
-time by kernel (attention, matmul, the rest), the top kernels and the host's CUDA calls.
+drafts, the other steps grouped by batch size (32 at a time), the slowest steps with their host
+phases, the mean phases, the compiles and collections; then, of K prompt steps of the last
+run (every third from its second; each launched as usual, then waited for, and left out of that
+run's figures), the device time by kernel (attention, matmul, the rest), the top kernels and the
+host's CUDA calls.
 """
 
 from __future__ import annotations
@@ -247,8 +248,11 @@ def _report(recorder: Recorder, start: float, total: float, made: int) -> dict[s
     ends = [s.launched_at for s in steps[1:]] + [start + total]
     groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0, 0])
     for step, end in zip(steps, ends, strict=True):
-        key = "prompt" if step.prompt_tokens else "verify" if step.verifies else "decode"
-        if key == "decode":
+        if step.prompt_tokens:
+            key = "prompt"
+        elif step.verifies:
+            key = "verify"
+        else:
             key = f"decode {(step.decode_tokens - 1) // 32:02d}"
         group = groups[key]
         for i, value in enumerate(
