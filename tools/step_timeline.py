@@ -52,6 +52,13 @@ PHASES = (
     ("executor.driver_runner.model", "compute_logits"),
     ("executor.driver_runner.sampler", "draw"),
 )
+# the same for a draft model (speculative decoding), where the engine has one: its take-in of
+# a step with its drafts, within that its proposals, within those its catch-up passes
+DRAFT_PHASES = (
+    ("executor.worker.proposer", "follow"),
+    ("executor.worker.proposer", "_propose"),
+    ("executor.worker.proposer", "_catch_up"),
+)
 
 
 @dataclass
@@ -116,6 +123,9 @@ class Recorder:
         core.pipeline.launch = timed_launch
         for path, name in PHASES:
             self._time_phase(core, path, name)
+        if getattr(getattr(core.executor, "worker", None), "proposer", None) is not None:
+            for path, name in DRAFT_PHASES:
+                self._time_phase(core, path, name)
         self._install_compile_hooks()
         gc.callbacks.append(self._on_gc)
 
@@ -303,6 +313,12 @@ def _report(recorder: Recorder, start: float, total: float, made: int) -> dict[s
             f"  {phases}"
         )
     _print_phase_means(steps)
+    phase_totals: dict[str, float] = defaultdict(float)
+    for step in steps:
+        for name, ms in step.phases_ms.items():
+            phase_totals[name] += ms / 1e3
+    totals = " ".join(f"{k}={v:.2f}" for k, v in phase_totals.items())
+    print(f"  host phases, run total (s): {totals}")
     for at, seconds, name in recorder.compiles:
         print(f"  compile at {at - start:7.2f} s: {seconds:6.2f} s {name}")
     pauses = [(at - start, s, g) for at, s, g in recorder.gc_pauses if at >= start]

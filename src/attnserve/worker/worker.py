@@ -79,7 +79,11 @@ class Worker:
         runner.load_model()
         draft = self._load_draft()
         shared = 0 if draft is None else draft.bytes_per_block()
-        runner.initialize_kv_cache(runner.profile_activation_memory(), shared)
+        activations = runner.profile_activation_memory()
+        if draft is not None:  # the two run in turn: the larger peak stays free (and the
+            # draft compiles now what many short prompts with context take)
+            activations = max(activations, draft.profile_activation_memory())
+        runner.initialize_kv_cache(activations, shared)
         if draft is not None:
             draft.initialize_kv_cache_of(runner.num_blocks, runner.num_swap_blocks)
         runner.calibrate_kv_scales()

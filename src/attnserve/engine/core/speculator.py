@@ -18,7 +18,10 @@ Speculation also steps aside where drafts fail (`DraftPace`): each sequence's dr
 against the tokens that followed them, and a sequence whose recent drafts were nearly all wrong
 gets none for a while (16 steps, doubling while it keeps failing, at most 256, each pause
 ending on a multiple of 16 steps so that paused sequences are tried again together), then is
-tried again for one round (wholly wrong drafts pause it again at once). A step in which some
+tried again for one round (wholly wrong drafts pause it again at once). The sequences' rounds
+also pool their evidence: while the recent rounds of all sequences were nearly all wrong (a
+moving average over rounds, each weighing 1/8), one wholly wrong round pauses a sequence at
+once, so a draft that fails everyone costs each sequence one round, not four. A step in which some
 sequence drafts runs synchronously; while none may draft, steps overlap as without
 speculation, a draft model is not asked to propose at all, and it computes only for the
 sequences that draft.
@@ -119,19 +122,27 @@ class DraftPace:
     def may_draft(self, step: int) -> bool:
         return step >= self.resume_step
 
-    def observe(self, token_ids: list[int], step: int) -> None:
-        """Score the last round's drafts against the tokens that followed them, once some did
-        (drafts not verified, whose followers all match so far, count as right)."""
+    def score(self, token_ids: list[int]) -> float | None:
+        """The share of the last round's drafts that matched the tokens that followed them,
+        once some did (drafts not verified, whose followers all match so far, count as
+        right); None while none did. The round is then done with."""
         followed = token_ids[self.length : self.length + len(self.drafts)]
         if not self.drafts or not followed:
-            return
+            return None
         right = next((i for i, t in enumerate(followed) if t != self.drafts[i]), len(followed))
         decided = right < len(followed) or right == len(self.drafts)  # else: right so far
-        self.acceptance = (self.acceptance + (right / len(self.drafts) if decided else 1.0)) / 2
-        if right * 2 >= len(self.drafts):  # a good round: a later pause starts short again
-            self.pause = self.FIRST_PAUSE
+        share = right / len(self.drafts) if decided else 1.0
         self.drafts = []
-        if self.acceptance < self.MIN_ACCEPTANCE:
+        return share
+
+    def settle(self, share: float, step: int, all_failing: bool = False) -> None:
+        """Take in a round's `share` of right drafts, scored after engine step `step`: pause
+        if the recent share is too low, or if none was right while the rounds of all
+        sequences fail (`all_failing`)."""
+        self.acceptance = (self.acceptance + share) / 2
+        if share >= 0.5:  # a good round: a later pause starts short again
+            self.pause = self.FIRST_PAUSE
+        if self.acceptance < self.MIN_ACCEPTANCE or (share == 0 and all_failing):
             # on a multiple of the first pause: the paused sequences' probes share their steps
             self.resume_step = -(-(step + self.pause) // self.FIRST_PAUSE) * self.FIRST_PAUSE
             self.pause = min(2 * self.pause, self.MAX_PAUSE)
@@ -143,6 +154,8 @@ class DraftPace:
 
 
 class Speculator:
+    ROUND_WEIGHT = 1 / 8  # of one sequence's round in `recent_acceptance`
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
@@ -155,6 +168,7 @@ class Speculator:
         )
         self._histories: dict[int, _History] = {}  # seq id -> its tokens
         self._paces: dict[int, DraftPace] = {}  # seq id -> how its drafts fared
+        self.recent_acceptance = 1.0  # of all sequences' rounds, each weighing ROUND_WEIGHT
 
     def drafting(self, running: list[Sequence], step: int) -> list[int]:
         """The running sequences that may draft after engine step `step`: none while the batch
@@ -170,10 +184,9 @@ class Speculator:
         """Set each running sequence's drafts for the step after engine step `step` (none where
         it gets none), having scored its last drafts."""
         histories, self._histories = self._histories, {}
-        paces, self._paces = self._paces, {}
+        self._score(running, step)
         for seq in running:
-            pace = self._paces[seq.seq_id] = paces.get(seq.seq_id) or DraftPace()
-            pace.observe(seq.token_ids, step)
+            pace = self._paces[seq.seq_id]
             room = max(self._room(seq), 0) if pace.may_draft(step) else 0
             if self.proposer is None:  # the draft model's, from the step's results
                 seq.spec_token_ids = seq.spec_token_ids[:room]
@@ -183,6 +196,21 @@ class Speculator:
                 history = self._histories[seq.seq_id] = histories.get(seq.seq_id) or _History()
                 seq.spec_token_ids = self.proposer.propose(history.sync(seq.token_ids), room)
             pace.expect(seq.spec_token_ids, len(seq.token_ids))
+
+    def _score(self, running: list[Sequence], step: int) -> None:
+        """Score the running sequences' last rounds (keeping only their paces), fold them into
+        `recent_acceptance`, then settle each pace."""
+        paces, self._paces = self._paces, {}
+        scored = []
+        for seq in running:
+            pace = self._paces[seq.seq_id] = paces.get(seq.seq_id) or DraftPace()
+            share = pace.score(seq.token_ids)
+            if share is not None:
+                scored.append((pace, share))
+                self.recent_acceptance += (share - self.recent_acceptance) * self.ROUND_WEIGHT
+        all_failing = self.recent_acceptance < DraftPace.MIN_ACCEPTANCE
+        for pace, share in scored:
+            pace.settle(share, step, all_failing)
 
     def _room(self, seq: Sequence) -> int:
         """How many drafts `seq` may carry: 0 unless it decodes with all its tokens on the
