@@ -99,7 +99,8 @@ def decoding_sequences(count: int) -> list[Sequence]:
     """`count` running sequences, each with its prompt computed but its last token."""
     sequences = []
     for _ in range(count):
-        seq = Sequence("r", PROMPT, SamplingParams(max_tokens=64), BlockTable(BlockAllocator(64), 4))
+        table = BlockTable(BlockAllocator(64), block_size=4)
+        seq = Sequence("r", PROMPT, SamplingParams(max_tokens=64), table)
         seq.status = SequenceStatus.RUNNING
         seq.num_computed_tokens = len(seq.token_ids) - 1
         sequences.append(seq)
@@ -109,11 +110,12 @@ def decoding_sequences(count: int) -> list[Sequence]:
 def draft_round(speculator: Speculator, sequences: list[Sequence], step: int, right: int) -> None:
     """Each sequence gets three drafts after step `step` (as a draft model proposes them), of
     which the first `right` are then drawn by the next step; the next round is scored."""
+    drafts = [5, 6, 7]
     for seq in sequences:
-        seq.spec_token_ids = [5, 6, 7]
+        seq.spec_token_ids = list(drafts)
     speculator.propose(sequences, step)
     for seq in sequences:
-        seq.token_ids += [5, 6, 7][:right] + [9]
+        seq.token_ids += [*drafts[:right], 9]
         seq.num_computed_tokens = len(seq.token_ids) - 1
     speculator.propose(sequences, step + 1)
 
