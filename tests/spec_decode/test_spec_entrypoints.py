@@ -12,6 +12,7 @@ from typing import Any
 
 import openai
 import pytest
+import torch
 
 from attnserve import LLM, SamplingParams
 from attnserve.cli import main
@@ -109,6 +110,37 @@ def test_llm_refuses_a_bad_config_before_loading_weights(
         LLM(str(tiny_llama_dir), device="cpu", speculative_config=bad)
     with pytest.raises(AssertionError, match="the model was loaded"):  # the spy works
         LLM(str(tiny_llama_dir), device="cpu", speculative_config=NGRAM)
+
+
+def test_a_draft_whose_kv_cache_leaves_no_room_is_refused_by_name(tiny_llama_dir: Path) -> None:
+    """A KV budget that holds a block of the target's cache but not one of both caches: the
+    target alone starts, with its own model as the draft the error names the draft."""
+    model = str(tiny_llama_dir)
+    engine = {"device": "cpu", "dtype": "float32", "kv_cache_memory_bytes": 12_000}
+    LLM(model, **engine).shutdown()  # a block of 2 layers x K, V x 16 tokens x 2 x 16 fp32: 8 KiB
+    draft = {"model": model, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"speculative_config\.model .*holds no block"):
+        LLM(model, speculative_config=draft, **engine)
+
+
+def test_a_draft_that_does_not_fit_in_memory_is_refused_by_name(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device runs out of memory while the draft loads (after the target): a ValueError
+    naming the draft, not torch's error."""
+    load_model, loaded = ModelRunner.load_model, []
+
+    def out_of_memory_second(runner: ModelRunner) -> None:
+        loaded.append(runner)
+        if len(loaded) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        load_model(runner)
+
+    monkeypatch.setattr(ModelRunner, "load_model", out_of_memory_second)
+    draft = {"model": str(tiny_llama_dir), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"speculative_config\.model .* does not fit in memory"):
+        LLM(str(tiny_llama_dir), device="cpu", speculative_config=draft)
+    assert len(loaded) == 2
 
 
 # attnserve generate --speculative-config

@@ -78,14 +78,10 @@ class Worker:
         runner = ModelRunner(config, self.device)
         runner.load_model()
         draft = self._load_draft()
-        shared = 0 if draft is None else draft.bytes_per_block()
-        activations = runner.profile_activation_memory()
-        if draft is not None:  # the two run in turn: the larger peak stays free (and the
-            # draft compiles now what many short prompts with context take)
-            activations = max(activations, draft.profile_activation_memory())
-        runner.initialize_kv_cache(activations, shared)
-        if draft is not None:
-            draft.initialize_kv_cache_of(runner.num_blocks, runner.num_swap_blocks)
+        if draft is None:
+            runner.initialize_kv_cache(runner.profile_activation_memory())
+        else:
+            self._make_kv_caches_with_draft(runner, draft)
         runner.calibrate_kv_scales()
         if draft is not None:
             draft.calibrate_kv_scales()
@@ -113,9 +109,31 @@ class Worker:
             config, model_config=config.draft_model_config, cache_config=cache_config
         )
         draft = ModelRunner(draft_config, self.device)
-        draft.load_model()
+        try:
+            draft.load_model()
+        except torch.OutOfMemoryError as error:
+            raise ValueError(
+                f"speculative_config.model {spec.model!r} does not fit in memory beside the "
+                f"target: {error}"
+            ) from None
         self.proposer = DraftProposer(draft, spec.num_speculative_tokens)
         return draft
+
+    def _make_kv_caches_with_draft(self, runner: ModelRunner, draft: ModelRunner) -> None:
+        """The target's KV cache, each block paying for the draft's of the same id too, then
+        the draft's. The two run in turn, so the larger of their profile runs' peaks stays free
+        (the draft's also compiles now what its catch-up of many sequences takes). A draft that
+        leaves no room for a block is refused by name."""
+        activations = max(runner.profile_activation_memory(), draft.profile_activation_memory())
+        try:
+            runner.initialize_kv_cache(activations, draft.bytes_per_block())
+        except ValueError as error:
+            spec = self.config.speculative_config
+            model = None if spec is None else spec.model
+            raise ValueError(
+                f"speculative_config.model {model!r}, its KV cache beside the target's: {error}"
+            ) from None
+        draft.initialize_kv_cache_of(runner.num_blocks, runner.num_swap_blocks)
 
     def _run(self, plan: StepPlan) -> StepResults:
         """Run one step here; with a draft model, its proposals ride on the results."""
