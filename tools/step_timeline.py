@@ -11,16 +11,17 @@ run after the first draws new prompts of the same lengths, so none hits the pref
 
 For every step: the launch time, the prompt and decode tokens, the host time (scheduling,
 building the batch, launching the step: everything before the device can run it), split into
-phases (scheduling, the step layout, the forward launch, logits, sampling), and the device
-time (CUDA events around the step's work on the stream: from the end of the previous step's
-work to the end of this one's, so a device waiting on the host counts). Every Triton JIT compile
-and every full (or > 10 ms) garbage collection is timestamped. Launch-to-launch time is the step
-period. Printed per run: the total, the steps that carry prompt tokens, the steps that verify
-drafts, the other steps grouped by batch size (32 at a time), the slowest steps with their host
-phases, the mean phases, the compiles and collections; then, of K prompt steps of the last
-run (every third from its second; each launched as usual, then waited for, and left out of that
-run's figures), the device time by kernel (attention, matmul, the rest), the top kernels and the
-host's CUDA calls.
+phases (scheduling, the step layout, the forward launch, logits, sampling; with a draft model
+also its take-in, proposals and catch-up passes, where they run), and the device time (CUDA
+events around the step's work on the stream: from the end of the previous step's work to the
+end of this one's, so a device waiting on the host counts). Every Triton JIT compile and every
+full (or > 10 ms) garbage collection is timestamped. Launch-to-launch time is the step period.
+Printed per run: the total, the steps that carry prompt tokens, the steps that verify drafts,
+the other steps grouped by batch size (32 at a time), the slowest steps with their host
+phases, the mean phases and their run totals, the compiles and collections; then, of K prompt
+steps of the last run (every third from its second; each launched as usual, then waited for,
+and left out of that run's figures), the device time by kernel (attention, matmul, the rest),
+the top kernels and the host's CUDA calls.
 """
 
 from __future__ import annotations
