@@ -265,18 +265,9 @@ def _report(recorder: Recorder, start: float, total: float, made: int) -> dict[s
             key = "verify"
         else:
             key = f"decode {(step.decode_tokens - 1) // 32:02d}"
-        group = groups[key]
-        for i, value in enumerate(
-            (
-                1,
-                end - step.launched_at,
-                step.host_ms,
-                step.device_ms,
-                step.prompt_tokens,
-                step.decode_tokens,
-            )
-        ):
-            group[i] += value
+        values = (1, end - step.launched_at, step.host_ms, step.device_ms, step.prompt_tokens,
+                  step.decode_tokens)  # fmt: skip
+        groups[key] = [total + value for total, value in zip(groups[key], values, strict=True)]
     compile_s = sum(seconds for _, seconds, _ in recorder.compiles)
     print(
         f"total {total:.2f} s, {made / total:,.0f} output tok/s, {len(steps)} steps; "
@@ -313,13 +304,7 @@ def _report(recorder: Recorder, start: float, total: float, made: int) -> dict[s
             f" {step.prompt_tokens:>7} {step.decode_tokens:>5} {step.launched_at - start:7.2f}"
             f"  {phases}"
         )
-    _print_phase_means(steps)
-    phase_totals: dict[str, float] = defaultdict(float)
-    for step in steps:
-        for name, ms in step.phases_ms.items():
-            phase_totals[name] += ms / 1e3
-    totals = " ".join(f"{k}={v:.2f}" for k, v in phase_totals.items())
-    print(f"  host phases, run total (s): {totals}")
+    _print_phases(steps)
     for at, seconds, name in recorder.compiles:
         print(f"  compile at {at - start:7.2f} s: {seconds:6.2f} s {name}")
     pauses = [(at - start, s, g) for at, s, g in recorder.gc_pauses if at >= start]
@@ -337,20 +322,21 @@ def _report(recorder: Recorder, start: float, total: float, made: int) -> dict[s
     }
 
 
-def _print_phase_means(steps: list[Step]) -> None:
-    """Mean host phases (ms) of the prompt steps and of the decode steps."""
+def _print_phases(steps: list[Step]) -> None:
+    """Mean host phases (ms) of the prompt steps and of the decode steps, and the run's totals."""
     for label, chosen in (
-        ("prompt", [s for s in steps if s.prompt_tokens]),
-        ("decode", [s for s in steps if not s.prompt_tokens]),
+        ("prompt steps (ms)", [s for s in steps if s.prompt_tokens]),
+        ("decode steps (ms)", [s for s in steps if not s.prompt_tokens]),
+        ("the run, total (s)", steps),
     ):
-        if not chosen:
-            continue
-        names = dict.fromkeys(k for s in chosen for k in s.phases_ms)
-        means = {k: sum(s.phases_ms.get(k, 0.0) for s in chosen) / len(chosen) for k in names}
-        print(
-            f"  mean host phases of {label} steps (ms): "
-            + " ".join(f"{k}={v:.2f}" for k, v in means.items())
-        )
+        sums: dict[str, float] = defaultdict(float)
+        for step in chosen:
+            for name, ms in step.phases_ms.items():
+                sums[name] += ms
+        scale = 1e-3 if chosen is steps else 1 / max(len(chosen), 1)
+        phases = " ".join(f"{k}={v * scale:.2f}" for k, v in sums.items())
+        if chosen:
+            print(f"  host phases of {label}: {phases}")
 
 
 def _decode_label(group: int) -> str:
