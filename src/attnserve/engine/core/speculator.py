@@ -135,7 +135,7 @@ class DraftPace:
         self.drafts = []
         return share
 
-    def settle(self, share: float, step: int, all_failing: bool = False) -> None:
+    def settle(self, share: float, step: int, all_failing: bool) -> None:
         """Take in a round's `share` of right drafts, scored after engine step `step`: pause
         if the recent share is too low, or if none was right while the rounds of all
         sequences fail (`all_failing`)."""
