@@ -21,10 +21,11 @@ ending on a multiple of 16 steps so that paused sequences are tried again togeth
 tried again for one round (wholly wrong drafts pause it again at once). The sequences' rounds
 also pool their evidence: while the recent rounds of all sequences were nearly all wrong (a
 moving average over rounds, each weighing 1/8), one wholly wrong round pauses a sequence at
-once, so a draft that fails everyone costs each sequence one round, not four. A step in which some
-sequence drafts runs synchronously; while none may draft, steps overlap as without
-speculation, a draft model is not asked to propose at all, and it computes only for the
-sequences that draft.
+once, so a draft that fails everyone costs each sequence one round, not four.
+
+A step in which some sequence drafts runs synchronously; while none may draft, steps overlap
+as without speculation, a draft model is not asked to propose at all, and it computes only for
+the sequences that draft.
 """
 
 from __future__ import annotations
