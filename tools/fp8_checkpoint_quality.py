@@ -81,25 +81,14 @@ def measure(preset: str, device: str, block: tuple[int, int], work: Path) -> dic
     dtype = "bfloat16" if device == "cuda" else "float32"
     base = EngineArgs(model=str(float_dir), device=device, dtype=dtype,
                       kv_cache_memory_bytes=kv_quality.DEFAULT_CACHE_BYTES)  # fmt: skip
-    reference = kv_quality._runner(base)
-    prompts = torch.randint(reference.model_config.vocab_size, (NUM_PROMPTS, PROMPT_LEN),
-                            generator=torch.Generator().manual_seed(0))  # fmt: skip
-    seqs = kv_quality._Sequences(
-        prompts.tolist(), PROMPT_LEN + DECODE_STEPS, reference.cache_config.block_size
-    )
-    ref_prefill, ref_decodes, fed = kv_quality._run(reference, seqs, None, DECODE_STEPS)
-    del reference
+    reference = kv_quality.reference_run(base, NUM_PROMPTS, PROMPT_LEN, DECODE_STEPS, seed=0)
     results = {}
     for name, (config, quantize) in _layouts(block).items():
         target = work / name
         test_fp8.write_quantized_checkpoint(float_dir, target, config, quantize)
-        runner = kv_quality._runner(dataclasses.replace(base, model=str(target)))
-        prefill, decodes, _ = kv_quality._run(runner, seqs, fed, DECODE_STEPS)
-        del runner
-        results[name] = {
-            "prefill": kv_quality._compare(prefill, ref_prefill),
-            "decode": kv_quality._compare(decodes, ref_decodes),
-        }
+        _, results[name] = kv_quality.measured_run(
+            dataclasses.replace(base, model=str(target)), reference
+        )
         print(name, json.dumps(results[name]), flush=True)
     return {"preset": preset, "device": device, "float_dtype": dtype, "block": list(block),
             "results": results}  # fmt: skip

@@ -141,6 +141,48 @@ def _run(
     return [prefill], decodes, fed
 
 
+@dataclasses.dataclass
+class ReferenceRun:
+    """The reference's steps on the random prompts, and the greedy tokens it fed its decodes
+    (which a measured run is fed in turn)."""
+
+    seqs: _Sequences
+    prefill: list[Step]
+    decodes: list[Step]
+    fed: list[list[int]]
+
+
+def reference_run(
+    engine_args: EngineArgs, num_prompts: int, prompt_len: int, decode_steps: int, seed: int
+) -> ReferenceRun:
+    """The reference runner's prefill of `num_prompts` random prompts and its greedy decodes."""
+    reference = _runner(engine_args)
+    vocab = reference.model_config.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(vocab, (num_prompts, prompt_len), generator=generator)
+    seqs = _Sequences(
+        prompts.tolist(), prompt_len + decode_steps, reference.cache_config.block_size
+    )
+    prefill, decodes, fed = _run(reference, seqs, None, decode_steps)
+    return ReferenceRun(seqs, prefill, decodes, fed)
+
+
+def measured_run(
+    engine_args: EngineArgs, reference: ReferenceRun
+) -> tuple[ModelRunner, dict[str, float]]:
+    """A runner of `engine_args` fed the reference's tokens, and its figures against the
+    reference, prefill and decodes apart (`prefill_logits_relative_error`, ...)."""
+    runner = _runner(engine_args)
+    prefill, decodes, _ = _run(runner, reference.seqs, reference.fed, len(reference.fed))
+    figures: dict[str, float] = {}
+    for phase, ours, theirs in (
+        ("prefill", prefill, reference.prefill),
+        ("decode", decodes, reference.decodes),
+    ):
+        figures |= {f"{phase}_{key}": value for key, value in _compare(ours, theirs).items()}
+    return runner, figures
+
+
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("num_prompts", "prompt_len", "decode_steps"):
         if getattr(args, name) < 1:
@@ -159,19 +201,12 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         f"reference run (kv cache {args.reference_kv_cache_dtype}, quantization "
         f"{reference_quantization or 'default'})"
     )
-    reference = _runner(reference_args)
-    vocab = reference.model_config.vocab_size
-    generator = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(vocab, (args.num_prompts, args.prompt_len), generator=generator)
-    seqs = _Sequences(
-        prompts.tolist(), args.prompt_len + args.decode_steps, reference.cache_config.block_size
+    reference = reference_run(
+        reference_args, args.num_prompts, args.prompt_len, args.decode_steps, args.seed
     )
-    ref_prefill, ref_decodes, fed = _run(reference, seqs, None, args.decode_steps)
-    del reference
     progress(f"measured run (kv cache {engine_args.kv_cache_dtype})")
-    runner = _runner(engine_args)
-    prefill, decodes, _ = _run(runner, seqs, fed, args.decode_steps)
-    result: dict[str, Any] = {
+    runner, figures = measured_run(engine_args, reference)
+    return {
         "model": runner.model_config.model,
         "backend": runner.backend.get_name(),
         "kv_cache_dtype": engine_args.kv_cache_dtype,
@@ -180,14 +215,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "reference_quantization": reference_quantization or "none",
         "dtype": str(runner.model_config.dtype),
         **_scales(runner),
+        **figures,
     }
-    for phase, ours, theirs in (
-        ("prefill", prefill, ref_prefill),
-        ("decode", decodes, ref_decodes),
-    ):
-        figures = _compare(ours, theirs)
-        result.update({f"{phase}_{key}": value for key, value in figures.items()})
-    return result
 
 
 def main(args: argparse.Namespace) -> int:
