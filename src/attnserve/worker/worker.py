@@ -122,8 +122,9 @@ class Worker:
     def _make_kv_caches_with_draft(self, runner: ModelRunner, draft: ModelRunner) -> None:
         """The target's KV cache, each block paying for the draft's of the same id too, then
         the draft's. The two run in turn, so the larger of their profile runs' peaks stays free
-        (the draft's also compiles now what its catch-up of many sequences takes). A draft that
-        leaves no room for a block is refused by name."""
+        (on CUDA without a fixed KV budget, where profile runs run: the draft's also compiles
+        now what its catch-up of many sequences takes). A draft that leaves no room for a
+        block is refused by name."""
         activations = max(runner.profile_activation_memory(), draft.profile_activation_memory())
         try:
             runner.initialize_kv_cache(activations, draft.bytes_per_block())
