@@ -163,20 +163,32 @@ def test_the_split_k_fp8_gemm_equals_the_unsplit_one(m: int, split: int) -> None
 
 
 @needs_fp8
-@pytest.mark.parametrize("m", [1, 200])
+@pytest.mark.parametrize("m", [1, 5, 17, 200, 1000])
 def test_the_block_scaled_gemm_equals_the_torch_definition(m: int) -> None:
-    """A block-wise FP8 layer's product on CUDA (one Triton GEMM scaling each K block as it
-    adds it) against the same product in float32 torch ops on the CPU."""
-    from attnserve.model.quantization.fp8_block import fp8_block_linear
+    """A block-wise FP8 layer's product on CUDA against the same product in float32 torch ops
+    on the CPU: by the Triton GEMM (scaling each K block as it adds it) at every size, and by
+    cuBLAS's block-scaled GEMM, which Hopper runs, for more than 16 rows (rows padded to 4)."""
+    from attnserve.model.quantization.fp8_block import (
+        cublas_block_scaled,
+        fp8_block_linear,
+        uniform_blocks,
+    )
 
     generator = torch.Generator("cuda").manual_seed(m)
     x = torch.randn(m, 4096, device="cuda", generator=generator).bfloat16()
     weight = 0.02 * torch.randn(6144, 4096, device="cuda", generator=generator)
-    w_q, w_scale = quantize_rows(weight.reshape(-1, 128))
-    w_q, w_scale = w_q.reshape(6144, 4096), w_scale.reshape(6144, 32)
-    got = fp8_block_linear(x, w_q, w_scale, 128, None)
-    expected = fp8_block_linear(x.cpu().float(), w_q.cpu(), w_scale.cpu(), 128, None)
-    assert got.dtype == torch.bfloat16 and _relative(got.cpu(), expected) < ROUNDED_TOL
+    blocks = weight.reshape(48, 128, 32, 128).abs().amax(dim=(1, 3)) / 448.0
+    per_row = blocks.repeat_interleave(128, 0)
+    w_q = (weight.reshape(6144, 32, 128) / per_row[:, :, None]).to(torch.float8_e4m3fn)
+    w_q = w_q.reshape(6144, 4096)
+    expected = fp8_block_linear(x.cpu().float(), w_q.cpu(), per_row.cpu(), 128, None)
+    hopper = torch.cuda.get_device_capability() == (9, 0) and hasattr(F, "scaled_mm")
+    assert cublas_block_scaled(x.device) == hopper
+    assert torch.equal(uniform_blocks(per_row, (128, 128)), blocks)
+    for cublas in (None, blocks) if hopper else (None,):
+        got = fp8_block_linear(x, w_q, per_row, 128, None, cublas)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, 6144)
+        assert _relative(got.cpu(), expected) < ROUNDED_TOL
 
 
 def _engine(quantization: str | None, enforce_eager: bool) -> LLM:

@@ -19,7 +19,7 @@ from attnserve.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from attnserve.model.loader import load_model
 from attnserve.model.quantization import active_quantization, process_weights_after_loading
 from attnserve.model.quantization.fp8 import FP8, FP8_MAX, quantize_rows
-from attnserve.model.quantization.fp8_block import fp8_block_linear
+from attnserve.model.quantization.fp8_block import fp8_block_linear, uniform_blocks
 from attnserve.model.quantization.fp8_checkpoint import Fp8Scheme, fp8_checkpoint_scheme
 from attnserve.model.quantization.fp8_config import Fp8Config
 from attnserve.model.quantization.weight_utils import load_weight
@@ -99,6 +99,21 @@ def test_the_product_is_its_block_scaled_definition() -> None:
     x_reference = (groups.double() * group_scales.double()[:, None]).reshape(5, 64)
     reference = x_reference @ dequantized(weight, scales, BLOCK).t()
     torch.testing.assert_close(got.double(), reference, atol=1e-4, rtol=1e-5)
+
+
+def test_cublas_takes_the_scales_of_whole_128_x_128_blocks_only() -> None:
+    """The per-row scales go to cuBLAS as [N / 128, K / 128] blocks only where every 128 rows
+    share theirs; a merged projection with a 64-row part (blocks across two parts), other block
+    sizes, a row count off the blocks, or K / 128 not a multiple of 4 keep the Triton GEMM."""
+    blocks = torch.rand(3, 8, generator=torch.Generator().manual_seed(0)) + 0.5
+    per_row = blocks.repeat_interleave(128, 0)
+    got = uniform_blocks(per_row, (128, 128))
+    assert got is not None and torch.equal(got, blocks)
+    parts = (per_row[:128], blocks[1:2].expand(64, 8), blocks[2:3].expand(192, 8))
+    assert uniform_blocks(torch.cat(parts), (128, 128)) is None
+    assert uniform_blocks(per_row, (128, 64)) is None
+    assert uniform_blocks(per_row[:320], (128, 128)) is None
+    assert uniform_blocks(per_row[:, :6], (128, 128)) is None
 
 
 def test_a_block_checkpoint_loads_as_stored(block_checkpoint: Path) -> None:

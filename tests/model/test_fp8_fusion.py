@@ -146,21 +146,62 @@ def test_triton_fp8_gemm_is_the_product_of_its_scaled_operands(
 
 
 @interpreted
+@pytest.mark.parametrize("group", [None, 64])
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize(("m", "n"), [(5, 40), (33, 64)])
-def test_split_k_fp8_gemm_is_the_product_of_its_scaled_operands(m: int, n: int, split: int) -> None:
-    """Each program sums a slice of K into a float32 workspace; a second launch adds the slices
-    and scales the sum per row and column: the product of the scaled operands."""
-    a, a_scale, b, b_scale = _rounded_operands(m, n, 512, None)
+def test_split_k_fp8_gemm_is_the_product_of_its_scaled_operands(
+    m: int, n: int, split: int, group: int | None
+) -> None:
+    """Each program sums a slice of K into a float32 workspace (group-wise: each K block scaled
+    by its own group's scales, the slice's groups, not the first ones); a second launch adds the
+    slices (row-wise: and scales the sum per row and column): the product of the scaled
+    operands."""
+    a, a_scale, b, b_scale = _rounded_operands(m, n, 512, group)
     config = fp8_gemm.GemmConfig(16, 32, 64, 4, 2, group_m=2, split_k=split)
     got = fp8_gemm.scaled_mm(a, a_scale.squeeze(1), b, b_scale.squeeze(1), torch.float32,
-                             config=config)  # fmt: skip
+                             group=group, config=config)  # fmt: skip
     expected = _dequantized(a, a_scale) @ _dequantized(b, b_scale).t()
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
 @interpreted
-def test_triton_fp8_gemm_refuses_a_k_off_its_blocks_and_split_group_scales() -> None:
+@pytest.mark.parametrize(("group", "row_multiple"), [(64, 1), (48, 4)])
+def test_groups_quantize_as_rows_of_a_group_with_column_major_scales(
+    group: int, row_multiple: int
+) -> None:
+    """One program a row quantizes each group of its columns as `quantize_rows` quantizes a row
+    of that group (groups of 48: padded to 64 inside the kernel); rows up to the multiple are
+    zero with the smallest scale; the scales are column-major, as cuBLAS reads them."""
+    from attnserve.model.quantization import fp8_quant
+    from attnserve.model.quantization.fp8_format import MIN_SCALE
+
+    x = _rand(5, 4 * group)
+    values, scale = fp8_quant.quantize_groups(x, group, row_multiple)
+    rows = 8 if row_multiple == 4 else 5
+    assert values.shape == (rows, 4 * group) and scale.shape == (rows, 4)
+    assert scale.stride() == (1, rows)
+    _assert_quantized_like(
+        Fp8Activation(values[:5].reshape(-1, group), scale[:5].reshape(-1)), x.reshape(-1, group)
+    )
+    assert not values[5:].float().any() and bool((scale[5:] == MIN_SCALE).all())
+
+
+@interpreted
+def test_the_group_scaled_gemm_reads_column_major_scales() -> None:
+    from attnserve.model.quantization import fp8_quant
+
+    a = _rand(6, 256, seed=3).float()
+    values, a_scale = fp8_quant.quantize_groups(a, 64)
+    _, _, b, b_scale = _rounded_operands(6, 40, 256, 64)
+    config = fp8_gemm.group_config(6, 40, 256, 64)
+    assert config.block_k <= 64 and 64 % config.block_k == 0
+    got = fp8_gemm.scaled_mm(values, a_scale, b, b_scale, torch.float32, group=64, config=config)
+    expected = _dequantized(values, a_scale) @ _dequantized(b, b_scale).t()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@interpreted
+def test_triton_fp8_gemm_refuses_a_k_off_its_blocks() -> None:
     a, a_scale, b, b_scale = _rounded_operands(4, 32, 96, None)
     with pytest.raises(ValueError, match="K=96"):
         fp8_gemm.scaled_mm(a, a_scale, b, b_scale, torch.float32,
@@ -170,9 +211,9 @@ def test_triton_fp8_gemm_refuses_a_k_off_its_blocks_and_split_group_scales() -> 
         fp8_gemm.scaled_mm(a, a_scale, b, b_scale, torch.float32,
                            config=fp8_gemm.GemmConfig(16, 32, 128, 4, 2, split_k=4))  # fmt: skip
     a, a_scale, b, b_scale = _rounded_operands(4, 32, 256, 64)
-    with pytest.raises(ValueError, match="split-K"):
+    with pytest.raises(ValueError, match="group 64"):  # K blocks must not straddle two groups
         fp8_gemm.scaled_mm(a, a_scale, b, b_scale, torch.float32, group=64,
-                           config=fp8_gemm.GemmConfig(16, 32, 64, 4, 2, split_k=2))  # fmt: skip
+                           config=fp8_gemm.GemmConfig(16, 32, 128, 4, 2))  # fmt: skip
 
 
 def test_picked_tiles_cover_k_in_whole_blocks_up_to_256_rows() -> None:

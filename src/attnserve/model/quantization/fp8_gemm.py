@@ -6,16 +6,17 @@ keep it). Scales come in one of two granularities:
   accumulator of the whole K loop is scaled once in the epilogue (what `torch._scaled_mm`'s
   row-wise mode computes);
 - group-wise (`group` G): `sa` [M, K / G] per token and group of G columns, `sb` [N, K / G]
-  per row and group (a block-wise checkpoint's [N / 128, K / 128] scales kept per row); each
-  K block's partial product is scaled as it is added (DeepSeek's w8a8 block scheme).
+  per row and group (a block-wise checkpoint's [N / 128, K / 128] scales kept per row), either
+  in any strides (`fp8_quant.quantize_groups` writes column-major ones); each K block's partial
+  product is scaled as it is added (DeepSeek's w8a8 block scheme).
 
 One program computes a BLOCK_M x BLOCK_N tile, programs ordered in groups of GROUP_M row
 tiles so that neighbours share the weight tiles in L2. K must be a multiple of BLOCK_K (and
 BLOCK_K divide the group), so the K loop needs no masks; rows past M and N are clamped on load
-and masked on store. Split-K (row-wise scales only; `GemmConfig.split_k` S > 1) gives each tile
-S programs, each over one of S equal slices of K (K a multiple of S x BLOCK_K): they write
-float32 partial sums to a workspace [S, M, N], and a second launch adds the S slices in order
-and scales the sum, so the epilogue is the unsplit one's (and the result deterministic). At
+and masked on store. Split-K (`GemmConfig.split_k` S > 1) gives each tile S programs, each
+over one of S equal slices of K (K a multiple of S x BLOCK_K): they write float32 partial sums
+to a workspace [S, M, N], and a second launch adds the S slices in order and, for row-wise
+scales, scales the sum, so the epilogue is the unsplit one's (and the result deterministic). At
 decode sizes a weight of 4096 rows makes too few tiles to keep the 132 SMs reading it; split-K
 multiplies the programs. (Partial sums added by float32 atomics into a zeroed buffer, then
 scaled, were slower on every shape measured: docs/benchmarks.md.) `fp8.fp8_matmul` runs it with
@@ -35,7 +36,7 @@ import triton.language as tl
 @dataclass(frozen=True)
 class GemmConfig:
     """A tile shape: BLOCK_M x BLOCK_N output tiles, K in blocks of BLOCK_K, and `split_k`
-    programs a tile, each over its slice of K (row-wise scales only)."""
+    programs a tile, each over its slice of K."""
 
     block_m: int
     block_n: int
@@ -60,7 +61,9 @@ def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
     stride_b,
     stride_out,
     stride_a_scale,
+    stride_a_group,
     stride_b_scale,
+    stride_b_group,
     GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -81,7 +84,8 @@ def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
     load_rows = tl.max_contiguous(tl.multiple_of(rows % M, BLOCK_M), BLOCK_M).to(tl.int64)
     load_cols = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N).to(tl.int64)
     k_blocks = K // (BLOCK_K * SPLIT_K)
-    ks = tl.program_id(1) * k_blocks * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_start = tl.program_id(1) * k_blocks * BLOCK_K
+    ks = k_start + tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + load_rows[:, None] * stride_a + ks[None, :]
     b_ptrs = b_ptr + load_cols[None, :] * stride_b + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -91,9 +95,9 @@ def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
         if GROUP_K == 0:
             acc = tl.dot(a, b, acc)
         else:
-            group = (k * BLOCK_K) // GROUP_K
-            sa = tl.load(a_scale_ptr + load_rows * stride_a_scale + group)
-            sb = tl.load(b_scale_ptr + load_cols * stride_b_scale + group)
+            group = (k_start + k * BLOCK_K) // GROUP_K
+            sa = tl.load(a_scale_ptr + load_rows * stride_a_scale + group * stride_a_group)
+            sb = tl.load(b_scale_ptr + load_cols * stride_b_scale + group * stride_b_group)
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -120,6 +124,7 @@ def _split_k_sum_kernel(  # type: ignore[no-untyped-def]
     stride_out,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
 ) -> None:
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -127,9 +132,10 @@ def _split_k_sum_kernel(  # type: ignore[no-untyped-def]
     acc = tl.load(partial_ptr + row * N + cols, mask=mask)
     for split in tl.static_range(1, SPLIT_K):
         acc += tl.load(partial_ptr + (split * M + row) * N + cols, mask=mask)
-    sa = tl.load(a_scale_ptr + row)
-    sb = tl.load(b_scale_ptr + cols, mask=mask)
-    acc = acc * sa * sb
+    if ROW_SCALES:  # group-wise partial sums are scaled in the K loop already
+        sa = tl.load(a_scale_ptr + row)
+        sb = tl.load(b_scale_ptr + cols, mask=mask)
+        acc = acc * sa * sb
     tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -165,6 +171,17 @@ def _one_wave(config: GemmConfig, per_sm: int, m: int, n: int, k: int) -> GemmCo
            and k % (2 * split * config.block_k) == 0):  # fmt: skip
         split *= 2
     return replace(config, split_k=split)
+
+
+def group_config(m: int, n: int, k: int, group: int) -> GemmConfig:
+    """The tile for a group-wise product (`group` columns a scale): `pick_config`'s, its K blocks
+    no wider than a group (the H200 probe of block-wise 128 x 128 layers, docs/benchmarks.md:
+    up to 16 rows within 1-1.1x of the fastest tile timed), else `default_config`'s."""
+    block_k = min(128, group & -group)  # a power of two dividing the group
+    picked = pick_config(m, n, k)
+    if picked is None:
+        return default_config(m, block_k)
+    return replace(picked, block_k=min(picked.block_k, block_k))
 
 
 def pick_config(m: int, n: int, k: int) -> GemmConfig | None:
@@ -218,8 +235,6 @@ def scaled_mm(
         raise ValueError(
             f"fp8 GEMM: K={k} (group {group}) is not a multiple of {config.block_k * split}"
         )
-    if group is not None and split > 1:
-        raise ValueError("fp8 GEMM: split-K takes row-wise scales only")
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
@@ -229,7 +244,7 @@ def scaled_mm(
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split)
     _scaled_mm_kernel[grid](
         a, b, partial, a_scale2, b_scale2, m, n, k,
-        a.stride(0), b.stride(0), partial.stride(-2), a_scale2.stride(0), b_scale2.stride(0),
+        a.stride(0), b.stride(0), partial.stride(-2), *a_scale2.stride(), *b_scale2.stride(),
         GROUP_K=group or 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, SPLIT_K=split,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -238,6 +253,6 @@ def scaled_mm(
         block = min(1024, triton.next_power_of_2(n))
         _split_k_sum_kernel[(m, triton.cdiv(n, block))](
             partial, out, a_scale2, b_scale2, m, n, out.stride(0),
-            SPLIT_K=split, BLOCK=block, num_warps=4,
+            SPLIT_K=split, BLOCK=block, ROW_SCALES=group is None, num_warps=4,
         )  # fmt: skip
     return out

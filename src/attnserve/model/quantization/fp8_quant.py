@@ -7,6 +7,8 @@ division, as torch's by a tensor), clamped to +-448, cast to E4M3 (round to near
 torch's cast). The same values as the torch path, so the FP8 linear layer computes the same on
 either. `store_quantized_row` is that quantization as a kernel's last step: the fused RMSNorm and
 SiLU-and-mul kernels (`fused_ops`) end with it to hand an FP8 layer its input ready.
+`quantize_groups` does the same per row and group of columns (block-wise FP8 layers), a program
+per row, its scales written column-major, as cuBLAS's block-scaled GEMM reads them.
 """
 
 from __future__ import annotations
@@ -62,3 +64,54 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             num_warps=max(1, min(16, block // 512)),
         )  # fmt: skip
     return out, scale
+
+
+@triton.jit
+def _quantize_groups_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    num_rows,
+    stride_x,
+    stride_scale_group,
+    K: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    GROUPS_PAD: tl.constexpr,
+) -> None:
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.arange(0, GROUPS_PAD)
+    cols = tl.arange(0, GROUP_PAD)
+    in_k = groups < K // GROUP
+    mask = in_k[:, None] & (cols < GROUP)[None, :]
+    offsets = groups[:, None] * GROUP + cols[None, :]
+    loaded = groups < tl.where(row < num_rows, K // GROUP, 0)  # rows past num_rows: all zero
+    load_mask = loaded[:, None] & (cols < GROUP)[None, :]
+    x = tl.load(x_ptr + row * stride_x + offsets, mask=load_mask, other=0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) * _INV_FP8_MAX, _MIN_SCALE)
+    scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+    tl.store(out_ptr + row * K + offsets, scaled.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row + groups * stride_scale_group, scale, mask=in_k)
+
+
+def quantize_groups(
+    x: torch.Tensor, group: int, row_multiple: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (E4M3 [M', K], float32 scales [M', K / group]) with x ~ q * scale per row and
+    group of `group` columns (`group` divides K). M' is M rounded up to `row_multiple`;
+    the rows past M are zero (scale: the smallest one). The scales are column-major (a column
+    per group): cuBLAS's 1 x 128 block scaling wants them so."""
+    rows = x if x.stride(-1) == 1 else x.contiguous()
+    num_rows, width = rows.shape
+    padded = -(-num_rows // row_multiple) * row_multiple
+    groups = width // group
+    out = torch.empty(padded, width, dtype=fp8_format.FP8, device=x.device)
+    scale = torch.empty(groups, padded, dtype=torch.float32, device=x.device)
+    if padded:
+        group_pad, groups_pad = triton.next_power_of_2(group), triton.next_power_of_2(groups)
+        _quantize_groups_kernel[(padded,)](
+            rows, out, scale, num_rows, rows.stride(0), scale.stride(0),
+            K=width, GROUP=group, GROUP_PAD=group_pad, GROUPS_PAD=groups_pad,
+            num_warps=max(1, min(16, groups_pad * group_pad // 1024)),
+        )  # fmt: skip
+    return out, scale.t()
