@@ -183,7 +183,7 @@ def test_the_block_scaled_gemm_equals_the_torch_definition(m: int) -> None:
     w_q = w_q.reshape(6144, 4096)
     expected = fp8_block_linear(x.cpu().float(), w_q.cpu(), per_row.cpu(), 128, None)
     hopper = torch.cuda.get_device_capability() == (9, 0) and hasattr(F, "scaled_mm")
-    assert cublas_block_scaled(x.device) == hopper
+    assert cublas_block_scaled(x.device, torch.bfloat16) == hopper
     assert torch.equal(uniform_blocks(per_row, (128, 128)), blocks)
     for cublas in (None, blocks) if hopper else (None,):
         got = fp8_block_linear(x, w_q, per_row, 128, None, cublas)

@@ -103,10 +103,11 @@ def _cublas_product(
 
 
 @functools.lru_cache(maxsize=8)
-def cublas_block_scaled(device: torch.device) -> bool:
-    """Whether torch runs cuBLAS's block-scaled FP8 GEMM on `device` (Hopper, torch 2.11+ built
-    for CUDA 12.9+): asked once per device as the weights are loaded (never while a CUDA graph
-    is captured), by one small product checked against the Triton GEMM's."""
+def cublas_block_scaled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch runs cuBLAS's block-scaled FP8 GEMM on `device` with `dtype` output
+    (Hopper, torch 2.11+ built for CUDA 12.9+): asked once per device and dtype as the weights
+    are loaded (never while a CUDA graph is captured), by one small product checked against
+    the Triton GEMM's."""
     from attnserve.model.quantization import fp8_gemm, fp8_quant
 
     if not hasattr(F, "scaled_mm") or torch.cuda.get_device_capability(device) != (9, 0):
@@ -116,10 +117,10 @@ def cublas_block_scaled(device: torch.device) -> bool:
     blocks = torch.full((2, 4), 0.5, device=device)
     values, x_scale = fp8_quant.quantize_groups(x, CUBLAS_BLOCK, row_multiple=4)
     per_row = blocks.repeat_interleave(CUBLAS_BLOCK, 0)
-    want = fp8_gemm.scaled_mm(values, x_scale, weight, per_row, torch.bfloat16, CUBLAS_BLOCK)
+    want = fp8_gemm.scaled_mm(values, x_scale, weight, per_row, dtype, CUBLAS_BLOCK)
     try:
-        got = _cublas_product(values, x_scale, weight, blocks, torch.bfloat16)
-    except (RuntimeError, ValueError, NotImplementedError) as error:
+        got = _cublas_product(values, x_scale, weight, blocks, dtype)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
         logger.info("block-wise FP8 without cuBLAS's block-scaled GEMM: %s", error)
         return False
     return bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2))
@@ -206,7 +207,8 @@ class Fp8BlockLinearMethod(Fp8LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         super().process_weights_after_loading(layer)
         blocks = uniform_blocks(self.scale, (self.block_rows, self.block_columns))
-        if blocks is not None and blocks.is_cuda and cublas_block_scaled(blocks.device):
+        cuda = blocks is not None and blocks.is_cuda
+        if cuda and cublas_block_scaled(self.scale.device, self.out_dtype):
             self.blocks = blocks
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
