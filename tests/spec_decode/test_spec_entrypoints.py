@@ -119,8 +119,9 @@ def test_a_draft_whose_kv_cache_leaves_no_room_is_refused_by_name(tiny_llama_dir
     engine = {"device": "cpu", "dtype": "float32", "kv_cache_memory_bytes": 12_000}
     LLM(model, **engine).shutdown()  # a block of 2 layers x K, V x 16 tokens x 2 x 16 fp32: 8 KiB
     draft = {"model": model, "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match=r"speculative_config\.model .*holds no block"):
+    with pytest.raises(ValueError, match=r"speculative_config\.model .*holds no block") as err:
         LLM(model, speculative_config=draft, **engine)
+    assert f"'{model}'" in str(err.value)
 
 
 def test_a_draft_that_does_not_fit_in_memory_is_refused_by_name(

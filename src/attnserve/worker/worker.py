@@ -129,8 +129,7 @@ class Worker:
         try:
             runner.initialize_kv_cache(activations, draft.bytes_per_block())
         except ValueError as error:
-            spec = self.config.speculative_config
-            model = None if spec is None else spec.model
+            model = draft.model_config.model
             raise ValueError(
                 f"speculative_config.model {model!r}, its KV cache beside the target's: {error}"
             ) from None
