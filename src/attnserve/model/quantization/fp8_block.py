@@ -11,8 +11,9 @@ columns (w8a8 with DeepSeek's 1 x 128 activation groups), by one Triton launch o
 `scaled_mm` with 1 x 128 activation and 128 x 128 weight scales; Hopper, torch 2.11+) for more
 than 16 rows where the weight's scales come in whole 128 x 128 blocks, else one Triton GEMM that
 scales each K block's partial sums as it adds them (`fp8_gemm.scaled_mm` with `group`). On the
-H200 cuBLAS's took 1.8-2.4x less time than the Triton GEMM's best tile at 128+ rows, and the
-Triton GEMM is within 10% of cuBLAS's row-wise one up to 16 rows (docs/benchmarks.md).
+H200 cuBLAS's took 1.9-2.2x less time than the Triton GEMM's best tile from 2,048 rows and
+1.0-1.9x at 128, and up to 16 rows the Triton GEMM is within 10% of the per-channel layer's
+(docs/benchmarks.md).
 Elsewhere torch ops compute the same definition (the activation groups and the weight
 dequantized block by block, a float32 matmul).
 """
