@@ -78,14 +78,13 @@ def _cuda_block_linear(
 ) -> torch.Tensor:
     from attnserve.model.quantization import fp8_gemm, fp8_quant
 
-    rows, columns = x.shape
+    rows = x.shape[0]
     if blocks is not None and rows > TRITON_MAX_ROWS:
         # cuBLAS reads the column-major activation scales with a stride of a multiple of 4 rows
         values, x_scale = fp8_quant.quantize_groups(x, group, row_multiple=4)
         return _cublas_product(values, x_scale, weight, blocks, x.dtype)[:rows]
     values, x_scale = fp8_quant.quantize_groups(x, group)
-    config = fp8_gemm.group_config(rows, weight.shape[0], columns, group)
-    return fp8_gemm.scaled_mm(values, x_scale, weight, scale, x.dtype, group=group, config=config)
+    return fp8_gemm.scaled_mm(values, x_scale, weight, scale, x.dtype, group=group)
 
 
 def _cublas_product(

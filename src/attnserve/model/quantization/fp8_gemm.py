@@ -21,7 +21,7 @@ decode sizes a weight of 4096 rows makes too few tiles to keep the 132 SMs readi
 multiplies the programs. (Partial sums added by float32 atomics into a zeroed buffer, then
 scaled, were slower on every shape measured: docs/benchmarks.md.) `fp8.fp8_matmul` runs it with
 the tile `pick_config` picks for M, N and K (where it is the faster GEMM); other callers may
-pass a tile or take `default_config`.
+pass a tile or take the default: `group_config` for group-wise scales, else `default_config`.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def scaled_mm(
     shapes); a [M, K] and b [N, K] E4M3 with unit column stride."""
     m, k = a.shape
     n = b.shape[0]
-    config = config or default_config(m, min(128, group or 128))
+    config = config or (default_config(m, 128) if group is None else group_config(m, n, k, group))
     split = config.split_k
     if k % (config.block_k * split) or (group is not None and group % config.block_k):
         raise ValueError(

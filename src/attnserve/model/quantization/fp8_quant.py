@@ -26,11 +26,19 @@ _MIN_SCALE = tl.constexpr(fp8_format.MIN_SCALE)
 
 
 @triton.jit
+def _quantized(y, AXIS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Float32 `y` quantized along AXIS: (its values divided by their scale and clamped to the
+    E4M3 range, the scales: max |y| / 448, at least float32's smallest normal)."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=AXIS) * _INV_FP8_MAX, _MIN_SCALE)
+    scaled = tl.math.div_rn(y, tl.expand_dims(scale, AXIS))
+    return tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX), scale
+
+
+@triton.jit
 def store_quantized_row(y, out_ptr, scale_ptr, row, cols, mask, K):  # type: ignore[no-untyped-def]
     """Row `row` of float32 values `y` (0 where masked) quantized: E4M3 at out_ptr[row, cols]
     (rows of K), its scale at scale_ptr[row]. The fused norm and activation kernels end with it."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0) * _INV_FP8_MAX, _MIN_SCALE)
-    scaled = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+    scaled, scale = _quantized(y, 0)
     tl.store(out_ptr + row * K + cols, scaled.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
@@ -88,8 +96,7 @@ def _quantize_groups_kernel(  # type: ignore[no-untyped-def]
     loaded = groups < tl.where(row < num_rows, K // GROUP, 0)  # rows past num_rows: all zero
     load_mask = loaded[:, None] & (cols < GROUP)[None, :]
     x = tl.load(x_ptr + row * stride_x + offsets, mask=load_mask, other=0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) * _INV_FP8_MAX, _MIN_SCALE)
-    scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+    scaled, scale = _quantized(x, 1)
     tl.store(out_ptr + row * K + offsets, scaled.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row + groups * stride_scale_group, scale, mask=in_k)
 
