@@ -174,6 +174,8 @@ def test_schema_documents_every_route(server: ServerProcess) -> None:
         "/v1/models/{model_id}",
         "/v1/completions",
         "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
     }
     responses = paths["/v1/completions"]["post"]["responses"]
     assert {"200", "400", "401", "404", "413"} <= set(responses)

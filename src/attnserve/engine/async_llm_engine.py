@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestEndedError"]
 
 _Item = RequestOutput | BaseException
-_Queue = asyncio.Queue[_Item]
-_Sink = tuple[asyncio.AbstractEventLoop, _Queue]
 IDLE_POLL_S = 0.5  # an idle output thread looks at the core's health this often
 
 
@@ -45,27 +43,53 @@ class RequestEndedError(RuntimeError):
     """The request was ended before it finished (`AsyncLLMEngine.end_all`)."""
 
 
-def _put_all(items: list[tuple[_Queue, _Item]]) -> None:
-    for sink, item in items:
-        sink.put_nowait(item)
+class _Mailbox:
+    """One request's outputs waiting for its consumer, on its event loop: `put` by the output
+    thread's callback, `take` all at once (a consumer that fell behind takes many)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: list[_Item] = []
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: _Item) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list[_Item]:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
+
+_Sink = tuple[asyncio.AbstractEventLoop, _Mailbox]
+
+
+def _put_all(items: list[tuple[_Mailbox, _Item]]) -> None:
+    for mailbox, item in items:
+        mailbox.put(item)
 
 
 def _post(entries: list[tuple[_Sink, _Item]]) -> None:
-    """Each item to its sink, from any thread: one callback per event loop."""
-    batches: dict[asyncio.AbstractEventLoop, list[tuple[_Queue, _Item]]] = defaultdict(list)
-    for (loop, sink), item in entries:
-        batches[loop].append((sink, item))
+    """Each item to its mailbox, from any thread: one callback per event loop."""
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[_Mailbox, _Item]]] = defaultdict(list)
+    for (loop, mailbox), item in entries:
+        batches[loop].append((mailbox, item))
     for loop, items in batches.items():
         with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody waits
             loop.call_soon_threadsafe(_put_all, items)
 
 
-def _next_merged(sink: _Queue, first: _Item, delta: bool) -> _Item:
-    """`first` and every output queued behind it, as one: DELTA outputs joined, otherwise the
+def _merged(waiting: list[_Item], delta: bool) -> _Item:
+    """Outputs that waited for their consumer, as one: DELTA outputs joined, otherwise the
     newest (each holds everything so far); an error wins."""
-    waiting = [first]
-    while not sink.empty():
-        waiting.append(sink.get_nowait())
     error = next((item for item in waiting if isinstance(item, BaseException)), None)
     if error is not None:
         return error
@@ -189,11 +213,11 @@ class AsyncLLMEngine:
             raise self._error
         if sampling_params.structured_outputs is not None:  # compiled off the event loop
             await asyncio.to_thread(self.engine.processor.compile_grammar, sampling_params)
-        sink: _Queue = asyncio.Queue()
+        mailbox = _Mailbox()
         with self._lock:
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._sinks[request_id] = (asyncio.get_running_loop(), sink)
+            self._sinks[request_id] = (asyncio.get_running_loop(), mailbox)
         try:
             self.engine.add_request(request_id, prompt, sampling_params, data_parallel_rank)
         except BaseException:
@@ -205,12 +229,7 @@ class AsyncLLMEngine:
         finished = False
         try:
             while not finished:
-                first = await sink.get()
-                # Let the loop's other ready work run once first (other requests' outputs, and a
-                # step delivered meanwhile): a busy loop then merges more, an idle one loses
-                # nothing.
-                await asyncio.sleep(0)
-                item = _next_merged(sink, first, delta)
+                item = _merged(await mailbox.take(), delta)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

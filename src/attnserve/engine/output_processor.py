@@ -39,6 +39,7 @@ class _Completion:
         self.text = ""
         self.sent_text = 0  # text and tokens already streamed (DELTA)
         self.sent_tokens = 0
+        self.decoded_tokens = 0  # output tokens fed to the detokenizer
 
     @property
     def finished(self) -> bool:
@@ -115,11 +116,13 @@ class RequestState:
             )
         detokenizer = completion.detokenizer
         include_stop = self.params.include_stop_str_in_output
-        token_ids = completion.token_ids
+        end = len(completion.token_ids)
         if completion.ended_by_stop_token and not include_stop:
-            token_ids = token_ids[:-1]
+            end -= 1
         before = len(detokenizer.text)
-        detokenizer.step(token_ids, final=completion.finished)
+        first = completion.num_prompt_tokens + completion.decoded_tokens
+        detokenizer.step(completion.token_ids[first:end], final=completion.finished)
+        completion.decoded_tokens = max(end - completion.num_prompt_tokens, 0)
         text = detokenizer.text
         search_from = max(0, before - self.holdback)
         found = ((text.find(s, search_from), len(s)) for s in self.stop_strings)

@@ -21,6 +21,7 @@ import gc
 import logging
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -96,17 +97,34 @@ def run_core(core: EngineCore, take: Take, emit: Emit) -> bool:
 
 
 def pipe_take(conn: Connection) -> Take:
-    """Commands from a pipe: block for the first when asked to, then whatever is queued."""
+    """Commands from a pipe, read as they come by a thread of their own (so the pipe never fills
+    while a step runs and a front end sending a burst of requests never waits for a step);
+    `take` blocks for the first when asked to, then returns whatever has come."""
+    arrived: queue.SimpleQueue[Command | None] = queue.SimpleQueue()  # None: the pipe closed
+
+    def read() -> None:
+        try:
+            while True:
+                arrived.put(pickle.loads(conn.recv_bytes()))
+        except (EOFError, OSError):
+            arrived.put(None)
+
+    threading.Thread(target=read, name="attnserve-core-commands", daemon=True).start()
+    closed = False
 
     def take(block: bool) -> list[Command]:
-        commands = []
-        try:
-            if block:
-                commands.append(pickle.loads(conn.recv_bytes()))
-            while conn.poll():
-                commands.append(pickle.loads(conn.recv_bytes()))
-        except (EOFError, OSError) as error:
-            raise TransportClosed from error
+        nonlocal closed
+        if closed:
+            raise TransportClosed
+        received = [arrived.get()] if block else []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                received.append(arrived.get_nowait())
+        commands = [command for command in received if command is not None]
+        if len(commands) < len(received):  # the pipe closed after these
+            closed = True
+            if not commands:
+                raise TransportClosed
         return commands
 
     return take

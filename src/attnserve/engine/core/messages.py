@@ -61,16 +61,54 @@ class EngineCoreOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
+# The fields of `EngineCoreOutput` that most outputs leave at None, sent only where set.
+_SPARSE_FIELDS = ("new_logprobs", "cumulative_logprob", "finish_reason", "prompt_logprobs")
+
+
 @dataclass
 class EngineCoreOutputs:
     """One step: every sequence that advanced, and the requests the core has ended since its
-    last report (all their sequences finished; the core holds nothing of them any more)."""
+    last report (all their sequences finished; the core holds nothing of them any more).
+
+    Over a pipe it travels as columns (`__reduce__`): a list of request ids, one of indices, one
+    of new-token lists, and the rarer fields only where set — a few pickled lists per step
+    instead of a pickled object per sequence."""
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     finished_requests: list[str] = field(default_factory=list)
     # time.monotonic() when the core handed the step over (one clock for every process of a
     # host): the front end measures from it how long a token takes to reach the client
     timestamp: float = 0.0
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        outputs = self.outputs
+        sparse = {
+            name: {
+                i: value for i, o in enumerate(outputs) if (value := getattr(o, name)) is not None
+            }
+            for name in _SPARSE_FIELDS
+        }
+        columns = (
+            [o.request_id for o in outputs],
+            [o.index for o in outputs],
+            [o.new_token_ids for o in outputs],
+            {name: values for name, values in sparse.items() if values},
+        )
+        return _from_columns, (columns, self.finished_requests, self.timestamp)
+
+
+def _from_columns(
+    columns: tuple[list[str], list[int], list[list[int]], dict[str, dict[int, Any]]],
+    finished_requests: list[str],
+    timestamp: float,
+) -> EngineCoreOutputs:
+    """`EngineCoreOutputs.__reduce__`'s columns as the step's outputs again."""
+    request_ids, indices, new_token_ids, sparse = columns
+    outputs = list(map(EngineCoreOutput, request_ids, indices, new_token_ids))
+    for name, values in sparse.items():
+        for i, value in values.items():
+            setattr(outputs[i], name, value)
+    return EngineCoreOutputs(outputs, finished_requests, timestamp)
 
 
 @dataclass(frozen=True)

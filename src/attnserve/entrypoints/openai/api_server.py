@@ -2,9 +2,9 @@
 `run_server` (`attnserve serve`: load the engine, then serve it with uvicorn).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or server-sent events with
-`stream: true`), `GET /v1/models` and `GET /v1/models/{id}`, `GET /health` (503 while the
-warm-up runs, while draining and once the engine has failed) and `GET /metrics` (Prometheus
-text). Errors are OpenAI-style objects (see `errors`).
+`stream: true`), `GET /v1/models` and `GET /v1/models/{id}`, vLLM's `POST /tokenize` and
+`POST /detokenize`, `GET /health` (503 while the warm-up runs, while draining and once the engine
+has failed) and `GET /metrics` (Prometheus text). Errors are OpenAI-style objects (see `errors`).
 
 The engine core runs in a process of its own by default (`--engine-core-process`); this process
 does HTTP, JSON, tokenizing, detokenizing, stop strings and SSE. On start-up the app warms the
@@ -63,9 +63,16 @@ from attnserve.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from attnserve.entrypoints.openai.protocol_tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from attnserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from attnserve.entrypoints.openai.serving_engine import ClientDisconnected
+from attnserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from attnserve.entrypoints.openai.tool_parsers import parser_for_chat_template
 from attnserve.version import __version__
 
@@ -129,6 +136,7 @@ def build_app(
     completion = OpenAIServingCompletion(engine, model_name, metrics)
     chat = OpenAIServingChat(engine, model_name, metrics, options.tool_call_parser)
     completion.request_timeout_s = chat.request_timeout_s = options.request_timeout_s
+    tokenization = OpenAIServingTokenization(engine, model_name, metrics)
     ready = asyncio.Event()
     if not warm:
         ready.set()
@@ -202,6 +210,18 @@ def build_app(
     )
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await chat.create_chat_completion(body, raw)
+
+    no_engine_errors: dict[int | str, dict[str, Any]] = {
+        status: _ERRORS[status] for status in (400, 401, 404, 413)
+    }
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=no_engine_errors)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return tokenization.create_tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=no_engine_errors)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return tokenization.create_detokenize(body)
 
     # the last added runs first: key, in-flight count, body size limit, then the body's deadline
     app.add_middleware(BodyDeadlineMiddleware, timeout_s=options.request_read_timeout_s)

@@ -171,16 +171,21 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
+KEYED_PATHS = ("/tokenize", "/detokenize")  # beside /v1 (vLLM leaves these two open)
+
+
 class ApiKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer <api_key>` (the scheme in any case, as HTTP
-    has it); 401 with `WWW-Authenticate: Bearer` otherwise."""
+    """Every /v1 route, and `KEYED_PATHS`, needs `Authorization: Bearer <api_key>` (the scheme in
+    any case, as HTTP has it); 401 with `WWW-Authenticate: Bearer` otherwise."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (
+            scope["path"].startswith("/v1") or scope["path"] in KEYED_PATHS
+        ):
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given, self.expected):
                 challenge = [(b"www-authenticate", b"Bearer")]

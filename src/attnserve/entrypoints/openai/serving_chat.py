@@ -57,6 +57,36 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
     return entry
 
 
+def render_messages(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
+    """The conversation (and the tools) through the chat template, as prompt text (also what
+    /tokenize counts); 400 for a message without content or what the template refuses."""
+    for i, m in enumerate(messages):
+        if not m.has_content:
+            problem = f"messages.{i} has no content (a message needs content or tool_calls)"
+            raise ApiError(400, problem, f"messages.{i}.content")
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "this model has no chat template: use /v1/completions")
+    conversation = [_template_message(m) for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+    except (TemplateError, ValueError, TypeError) as error:
+        message = f"the chat template refused the messages: {error}"
+        raise ApiError(400, message, "messages") from error
+    return str(text)
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
@@ -114,22 +144,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> list[int]:
         """The conversation (and the tools) through the chat template, as prompt token ids."""
-        for i, m in enumerate(messages):
-            if not m.has_content:
-                problem = f"messages.{i} has no content (a message needs content or tool_calls)"
-                raise ApiError(400, problem, f"messages.{i}.content")
-        tokenizer = self.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ApiError(400, "this model has no chat template: use /v1/completions")
-        conversation = [_template_message(m) for m in messages]
-        try:
-            text = tokenizer.apply_chat_template(
-                conversation, tools=tools, tokenize=False, add_generation_prompt=True
-            )
-        except (TemplateError, ValueError, TypeError) as error:
-            message = f"the chat template refused the messages: {error}"
-            raise ApiError(400, message, "messages") from error
-        ids = self.encode(str(text), "messages")
+        ids = self.encode(render_messages(self.tokenizer, messages, tools), "messages")
         self.check_prompt(ids, "messages")
         return ids
 

@@ -1,0 +1,86 @@
+"""`POST /tokenize` and `POST /detokenize`, vLLM's routes beside the OpenAI API: a prompt, or a
+conversation rendered as `/v1/chat/completions` renders it (`render_messages`), as token ids
+(with their count, the model's `max_model_len` and, if asked, each token's string); token ids back
+to text. Only the tokenizer is used, never the engine; a prompt longer than the context is
+counted, not refused (as vLLM: the client compares `count` with `max_model_len`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attnserve.entrypoints.openai.errors import ApiError
+from attnserve.entrypoints.openai.protocol_tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from attnserve.entrypoints.openai.request_fields import unsupported_field
+from attnserve.entrypoints.openai.serving_chat import render_messages
+from attnserve.entrypoints.openai.serving_engine import OpenAIServing
+
+NOT_BOTH = (
+    "continue_final_message and add_generation_prompt cannot both be true "
+    "(add_generation_prompt defaults to true: send false with continue_final_message)"
+)
+
+
+class OpenAIServingTokenization(OpenAIServing):
+    def create_tokenize(
+        self, request: TokenizeCompletionRequest | TokenizeChatRequest
+    ) -> TokenizeResponse:
+        self._check_model(request)
+        if isinstance(request, TokenizeChatRequest):
+            tokenizer = self._tokenizer("/tokenize", "messages")
+            ids = self._tokenize_chat(tokenizer, request)
+        else:
+            tokenizer = self._tokenizer("/tokenize", "prompt")
+            ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        token_strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=token_strs
+        )
+
+    def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(request)
+        tokenizer = self._tokenizer("/detokenize", "tokens")
+        for i, token_id in enumerate(request.tokens):
+            if token_id >= self.vocab_size:
+                message = f"token ids must be in 0..{self.vocab_size - 1}"
+                raise ApiError(400, message, f"tokens.{i}")
+        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+
+    def _check_model(
+        self, request: TokenizeCompletionRequest | TokenizeChatRequest | DetokenizeRequest
+    ) -> None:
+        """404 for another model's name; 400 for a field this server refuses."""
+        if request.model is not None and request.model != self.model_name:
+            message = f"the model {request.model!r} does not exist"
+            raise ApiError(404, message, "model", "model_not_found")
+        refused = unsupported_field(request)
+        if refused is not None:
+            raise ApiError(400, refused[1], refused[0], "unsupported_parameter")
+
+    def _tokenizer(self, route: str, param: str) -> Any:
+        """The model's tokenizer; 400 naming `param` when it has none (dummy weights)."""
+        if self.tokenizer is None:
+            message = f"this model has no tokenizer (dummy weights): {route} needs one"
+            raise ApiError(400, message, param)
+        return self.tokenizer
+
+    def _tokenize_chat(self, tokenizer: Any, request: TokenizeChatRequest) -> list[int]:
+        if request.continue_final_message and request.add_generation_prompt:
+            raise ApiError(400, NOT_BOTH, "continue_final_message")
+        tools = None
+        if request.tools is not None:  # as /v1/chat/completions passes them (tool_plan)
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        text = render_messages(
+            tokenizer,
+            request.messages,
+            tools,
+            request.add_generation_prompt,
+            request.continue_final_message,
+        )
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        return ids
