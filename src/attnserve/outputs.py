@@ -1,7 +1,8 @@
 """What generation returns: `RequestOutput`, one `CompletionOutput` per sample (vLLM names).
 
 `RequestOutput.merged` joins successive DELTA outputs of one request into one (what a streaming
-consumer that fell behind receives).
+consumer that fell behind receives). `StepTimings` say when the step behind an output passed each
+stage on its way out (the server's latency breakdown).
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ class CompletionOutput:
 
 
 @dataclass
+class StepTimings:
+    """When the engine step that drew an output's (first) new tokens passed each stage, in
+    `time.monotonic()` seconds (one clock for every process of a host; 0.0: not known). One
+    object per step, shared by every output of it."""
+
+    drawn: float = 0.0  # the core read the step's tokens back
+    handed_back: float = 0.0  # the core sent the step's outputs
+    taken: float = 0.0  # the front end took them from the core's channel
+    processed: float = 0.0  # the front end detokenized them and built the outputs
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -50,9 +63,10 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    # time.monotonic() when the engine core handed over the step of this output's (first) new
-    # tokens; None where not known
-    core_timestamp: float | None = None
+    # the stages of the step that drew this output's (first) new tokens; None where not known
+    step_timings: StepTimings | None = None
+    submitted: float = 0.0  # time.monotonic() when the front end handed the request to the core
+    scheduled: float = 0.0  # ... and when a core step first took it (0.0: not yet, or unknown)
 
     @staticmethod
     def merged(outputs: Sequence[RequestOutput]) -> RequestOutput:
@@ -71,5 +85,7 @@ class RequestOutput:
             outputs=[CompletionOutput.joined(parts[index]) for index in sorted(parts)],
             finished=last.finished,
             prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None),
-            core_timestamp=first.core_timestamp,
+            step_timings=first.step_timings,
+            submitted=first.submitted,
+            scheduled=first.scheduled,
         )

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from attnserve.bench.serve import benchmark, format_report
 from attnserve.cli import build_parser
+from attnserve.entrypoints.openai.latency_breakdown import FIRST_TOKEN_STAGES, TOKEN_STAGES
 from attnserve.model.default_model import default_model_dir
 from tests.conftest import HANG_GUARD_S
 from tests.entrypoints.openai_server import API_KEY, ServerProcess
@@ -379,3 +380,17 @@ def test_bench_serve_reports_what_the_server_counted(
     # the server's own share of the first tokens, from its /metrics around the run
     assert 0 < summary["mean_frontend_delay_ms"] <= summary["mean_ttft_ms"]
     assert "front-end delay" in format_report(summary)
+    # the server's latency breakdown: every stage of a first token was seen, and those before
+    # its chunk is sent add up to less than the time to first token the client saw around them
+    # (the last, `write`, ends when the server's coroutine resumes after the send: the client
+    # may have read the chunk by then)
+    stages = summary["breakdown_ms"]
+    first = stages["first token"]
+    assert set(first) == set(FIRST_TOKEN_STAGES)
+    assert all(value is not None and value >= 0 for value in first.values())
+    assert 0 < sum(first.values()) - first["write"] < summary["mean_ttft_ms"]
+    later = stages["later tokens"]
+    assert set(later) == set(TOKEN_STAGES) and all(v is not None for v in later.values())
+    assert later["core"] > 0
+    assert stages["engine steps"]["interval"] > 0
+    assert "Server stages, first token" in format_report(summary)

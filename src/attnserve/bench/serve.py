@@ -9,7 +9,10 @@ first token (TTFT), time per output token after the first (TPOT), the gaps betwe
 tokens (ITL) and end-to-end latency (E2EL); reported as mean / median / p99 in ms. From an
 attnserve server's `/metrics`, read before and after the run: the mean front-end delay of the
 first tokens (from the engine core handing over the step that drew a request's first token to
-the server handing it to the response; the rest of the TTFT is the core's).
+the server handing it to the response; the rest of the TTFT is the core's), and the server's
+latency breakdown: the mean time a first token, and a later one, spent in each stage from the
+request's handler to the socket, and per engine step its interval and the front end's backlog
+(attnserve.entrypoints.openai.latency_breakdown names the stages).
 
 `--launch "SERVE ARGS"` starts `attnserve serve SERVE ARGS` itself (a free loopback port; warmed
 by a few short requests first) and stops it after the run; `--compare-generate` then runs the same
@@ -158,7 +161,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if model is None:
         async with httpx.AsyncClient(base_url=args.base_url, headers=headers) as http:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
-    delay_before = await frontend_delay(args.base_url, headers)
+    before = await scrape(args.base_url, headers)
     gate = asyncio.Semaphore(args.max_concurrency or len(requests))
     rng = random.Random(args.seed + 1)
 
@@ -177,20 +180,26 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - started
     summary = summarize(results, duration)
-    delay_after = await frontend_delay(args.base_url, headers)
-    if delay_before is not None and delay_after is not None and delay_after[1] > delay_before[1]:
-        seconds, count = delay_after[0] - delay_before[0], delay_after[1] - delay_before[1]
-        summary["mean_frontend_delay_ms"] = seconds / count * 1000
+    after = await scrape(args.base_url, headers)
+    if before is not None and after is not None:
+        summary.update(server_side(before, after))
     summary.update(model=model, config={k: v for k, v in vars(args).items() if k != "handler"})
     return summary
 
 
 FRONTEND_DELAY = "attnserve:first_token_frontend_delay_seconds"
+# The server's latency breakdown (attnserve's entrypoints/openai/latency_breakdown.py): summaries
+# by stage, as (family, label in the report)
+BREAKDOWN = {
+    "attnserve:first_token_stage_seconds": "first token",
+    "attnserve:token_stage_seconds": "later tokens",
+    "attnserve:step_stage_seconds": "engine steps",
+}
 
 
-async def frontend_delay(base_url: str, headers: dict[str, str]) -> tuple[float, float] | None:
-    """(sum of seconds, count) of the server's first-token front-end delay histogram so far, from
-    its `/metrics`; None where it has none (another server, or no prometheus-client here)."""
+async def scrape(base_url: str, headers: dict[str, str]) -> dict[str, float] | None:
+    """The server's `/metrics` samples this benchmark reads, by name and stage label; None
+    where it has none (another server, or no prometheus-client here)."""
     import httpx
 
     try:
@@ -201,11 +210,33 @@ async def frontend_delay(base_url: str, headers: dict[str, str]) -> tuple[float,
         response = await http.get("/metrics")
     if response.status_code != 200:
         return None
+    samples = {}
     for family in text_string_to_metric_families(response.text):
-        if family.name == FRONTEND_DELAY:
-            values = {sample.name: sample.value for sample in family.samples}
-            return values[FRONTEND_DELAY + "_sum"], values[FRONTEND_DELAY + "_count"]
-    return None
+        if family.name == FRONTEND_DELAY or family.name in BREAKDOWN:
+            for sample in family.samples:
+                samples[f"{sample.name}|{sample.labels.get('stage', '')}"] = sample.value
+    return samples
+
+
+def server_side(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """The run's mean front-end delay of a first token and, per breakdown family, the mean ms
+    of each stage (from the summaries' growth between two scrapes)."""
+
+    def mean_ms(name: str, stage: str = "") -> float | None:
+        count = after.get(f"{name}_count|{stage}", 0.0) - before.get(f"{name}_count|{stage}", 0.0)
+        total = after.get(f"{name}_sum|{stage}", 0.0) - before.get(f"{name}_sum|{stage}", 0.0)
+        return total / count * 1000 if count > 0 else None
+
+    result: dict[str, Any] = {}
+    delay = mean_ms(FRONTEND_DELAY)
+    if delay is not None:
+        result["mean_frontend_delay_ms"] = delay
+    for family, label in BREAKDOWN.items():
+        stages = dict.fromkeys(k.split("|")[1] for k in after if k.startswith(family + "_sum"))
+        means = {stage: mean_ms(family, stage) for stage in stages}
+        if any(value is not None for value in means.values()):
+            result.setdefault("breakdown_ms", {})[label] = means
+    return result
 
 
 def _stats(name: str, values: list[float]) -> dict[str, float]:
@@ -260,6 +291,13 @@ def format_report(summary: dict[str, Any]) -> str:
     if "mean_frontend_delay_ms" in summary:
         delay = summary["mean_frontend_delay_ms"]
         lines.append(f"{'Mean front-end delay, first token (ms):':<40}{delay:>10.2f}")
+    for label, stages in summary.get("breakdown_ms", {}).items():
+        lines.append(f"{'-' * 12}{f'Server stages, {label} (mean ms)':^26}{'-' * 12}")
+        lines.extend(
+            f"{stage + ':':<40}{value:>10.3f}"
+            for stage, value in stages.items()
+            if value is not None
+        )
     lines.extend(f"error: {e}" for e in summary["errors"])
     return "\n".join([*lines, "=" * 50])
 

@@ -4,11 +4,14 @@ by default (`engine_core_process`), its outputs read by a background thread.
 `generate(...)` is an async iterator of `RequestOutput`s for one request (cumulative by default;
 `SamplingParams(output_kind=RequestOutputKind.DELTA)` gives only what is new). A request is checked
 and sent to the core at once (a bad one raises ValueError in its caller; a grammar is compiled in a
-worker thread first); the event loop never waits for a step. The output thread takes each core
-step's outputs through the output processor (detokenizing, stop strings) and hands each event loop
-its requests' outputs in one callback per step. A consumer that falls behind gets everything
-produced since its last output merged into one (DELTA outputs joined by `RequestOutput.merged`,
-otherwise the newest), so a slow client costs one output, not one per token.
+worker thread first); the event loop never waits for a step. The output thread waits for each
+core step and hands it to the event loop of the latest request, which runs it through the output
+processor (detokenizing, stop strings) and puts each request's outputs in its mailbox (those of
+requests on other event loops in one callback per loop): the outputs and the streams that write
+them share one thread, so no lock is passed back and forth between two threads per token. A
+consumer that falls behind gets everything produced since its last output merged into one
+(DELTA outputs joined by `RequestOutput.merged`, otherwise the newest), so a slow client costs
+one output, not one per token.
 `abort(request_id)` ends a request (a consumer that stops iterating early aborts its request the
 same way); `end_all(reason)` ends every request in flight with `RequestEndedError` (a server's
 drain past its shutdown timeout); when the core dies, every waiting and later request raises
@@ -21,11 +24,13 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
 
 from attnserve.engine.arg_utils import EngineArgs
+from attnserve.engine.core.messages import EngineCoreOutputs
 from attnserve.engine.core_client import EngineDeadError
 from attnserve.engine.llm_engine import LLMEngine
 from attnserve.outputs import RequestOutput
@@ -78,11 +83,19 @@ def _put_all(items: list[tuple[_Mailbox, _Item]]) -> None:
 
 
 def _post(entries: list[tuple[_Sink, _Item]]) -> None:
-    """Each item to its mailbox, from any thread: one callback per event loop."""
+    """Each item to its mailbox, from any thread: at once on this thread's event loop, one
+    callback for each other event loop."""
     batches: dict[asyncio.AbstractEventLoop, list[tuple[_Mailbox, _Item]]] = defaultdict(list)
     for (loop, mailbox), item in entries:
         batches[loop].append((mailbox, item))
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
     for loop, items in batches.items():
+        if loop is running:
+            _put_all(items)
+            continue
         with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody waits
             loop.call_soon_threadsafe(_put_all, items)
 
@@ -112,6 +125,8 @@ class AsyncLLMEngine:
         self._stopped = False
         self._error: EngineDeadError | None = None
         self._last_stats: dict[str, float] | None = None
+        # where core steps are processed: the event loop of the latest request (None: none yet)
+        self._process_loop: asyncio.AbstractEventLoop | None = None
         self._thread = self._start_output_thread()
 
     def _start_output_thread(self) -> threading.Thread:
@@ -174,14 +189,32 @@ class AsyncLLMEngine:
                     return
                 continue
             try:
-                outputs = self.engine.step()
+                core_outputs = self.engine.client.get_output()
             except BaseException as error:  # handed to every waiting caller
                 if self._stopped:
                     return
                 logger.error("the engine failed: %s", error)
                 self._fail(error if isinstance(error, EngineDeadError) else EngineDeadError(error))
                 return
-            self._deliver(outputs)
+            taken = time.monotonic()
+            loop = self._process_loop
+            try:
+                if loop is None:
+                    raise RuntimeError("no request has come from an event loop yet")
+                loop.call_soon_threadsafe(self._process, core_outputs, taken)
+            except RuntimeError:  # that event loop is closed: this thread processes the step
+                self._process(core_outputs, taken)
+
+    def _process(self, core_outputs: EngineCoreOutputs, taken: float) -> None:
+        """Turn one core step into outputs and hand them to their requests: on the event loop
+        of the latest request (one thread for the outputs and the streams that write them: no
+        lock passed back and forth between the two per token)."""
+        try:
+            outputs = self.engine.process(core_outputs, taken)
+        except EngineDeadError as error:  # handing a stop string's finish to a dead core
+            self._fail(error)
+            return
+        self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         entries: list[tuple[_Sink, _Item]] = []
@@ -214,10 +247,12 @@ class AsyncLLMEngine:
         if sampling_params.structured_outputs is not None:  # compiled off the event loop
             await asyncio.to_thread(self.engine.processor.compile_grammar, sampling_params)
         mailbox = _Mailbox()
+        loop = asyncio.get_running_loop()
         with self._lock:
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._sinks[request_id] = (asyncio.get_running_loop(), mailbox)
+            self._sinks[request_id] = (loop, mailbox)
+        self._process_loop = loop
         try:
             self.engine.add_request(request_id, prompt, sampling_params, data_parallel_rank)
         except BaseException:

@@ -14,11 +14,13 @@ import gc
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
 from attnserve.engine.arg_utils import EngineArgs
+from attnserve.engine.core.messages import EngineCoreOutputs
 from attnserve.engine.core_client import EngineCoreClient, InprocClient, ThreadClient
 from attnserve.engine.output_processor import OutputProcessor, RequestState
 from attnserve.engine.processor import Processor
@@ -49,6 +51,25 @@ def _make_client(config: EngineConfig, core_process: bool, thread_safe: bool) ->
     return ThreadClient(config) if thread_safe else InprocClient(config)
 
 
+@dataclass
+class StepStats:
+    """The engine-core steps this front end has taken in, summed: the intervals between the
+    core's hand-overs (the core's time per step) and how long each step waited before the front
+    end took it (its backlog)."""
+
+    steps: int = 0
+    interval_s: float = 0.0
+    backlog_s: float = 0.0
+    last_handed_back: float = 0.0
+
+    def add(self, handed_back: float, taken: float) -> None:
+        if self.last_handed_back and handed_back:
+            self.steps += 1
+            self.interval_s += handed_back - self.last_handed_back
+            self.backlog_s += max(taken - handed_back, 0.0)
+        self.last_handed_back = handed_back
+
+
 class LLMEngine:
     """`default_core_process`: the entry point's choice when `engine_core_process` is unset;
     `thread_safe`: callers on several threads (an in-process core then runs in a thread)."""
@@ -72,6 +93,7 @@ class LLMEngine:
         ready = self.client.ready
         self.processor = Processor(self.model_config, self.tokenizer, ready.kv_cache_tokens)
         self.output_processor = OutputProcessor()
+        self.step_stats = StepStats()
         self._lock = threading.Lock()  # the output processor, for callers on several threads
         where = "in its own process" if core_process else "in this process"
         # What start-up built (model, engine, tokenizer, imported libraries: ~10^6 objects)
@@ -125,6 +147,7 @@ class LLMEngine:
             self.output_processor.add_request(request.request_id, state)
         try:
             self.client.add_request(request, data_parallel_rank)
+            state.submitted = time.monotonic()
         except BaseException:
             with self._lock:
                 self.output_processor.abort_request(request_id)
@@ -147,8 +170,15 @@ class LLMEngine:
         if not self.has_unfinished_requests():
             return []
         core_outputs = self.client.get_output()
+        return self.process(core_outputs, time.monotonic())
+
+    def process(self, core_outputs: EngineCoreOutputs, taken: float) -> list[RequestOutput]:
+        """One core step's outputs (taken from the core's channel at `taken`,
+        time.monotonic()) as `RequestOutput`s; the sequences a stop string ended are handed back
+        to the core."""
+        self.step_stats.add(core_outputs.timestamp, taken)
         with self._lock:
-            processed = self.output_processor.process_outputs(core_outputs)
+            processed = self.output_processor.process_outputs(core_outputs, taken)
         self.client.finish_sequences(processed.stopped)
         return processed.request_outputs
 

@@ -13,13 +13,14 @@ has no stop string to watch for is decoded once, then.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
 from attnserve.engine.core.messages import EngineCoreOutput, EngineCoreOutputs
 from attnserve.engine.detokenizer import IncrementalDetokenizer
-from attnserve.outputs import CompletionOutput, RequestOutput
+from attnserve.outputs import CompletionOutput, RequestOutput, StepTimings
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
 from attnserve.step_types import TokenLogprobs
 
@@ -56,6 +57,8 @@ class RequestState:
         tokenizer: PreTrainedTokenizerBase | None,
     ) -> None:
         self.request_id = request_id
+        self.submitted = 0.0  # when the front end handed it to the core (time.monotonic())
+        self.scheduled = 0.0  # when a core step first took it
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -91,6 +94,8 @@ class RequestState:
             completion.cumulative_logprob = out.cumulative_logprob
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.scheduled_at is not None:
+            self.scheduled = out.scheduled_at
         if out.finish_reason is not None:
             self._finish(completion, out.finish_reason)
             completion.ended_by_stop_token = out.finish_reason == "stop" and bool(out.new_token_ids)
@@ -179,6 +184,8 @@ class RequestState:
             prompt_logprobs=[None, *self.prompt_logprobs]
             if self.params.prompt_logprobs is not None
             else None,
+            submitted=self.submitted,
+            scheduled=self.scheduled,
         )
 
 
@@ -212,8 +219,10 @@ class OutputProcessor:
             del self.states[core_id]
         return core_id
 
-    def process_outputs(self, core_outputs: EngineCoreOutputs) -> ProcessedOutputs:
-        """One core step's outputs as `RequestOutput`s, and the sequences stop strings ended."""
+    def process_outputs(self, core_outputs: EngineCoreOutputs, taken: float) -> ProcessedOutputs:
+        """One core step's outputs as `RequestOutput`s, and the sequences stop strings ended;
+        `taken`: when the step came out of the core's channel (time.monotonic())."""
+        timings = StepTimings(core_outputs.drawn_at, core_outputs.timestamp, taken)
         processed = ProcessedOutputs()
         advanced: dict[str, RequestState] = {}
         for out in core_outputs.outputs:
@@ -231,9 +240,10 @@ class OutputProcessor:
         for core_id, state in advanced.items():
             output = state.output()
             if output is not None:
-                output.core_timestamp = core_outputs.timestamp or None
+                output.step_timings = timings
                 processed.request_outputs.append(output)
             if state.finished:
                 del self.states[core_id]
                 del self.core_ids[state.request_id]
+        timings.processed = time.monotonic()
         return processed

@@ -68,6 +68,7 @@ def _outputs(seq: Sequence, drew: bool) -> list[EngineCoreOutput]:
                 seq.step_cumulative_logprobs[j],
                 seq.finish_reason if j == -1 else None,
                 seq.prompt_logprobs if first and params.prompt_logprobs is not None else None,
+                seq.first_scheduled_at if first else None,
             )
         )
     return outputs
@@ -206,6 +207,7 @@ class EngineCore:
             self._report(self.pipeline.launch(scheduled), out, drew=True)
         if not self.async_scheduling or not scheduled.scheduled or speculating:
             self._report(self.pipeline.drain(), out, drew=True)
+        out.drawn_at = time.monotonic()
         if speculating and speculator is not None:
             speculator.propose(self.scheduler.running, self.num_steps)
         out.finished_requests, self._ended = self._ended, []

@@ -59,10 +59,13 @@ class EngineCoreOutput:
     cumulative_logprob: float | None = None  # the sum of the drawn tokens' log-probabilities
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    scheduled_at: float | None = None  # first outputs: when a step first took the request
 
 
 # The fields of `EngineCoreOutput` that most outputs leave at None, sent only where set.
-_SPARSE_FIELDS = ("new_logprobs", "cumulative_logprob", "finish_reason", "prompt_logprobs")
+_SPARSE_FIELDS = (
+    "new_logprobs", "cumulative_logprob", "finish_reason", "prompt_logprobs", "scheduled_at",
+)  # fmt: skip
 
 
 @dataclass
@@ -76,8 +79,9 @@ class EngineCoreOutputs:
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     finished_requests: list[str] = field(default_factory=list)
-    # time.monotonic() when the core handed the step over (one clock for every process of a
-    # host): the front end measures from it how long a token takes to reach the client
+    # time.monotonic() (one clock for every process of a host) when the core read these tokens
+    # back, and when it handed them over: the front end's latency breakdown starts from them
+    drawn_at: float = 0.0
     timestamp: float = 0.0
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -94,13 +98,14 @@ class EngineCoreOutputs:
             [o.new_token_ids for o in outputs],
             {name: values for name, values in sparse.items() if values},
         )
-        return _from_columns, (columns, self.finished_requests, self.timestamp)
+        times = (self.drawn_at, self.timestamp)
+        return _from_columns, (columns, self.finished_requests, times)
 
 
 def _from_columns(
     columns: tuple[list[str], list[int], list[list[int]], dict[str, dict[int, Any]]],
     finished_requests: list[str],
-    timestamp: float,
+    times: tuple[float, float],
 ) -> EngineCoreOutputs:
     """`EngineCoreOutputs.__reduce__`'s columns as the step's outputs again."""
     request_ids, indices, new_token_ids, sparse = columns
@@ -108,7 +113,7 @@ def _from_columns(
     for name, values in sparse.items():
         for i, value in values.items():
             setattr(outputs[i], name, value)
-    return EngineCoreOutputs(outputs, finished_requests, timestamp)
+    return EngineCoreOutputs(outputs, finished_requests, *times)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -215,6 +216,7 @@ class Scheduler:
                 return
             seq.block_table.ensure_capacity(end)
             self.waiting.popleft()
+            seq.first_scheduled_at = seq.first_scheduled_at or time.monotonic()
             self._start(seq, chunk, out)
             budget -= chunk
 

@@ -52,6 +52,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0  # drawn by a launched step, not yet read back
         self.status = SequenceStatus.WAITING
+        self.first_scheduled_at = 0.0  # time.monotonic() when a step first took it
         self.finish_reason: str | None = None
         self.num_forks_pending = sampling_params.num_candidates - 1
         self.logprobs: list[TokenLogprobs] = []

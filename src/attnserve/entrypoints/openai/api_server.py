@@ -49,8 +49,8 @@ from attnserve.entrypoints.openai.lifecycle import (
     BodyDeadlineMiddleware,
     DrainingServer,
     InFlightMiddleware,
-    ReadTimeoutProtocol,
     ServerLifecycle,
+    server_protocol,
 )
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.protocol import (
@@ -129,7 +129,9 @@ def build_app(
     shutdown (after the drain, or once uvicorn has cut the connections) shuts the engine down,
     so the engine core is stopped before the process exits."""
     options = options or ServerOptions()
-    metrics = ServerMetrics(engine.stats, lambda: not engine.errored)
+    metrics = ServerMetrics(
+        engine.stats, lambda: not engine.errored, lambda: engine.engine.step_stats
+    )
     lifecycle = ServerLifecycle(
         engine, metrics, options.shutdown_timeout_s, options.restart_engine_core
     )
@@ -288,9 +290,7 @@ def run_server(args: argparse.Namespace) -> int:
     app, lifecycle = build_app(engine, name, options)
     gc.freeze()  # the modules and engine state built so far stay: keep them out of collections
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
-    protocol = type(
-        "ServerProtocol", (ReadTimeoutProtocol,), {"read_timeout_s": args.request_read_timeout}
-    )
+    protocol = server_protocol(args.request_read_timeout)
     config = uvicorn.Config(
         app,
         host=args.host,

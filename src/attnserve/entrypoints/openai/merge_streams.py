@@ -1,6 +1,6 @@
 """The engine streams of one API call as one stream of batches: `one_stream` for a single
 prompt, `merge_streams` for several (interleaved as their outputs arrive, each output's metrics
-recorded on the way)."""
+recorded on the way by its request's tracker)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,17 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
-from attnserve.entrypoints.openai.metrics import ServerMetrics
+from attnserve.entrypoints.openai.metrics import RequestTracker
 from attnserve.outputs import RequestOutput
 
 Batch = list[tuple[int, RequestOutput]]  # (prompt index, output)
 
 
 async def one_stream(
-    stream: AsyncIterator[RequestOutput], metrics: ServerMetrics
+    stream: AsyncIterator[RequestOutput], tracker: RequestTracker
 ) -> AsyncGenerator[Batch, None]:
     """One prompt's outputs, read straight from the engine (which merges those queued behind a
     slow consumer)."""
-    tracker = metrics.tracker()
     async with aclosing(stream):  # type: ignore[type-var]
         async for output in stream:
             tracker.observe(output)
@@ -27,14 +26,14 @@ async def one_stream(
 
 
 async def merge_streams(
-    streams: list[AsyncIterator[RequestOutput]], metrics: ServerMetrics
+    streams: list[AsyncIterator[RequestOutput]], trackers: list[RequestTracker]
 ) -> AsyncGenerator[Batch, None]:
     """Interleave the streams as their outputs arrive, every output waiting at once in one
     batch; leaving early cancels (aborts) them all."""
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        tracker = metrics.tracker()
+        tracker = trackers[i]
         try:
             async for output in stream:
                 tracker.observe(output)

@@ -9,7 +9,8 @@ engine-core restarts. The serving layer records, per request, time to first toke
 per output token (each gap between outputs), end-to-end latency, prompt and generated tokens,
 and finished requests; and the front end's own share of the first token's latency: from the
 engine core handing over the step that drew it to the server handing it to the request's HTTP
-response (`first_token_frontend_delay_seconds`).
+response (`first_token_frontend_delay_seconds`); and every request's way out stage by stage
+(`latency_breakdown`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from attnserve.engine.core_client import EngineDeadError
-from attnserve.outputs import RequestOutput
+from attnserve.engine.llm_engine import StepStats
+from attnserve.entrypoints.openai.latency_breakdown import LatencyBreakdown
+from attnserve.outputs import RequestOutput, StepTimings
 
 PREFIX = "attnserve:"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -91,10 +94,15 @@ def _spec_decode_metrics(stats: dict[str, float]) -> Iterator[Metric]:
 
 class ServerMetrics:
     def __init__(
-        self, stats: Callable[[], dict[str, float]], healthy: Callable[[], bool] = lambda: True
+        self,
+        stats: Callable[[], dict[str, float]],
+        healthy: Callable[[], bool] = lambda: True,
+        steps: Callable[[], StepStats] = StepStats,
     ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats, healthy))
+        self.breakdown = LatencyBreakdown(steps)
+        self.registry.register(self.breakdown)
         r = self.registry
         self.failures = Counter(
             PREFIX + "request_failure", "requests ended by a failure, by reason", ["reason"],
@@ -134,33 +142,47 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
+    def tracker(self, received: float, tokenized: float) -> RequestTracker:
+        return RequestTracker(self, received, tokenized)
 
 
 class RequestTracker:
-    """One engine request's timings, fed each (delta) output as it arrives."""
+    """One engine request's timings, fed each (delta) output as it arrives; `received`: when
+    its API call's handler started, `tokenized`: when its prompt was ready (time.monotonic())."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, received: float, tokenized: float) -> None:
         self.metrics = metrics
-        self.arrival = time.perf_counter()
+        self.received = received
+        self.tokenized = tokenized
         self.last: float | None = None
+        self.last_step: StepTimings | None = None
 
     def observe(self, output: RequestOutput) -> None:
-        now = time.perf_counter()
+        now = time.monotonic()
         new_tokens = sum(len(c.token_ids) for c in output.outputs)
         if new_tokens:
-            if self.last is None:
-                self.metrics.ttft.observe(now - self.arrival)
+            first = self.last is None
+            if first:
+                self.metrics.ttft.observe(now - self.received)
                 self.metrics.prompt_tokens.inc(len(output.prompt_token_ids))
-                if output.core_timestamp is not None:
-                    delay = time.monotonic() - output.core_timestamp
-                    self.metrics.frontend_delay.observe(max(delay, 0.0))
-            else:
+                self.metrics.breakdown.request(self.received, self.tokenized, output.submitted)
+            elif self.last is not None:
                 self.metrics.tpot.observe(now - self.last)
+            self._stages(output, now, first)
             self.last = now
             self.metrics.generation_tokens.inc(new_tokens)
         if output.finished:
-            self.metrics.e2e.observe(now - self.arrival)
+            self.metrics.e2e.observe(now - self.received)
             reason = output.outputs[0].finish_reason if output.outputs else None
             self.metrics.finished.labels(reason or "unknown").inc()
+
+    def _stages(self, output: RequestOutput, now: float, first: bool) -> None:
+        step = output.step_timings
+        if step is None:
+            return
+        self.metrics.breakdown.delivered(output, step, now, first)
+        if first and step.handed_back:
+            self.metrics.frontend_delay.observe(max(now - step.handed_back, 0.0))
+        if self.last_step is not None:
+            self.metrics.breakdown.core_gap(self.last_step, step)
+        self.last_step = step

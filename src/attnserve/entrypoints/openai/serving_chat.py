@@ -5,6 +5,7 @@ calls as the request's `ToolPlan` says."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from jinja2 import TemplateError
@@ -102,6 +103,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw: Request
     ) -> ChatCompletionResponse | StreamingResponse:
+        received = time.monotonic()
         request_id = new_id("chatcmpl")
         self.check_request(request, request_id)
         if request.top_logprobs is not None and not request.logprobs:
@@ -113,7 +115,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(
             request, len(prompt), max_tokens, k, tool_constraint=plan.constraint
         )
-        stream = self.generate([prompt], params, request_id, constraint_field(request))
+        stream = self.generate([prompt], params, request_id, received, constraint_field(request))
         chunks = None
         if request.stream:
             chunks = _ChunkRenderer(self, request, request_id, [prompt], plan)

@@ -5,6 +5,7 @@ log-probability format; with `echo`, each completion is preceded by its prompt (
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(
         self, request: CompletionRequest, raw: Request
     ) -> CompletionResponse | StreamingResponse:
+        received = time.monotonic()
         request_id = new_id("cmpl")
         self.check_request(request, request_id)
         given = _prompt_list(request.prompt)
@@ -62,7 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo:
             texts = [p if isinstance(p, str) else self._decode(p) for p in given]
             echo = _Echo(texts, prompts, request.n)
-        stream = self.generate(prompts, params, request_id, constraint_field(request))
+        stream = self.generate(prompts, params, request_id, received, constraint_field(request))
         chunks = None
         if request.stream:
             chunks = _ChunkRenderer(self, request, request_id, prompts, echo)

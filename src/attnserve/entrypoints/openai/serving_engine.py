@@ -55,6 +55,7 @@ class Delta:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
     prompt_logprobs: PromptLogprobs | None = None  # its prompt's, when asked for
+    delivered: float = 0.0  # when its output reached the call (time.monotonic())
 
 
 PromptLogprobs = list[TokenLogprobs | None]  # per prompt token; None for the first
@@ -208,27 +209,42 @@ class OpenAIServing:
         text: str = self.tokenizer.decode([token_id])
         return text
 
-    async def generate(
+    def generate(
         self,
         prompts: list[list[int]],
         params: SamplingParams,
         request_id: str,
+        received: float,
         constraint: str | None = None,
     ) -> AsyncGenerator[list[Delta], None]:
         """Each engine output of the call's prompts, as deltas; ApiError for a failure (a
-        constraint the compiler refuses is named by `constraint`, the field it came from)."""
+        constraint the compiler refuses is named by `constraint`, the field it came from).
+        `received`: when the call's handler started (time.monotonic()); the prompts are ready
+        now."""
+        return self._deltas(prompts, params, request_id, (received, time.monotonic()), constraint)
+
+    async def _deltas(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        times: tuple[float, float],
+        constraint: str | None,
+    ) -> AsyncGenerator[list[Delta], None]:
         streams = [
             self.engine.generate(ids, params, f"{request_id}-{i}") for i, ids in enumerate(prompts)
         ]
+        trackers = [self.metrics.tracker(*times) for _ in streams]
         merged = (
-            merge_streams(streams, self.metrics)
+            merge_streams(streams, trackers)
             if len(streams) > 1
-            else one_stream(streams[0], self.metrics)
+            else one_stream(streams[0], trackers[0])
         )
         started = time.monotonic()
         try:
             async with aclosing(merged):
                 while (batch := await self._next_batch(merged, started)) is not None:
+                    delivered = time.monotonic()
                     yield [
                         Delta(
                             i * params.n + c.index,
@@ -237,6 +253,7 @@ class OpenAIServing:
                             c.logprobs,
                             c.finish_reason,
                             output.prompt_logprobs,
+                            delivered,
                         )
                         for i, output in batch
                         for c in output.outputs
@@ -276,6 +293,7 @@ class OpenAIServing:
         `final(tokens)` (the usage chunk, if asked for), an error event if the engine fails,
         then `[DONE]`."""
         tokens = 0
+        breakdown = self.metrics.breakdown
         try:
             async with aclosing(stream):
                 deltas: list[Delta] | None = first
@@ -283,7 +301,9 @@ class OpenAIServing:
                     tokens += sum(len(d.token_ids) for d in deltas)
                     yield "".join(
                         _event(c.model_dump_json(exclude_none=True)) for c in render(deltas)
-                    )
+                    )  # resumed once the chunk is handed to the socket
+                    if deltas:
+                        breakdown.written(deltas[0].delivered, time.monotonic(), deltas is first)
                     deltas = await anext(stream, None)
             tail = final(tokens)
             if tail is not None:
