@@ -183,7 +183,7 @@ class _ChunkRenderer(ChunkRenderer[ChatCompletionChunk]):
         self.plan = plan
         self.readers: dict[int, ToolCallStream] = {}  # per choice, from its first delta
 
-    def render(self, deltas: list[Delta]) -> list[ChatCompletionChunk]:
+    def render(self, deltas: list[Delta]) -> list[str]:
         chunks = []
         for delta in deltas:
             reader = self.readers.get(delta.index)

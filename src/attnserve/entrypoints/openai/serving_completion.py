@@ -170,7 +170,7 @@ class _ChunkRenderer(ChunkRenderer[CompletionResponse]):
         self.echo = echo
         self.offsets: dict[int, int] = {}  # choice index -> its text so far
 
-    def render(self, deltas: list[Delta]) -> list[CompletionResponse]:
+    def render(self, deltas: list[Delta]) -> list[str]:
         chunks = []
         for delta in deltas:
             text, logprobs = "", None
