@@ -48,7 +48,9 @@ def _streamed(tokenizer: Any, prompt: list[int], ids: list[int], skip: bool, chu
 @pytest.mark.parametrize("skip", [True, False], ids=["skip-special", "keep-special"])
 @pytest.mark.parametrize("chunk", [1, 3, 1000], ids=["one-by-one", "threes", "bulk"])
 @pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
-def test_streamed_text_equals_a_whole_decode(backend: bool, skip: bool, chunk: int, text: str) -> None:
+def test_streamed_text_equals_a_whole_decode(
+    backend: bool, skip: bool, chunk: int, text: str
+) -> None:
     tokenizer = _tokenizer()
     ids = tokenizer.encode(text, add_special_tokens=False)
     prompt = tokenizer.encode("Say it:", add_special_tokens=False)
