@@ -108,15 +108,19 @@ class OpenAIServing:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def check_request(self, request: SamplingRequest, request_id: str) -> None:
-        """404 for another model's name; 400 for a refused field or stream options without a
-        stream. Logs the `user` it names."""
-        if request.model is not None and request.model != self.model_name:
-            message = f"the model {request.model!r} does not exist"
+    def check_model(self, request: BaseModel) -> None:
+        """404 for another model's name (a request's `model`); 400 for a field it refuses."""
+        model = getattr(request, "model", None)
+        if model is not None and model != self.model_name:
+            message = f"the model {model!r} does not exist"
             raise ApiError(404, message, "model", "model_not_found")
         refused = unsupported_field(request)
         if refused is not None:
             raise ApiError(400, refused[1], refused[0], "unsupported_parameter")
+
+    def check_request(self, request: SamplingRequest, request_id: str) -> None:
+        """`check_model`; 400 for stream options without a stream. Logs the `user` it names."""
+        self.check_model(request)
         options = request.stream_options
         if options is not None and not request.stream:
             raise ApiError(400, "stream_options needs stream: true", "stream_options")

@@ -16,7 +16,6 @@ from attnserve.entrypoints.openai.protocol_tokenization import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from attnserve.entrypoints.openai.request_fields import unsupported_field
 from attnserve.entrypoints.openai.serving_chat import render_messages
 from attnserve.entrypoints.openai.serving_engine import OpenAIServing
 
@@ -30,7 +29,7 @@ class OpenAIServingTokenization(OpenAIServing):
     def create_tokenize(
         self, request: TokenizeCompletionRequest | TokenizeChatRequest
     ) -> TokenizeResponse:
-        self._check_model(request)
+        self.check_model(request)
         if isinstance(request, TokenizeChatRequest):
             tokenizer = self._tokenizer("/tokenize", "messages")
             ids = self._tokenize_chat(tokenizer, request)
@@ -43,24 +42,13 @@ class OpenAIServingTokenization(OpenAIServing):
         )
 
     def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
-        self._check_model(request)
+        self.check_model(request)
         tokenizer = self._tokenizer("/detokenize", "tokens")
         for i, token_id in enumerate(request.tokens):
             if token_id >= self.vocab_size:
                 message = f"token ids must be in 0..{self.vocab_size - 1}"
                 raise ApiError(400, message, f"tokens.{i}")
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
-
-    def _check_model(
-        self, request: TokenizeCompletionRequest | TokenizeChatRequest | DetokenizeRequest
-    ) -> None:
-        """404 for another model's name; 400 for a field this server refuses."""
-        if request.model is not None and request.model != self.model_name:
-            message = f"the model {request.model!r} does not exist"
-            raise ApiError(404, message, "model", "model_not_found")
-        refused = unsupported_field(request)
-        if refused is not None:
-            raise ApiError(400, refused[1], refused[0], "unsupported_parameter")
 
     def _tokenizer(self, route: str, param: str) -> Any:
         """The model's tokenizer; 400 naming `param` when it has none (dummy weights)."""
