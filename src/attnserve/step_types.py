@@ -1,6 +1,8 @@
 """The step's data types, shared by the engine, the executors, the workers and the sampler: the
 one `StepPlan` the engine hands the ranks each step, and what comes back (a `SampleOutput` per
-sequence, through an `AsyncStepOutput`), and the one rule for what is a prefill.
+sequence, through an `AsyncStepOutput`), and the one rule for what is a prefill. A step with
+constrained draws may also be launched in two parts (`LaunchedForward`): its forward pass, then,
+once the engine has its token bitmask, its draws.
 
 A leaf below every package: it imports only `sampling_params`, so any layer may use it.
 
@@ -99,7 +101,9 @@ class StepPlan:
     blocks_to_swap_in: BlockPairs = field(default_factory=list)
     blocks_to_swap_out: BlockPairs = field(default_factory=list)
     blocks_to_copy: BlockPairs = field(default_factory=list)
-    token_bitmask: TokenBitmask | None = None  # where structured outputs constrain the draws
+    # where structured outputs constrain the draws (None in a plan whose forward pass is
+    # launched first: its bitmask is handed to the `LaunchedForward`)
+    token_bitmask: TokenBitmask | None = None
     # speculative decoding: seq id -> the draft tokens ending its new tokens (to verify)
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # a draft model proposes the next step's drafts for these sequences after this step
@@ -141,4 +145,13 @@ class AsyncStepOutput(Protocol):
 
     def result(self) -> StepResults:
         """Each sequence's draws, waiting for them if need be."""
+        ...
+
+
+class LaunchedForward(Protocol):
+    """A step launched without its token bitmask (structured outputs), its draws not yet: the
+    engine computes the bitmask while the device runs the forward pass, then hands it over."""
+
+    def sample(self, token_bitmask: TokenBitmask | None) -> AsyncStepOutput:
+        """Launch the step's draws under `token_bitmask` (None: no constrained draw); once."""
         ...

@@ -3,7 +3,11 @@ front, and `load_xgrammar`, the one place the optional xgrammar package is impor
 
 Exactly one constraint: `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice`
 (the output is one of these strings), `grammar` (xgrammar's EBNF) or `json_object=True` (any JSON
-object). `disable_any_whitespace` makes JSON outputs compact (no free whitespace). A leaf module:
+object). JSON outputs are compact by default: one line, no whitespace outside strings but the
+single spaces of the separators `", "` and `": "` (xgrammar's `any_whitespace=False`; free
+whitespace lets a model pad its output with newlines and spaces until `max_tokens`).
+`disable_any_whitespace` keeps vLLM's name: None (the default) or True is compact, False asks
+for free whitespace between JSON tokens (vLLM's default). A leaf module:
 it imports nothing of attnserve, so `SamplingParams` and every layer may use it. What travels to
 the engine core is this spec (picklable); grammars are compiled from it where they are used.
 """
@@ -35,7 +39,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool | None = None  # None: compact; False: free whitespace
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
@@ -50,7 +54,7 @@ class StructuredOutputsParams:
         if self.whitespace_pattern is not None:
             raise ValueError(
                 "structured_outputs.whitespace_pattern is not supported (xgrammar has no custom "
-                "whitespace); disable_any_whitespace=True gives compact JSON"
+                "whitespace); JSON is compact unless disable_any_whitespace is false"
             )
 
     def _constraints(self) -> dict[str, object]:
@@ -68,6 +72,12 @@ class StructuredOutputsParams:
         return next(name for name, value in self._constraints().items() if value is not None)
 
     @property
+    def any_whitespace(self) -> bool:
+        """Whether JSON outputs may have free whitespace (asked for with
+        `disable_any_whitespace=False`); else they are compact."""
+        return self.disable_any_whitespace is False
+
+    @property
     def key(self) -> tuple[str, str, bool]:
         """What identifies the compiled grammar (the cache's key): the kind, the spec's text
         (a schema's properties keep their order: it is the output's) and the whitespace rule."""
@@ -78,7 +88,7 @@ class StructuredOutputsParams:
             text = json.dumps(self.choice)
         else:
             text = str(self.regex or self.grammar or "")
-        return self.kind, text, self.disable_any_whitespace
+        return self.kind, text, self.any_whitespace
 
     @property
     def ebnf_for_choice(self) -> str:
@@ -109,5 +119,6 @@ def _check_types(params: StructuredOutputsParams) -> None:
         raise ValueError("structured_outputs.choice must be a non-empty list of strings")
     if params.json_object is not None and not isinstance(params.json_object, bool):
         raise ValueError("structured_outputs.json_object must be a boolean")
-    if not isinstance(params.disable_any_whitespace, bool):
+    whitespace = params.disable_any_whitespace
+    if whitespace is not None and not isinstance(whitespace, bool):
         raise ValueError("structured_outputs.disable_any_whitespace must be a boolean")

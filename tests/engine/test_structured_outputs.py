@@ -6,6 +6,7 @@ regexes and grammars, the list itself for choices. Scheduling must not change a 
 greedy output (chunked prefill, recompute and swap preemption, prefix-cache hits, async
 scheduling, the engine core in its own process), the mask must touch only constrained rows, a
 bad spec is a ValueError with the compiler's message at submission, and no KV block is left.
+JSON is compact unless free whitespace is asked for (on the embedded default model).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from attnserve.engine.core.grammar import grammar_cache
 from attnserve.step_types import TokenBitmask
 from attnserve.worker.sampler import Sampler
 from attnserve.worker.sampling_metadata import SamplingMetadata
+from tests.engine.compact_json import loose_whitespace
 from tests.entrypoints.openai_server import tiny_model_with_tokenizer
 from tests.worker.rows import Row
 
@@ -290,3 +292,41 @@ def test_a_bias_or_penalty_cannot_unmask_a_forbidden_token() -> None:
     allowed_logprobs = torch.log_softmax(biased[:, allowed], dim=-1)
     chosen = [allowed_logprobs[row, allowed.index(t)].item() for row, t in enumerate(reference)]
     assert draws.token_logprobs.tolist() == pytest.approx(chosen, abs=1e-5)
+
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "country": {"type": "string"},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["city", "country", "population_millions"],
+}
+ASK_CITY = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+
+
+def test_json_is_compact_unless_free_whitespace_is_asked_for(default_llm: LLM) -> None:
+    """By default no whitespace outside strings but the separators' single spaces (`", "`,
+    `": "`): a model cannot pad its JSON up to max_tokens; `disable_any_whitespace=True` is the
+    same grammar, `False` lets whitespace through (as a user's reply padded with newlines)."""
+    compact = StructuredOutputsParams(json=CITY)
+    params = constrained(structured_outputs=compact, max_tokens=80)
+    (reply,) = default_llm.chat([ASK_CITY], params, use_tqdm=False)
+    text = reply.outputs[0].text
+    assert reply.outputs[0].finish_reason == "stop", text
+    jsonschema.validate(json.loads(text), CITY)
+    assert loose_whitespace(text) == [] and "\n" not in text
+    cache = grammar_cache(default_llm.llm_engine.model_config)
+    same = StructuredOutputsParams(json=CITY, disable_any_whitespace=True)
+    assert cache.compile(same) is cache.compile(compact)
+    free = StructuredOutputsParams(json=CITY, disable_any_whitespace=False)
+    padded = '{\n  "city": "Paris"\n\n,\n  "country"'
+    assert cache.matcher(cache.compile(free)).accept_string(padded)
+    assert not cache.matcher(cache.compile(compact)).accept_string(padded)
+    params = constrained(structured_outputs=free, max_tokens=80)
+    (reply,) = default_llm.chat([ASK_CITY], params, use_tqdm=False)
+    if reply.outputs[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(reply.outputs[0].text), CITY)
+    else:
+        assert reply.outputs[0].text.lstrip().startswith("{")

@@ -2,9 +2,9 @@
 `attnserve serve` (default model, CPU, `--enable-auto-tool-choice --tool-call-parser hermes`;
 shared with test_openai_server.py).
 
-Outputs are checked by `jsonschema` against the schema asked for (n=2, streamed), tool calls
-by their function's parameters schema; a spec the compiler refuses is a 400 carrying its
-message; after all of it, no KV block is held."""
+Outputs are checked by `jsonschema` against the schema asked for (n=2, streamed; compact unless
+free whitespace is asked for), tool calls by their function's parameters schema; a spec the
+compiler refuses is a 400 carrying its message; after all of it, no KV block is held."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from attnserve.entrypoints.openai.protocol_structured import DeltaFunctionCall, 
 from attnserve.entrypoints.openai.tool_choice import AUTO_NEEDS_FLAGS, tool_plan
 from attnserve.entrypoints.openai.tool_parsers import merged_calls
 from tests.conftest import HANG_GUARD_S
+from tests.engine.compact_json import loose_whitespace
 from tests.entrypoints.openai_server import API_KEY, ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -112,6 +113,27 @@ def test_json_schema_streamed_validates_and_equals_the_whole(client: openai.Open
     jsonschema.validate(json.loads(text), CITY)
     assert text == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_json_is_compact_unless_free_whitespace_is_asked_for(client: openai.OpenAI) -> None:
+    """`response_format`'s JSON has no newline, no whitespace outside strings but the single
+    spaces of `", "` and `": "`; `structured_outputs.disable_any_whitespace: false` still
+    serves JSON (free whitespace allowed)."""
+    greedy: dict[str, Any] = {"temperature": 0, "max_tokens": 120}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, response_format=city_format(), **greedy
+    )
+    text = reply.choices[0].message.content or ""
+    assert reply.choices[0].finish_reason == "stop", text
+    jsonschema.validate(json.loads(text), CITY)
+    assert loose_whitespace(text) == [] and "\n" not in text
+    free = {"structured_outputs": {"json": CITY, "disable_any_whitespace": False}}
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, extra_body=free, **greedy)
+    text = reply.choices[0].message.content or ""
+    if reply.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(text), CITY)
+    else:
+        assert text.lstrip().startswith("{")
 
 
 def test_json_object_and_the_completions_endpoint(client: openai.OpenAI) -> None:

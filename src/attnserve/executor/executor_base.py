@@ -1,10 +1,13 @@
 """`ExecutorBase`: what the engine sees of the ranks that run the model.
 
 The engine builds one from its `EngineConfig`, asks it for the KV block counts every rank agreed
-on, hands it one `StepPlan` per step and gets the driver's sampled tokens back. How the
-ranks are started and fed (in-process, local processes, Ray actors) is the concrete executor's
-business. The engine reaches the ranks only through here; what benchmarks and tests need from
-rank 0 itself (its device, backend, model) they take from `driver_runner`.
+on, hands it one `StepPlan` per step and gets the driver's sampled tokens back. A step with
+constrained draws goes down without its token bitmask (`launch_forward`), which follows once the
+engine has computed it: one rank in this process runs the forward pass meanwhile; ranks that
+take only complete plans run the whole step when the bitmask arrives. How the ranks are started
+and fed (in-process, local processes, Ray actors) is the concrete executor's business. The
+engine reaches the ranks only through here; what benchmarks and tests need from rank 0 itself
+(its device, backend, model) they take from `driver_runner`.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from attnserve.engine_config import EngineConfig
-from attnserve.step_types import AsyncStepOutput, StepPlan, StepResults
+from attnserve.step_types import AsyncStepOutput, LaunchedForward, StepPlan, StepResults
 from attnserve.worker.model_runner import ModelRunner
-from attnserve.worker.step_future import StepFuture
+from attnserve.worker.step_future import DeferredStep, StepFuture
 
 
 class ExecutorBase(ABC):
@@ -44,6 +47,12 @@ class ExecutorBase(ABC):
     def execute_model_async(self, plan: StepPlan) -> AsyncStepOutput:
         """Launch one step; its draws come back through the future (by default at once)."""
         return StepFuture(len(plan.seq_ids), ready=self.execute_model(plan))
+
+    def launch_forward(self, plan: StepPlan) -> LaunchedForward:
+        """Launch a step whose token bitmask is still to come (`plan.token_bitmask` None): its
+        draws are launched when `sample` hands the bitmask over. By default the ranks take only
+        complete plans, so nothing runs before: the whole step runs then, with the bitmask."""
+        return DeferredStep(plan, self.execute_model_async)
 
     @property
     def driver_runner(self) -> ModelRunner:

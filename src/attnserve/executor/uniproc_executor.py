@@ -1,11 +1,12 @@
-"""`UniProcExecutor`: one rank, in the engine process — a plain `ModelRunner`, no copies."""
+"""`UniProcExecutor`: one rank, in the engine process — a plain `ModelRunner`, no copies. A step
+launched before its token bitmask exists starts its forward pass at once (`launch_forward`)."""
 
 from __future__ import annotations
 
 from attnserve.distributed import model_parallel_is_initialized
 from attnserve.engine_config import EngineConfig
 from attnserve.executor.executor_base import ExecutorBase
-from attnserve.step_types import AsyncStepOutput, StepPlan, StepResults
+from attnserve.step_types import AsyncStepOutput, LaunchedForward, StepPlan, StepResults
 from attnserve.worker.model_runner import ModelRunner
 from attnserve.worker.worker import Worker
 
@@ -43,6 +44,9 @@ class UniProcExecutor(ExecutorBase):
 
     def execute_model_async(self, plan: StepPlan) -> AsyncStepOutput:
         return self.worker.execute_model_async(plan)
+
+    def launch_forward(self, plan: StepPlan) -> LaunchedForward:
+        return self.worker.launch_forward(plan)
 
     def check_health(self) -> None:
         """One rank in this process: alive as long as the engine is."""

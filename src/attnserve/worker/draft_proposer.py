@@ -33,6 +33,7 @@ import torch
 
 from attnserve.step_types import AsyncStepOutput, SampleOutput, StepPlan, StepResults
 from attnserve.worker.model_runner import ModelRunner
+from attnserve.worker.step_sampling import last_hidden
 
 
 class DraftProposer:
@@ -138,7 +139,7 @@ class DraftProposer:
             active = _prefills_first([i for i in active if room[i] > ahead], behind)
             plan = StepPlan([seq_ids[i] for i in active], behind[active].tolist())
             step, hidden = self.runner.forward_plan(plan)
-            logits = self.runner.model.compute_logits(self.runner.last_hidden(hidden, step))
+            logits = self.runner.model.compute_logits(last_hidden(hidden, step))
             drawn: list[int] = logits.argmax(dim=-1).tolist()
             batch.accept_results(step, [SampleOutput([token]) for token in drawn])
             for i, token in zip(active, drawn, strict=True):

@@ -16,17 +16,15 @@ Each step it applies the plan to its `InputBatch` (what changed since the last o
 the step's `StepLayout` (the model's positions come from it; the builders make the attention
 metadata from it), token ids and sampling rows. It never looks at the metadata or the cache
 layout itself. `execute_async` returns without waiting for the step's draws (a `StepFuture`);
-the next step takes the tokens it needs from them on the device.
+the next step takes the tokens it needs from them on the device. A step may also be launched in
+two halves: `launch_forward` runs the forward pass and returns a `ForwardPass`, whose `sample`
+takes the token bitmask computed meanwhile and launches the draws (`worker/step_sampling.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import time
-from collections.abc import Iterator
-from itertools import accumulate
 
 import torch
 
@@ -49,22 +47,20 @@ from attnserve.config import DEFAULT_CPU_KV_CACHE_BYTES
 from attnserve.distributed import get_tensor_model_parallel_world_size
 from attnserve.distributed.communication import tensor_model_parallel_all_reduce_min
 from attnserve.engine_config import EngineConfig
-from attnserve.host_copy import device_tensor, to_device
+from attnserve.host_copy import to_device
 from attnserve.model.loader import load_model
-from attnserve.profiling import SAMPLING_RANGE, marked
-from attnserve.step_types import SampleOutput, StepPlan, StepResults
+from attnserve.step_types import StepPlan, StepResults
 from attnserve.worker.cache_engine import CacheEngine, gpu_kv_cache_budget, num_blocks_for_budget
 from attnserve.worker.cpu_graph import MAX_GRAPH_SEQS, CPUGraphRunner
 from attnserve.worker.cuda_graph import CUDAGraphRunner
-from attnserve.worker.draft_verifier import DraftVerifier
 from attnserve.worker.graph_runner import GraphRunner
 from attnserve.worker.input_batch import InputBatch, PreparedStep
 from attnserve.worker.kv_calibration import calibration_plan
 from attnserve.worker.piecewise_graph import PiecewiseGraphRunner
 from attnserve.worker.profile_run import profile_plan, warm_up_plans
-from attnserve.worker.prompt_logprobs import add_prompt_logprobs
 from attnserve.worker.sampler import Sampler
 from attnserve.worker.step_future import StepFuture
+from attnserve.worker.step_sampling import ForwardPass, StepSampling
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +85,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs: GraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
+        self._unsampled: ForwardPass | None = None  # the last step launched in two halves
 
     def load_model(self) -> None:
         """Load the weights, select and bind the attention backend, make the builders."""
@@ -102,6 +99,9 @@ class ModelRunner:
         self.backend = get_model_attn_backend(specs, self.attention_backend)
         bind_attention_backend(self.model, self.backend)
         self.builders = metadata_builders(self.backend, specs, self.device)
+        self.sampling = StepSampling(
+            self.model.compute_logits, self.sampler, self.input_batch, self.device
+        )
 
     @property
     def block_size(self) -> int:
@@ -279,51 +279,26 @@ class ModelRunner:
         """Run one step; return each sequence's draws (None where nothing is drawn)."""
         return self.execute_async(plan).result()
 
-    @torch.inference_mode()
     def execute_async(self, plan: StepPlan) -> StepFuture:
-        """Launch one step; its draws stay on the device until the future's `result()`."""
+        """Launch one step under its plan's token bitmask; its draws stay on the device until
+        the future's `result()`."""
+        return self._forward_pass(plan).sample(plan.token_bitmask)
+
+    def launch_forward(self, plan: StepPlan) -> ForwardPass:
+        """Launch one step's forward pass; its draws wait for the pass's `sample`, which takes
+        the step's token bitmask (computed meanwhile). No other step is launched before."""
+        self._unsampled = self._forward_pass(plan)
+        return self._unsampled
+
+    @torch.inference_mode()
+    def _forward_pass(self, plan: StepPlan) -> ForwardPass:
         step = self._prepare(plan)
-        hidden = self._forward(step)
-        num_seqs = len(step.states)
-        starts: list[int] = step.layout.query_start_loc.tolist()
-        rows = step.sample_rows
-        if not rows:
-            results: StepResults = [None] * num_seqs
-            self._add_prompt_logprobs(step, hidden, starts, results)
-            self.input_batch.advance(step, None)
-            return StepFuture(num_seqs, ready=results)
-        if step.drafts is not None:
-            verifier = DraftVerifier(
-                self.model.compute_logits, self.sampler, self.input_batch, self._sampling_threads
-            )
-            results = verifier.verify(step, hidden, plan.token_bitmask)
-            self._add_prompt_logprobs(step, hidden, starts, results)
-            return StepFuture(num_seqs, ready=results)
-        logits = self.model.compute_logits(self.last_hidden(hidden, step))
-        with marked(SAMPLING_RANGE), self._sampling_threads():
-            draw = self.sampler.draw(
-                logits, step.sampling, step.sampling_metadata, plan.token_bitmask
-            )
-        tokens = draw.tokens
-        one_draw_each = len(tokens) == len(rows)
-        firsts = tokens if one_draw_each else tokens[self._first_draws(draw.counts)]
-        if one_draw_each and draw.top is None and not self.input_batch.prompt_logprob_seqs:
-            pending = self.input_batch.advance(step, firsts)
-            record = functools.partial(self.input_batch.record, pending)
-            return StepFuture(num_seqs, (rows, tokens, draw.token_logprobs), on_tokens=record)
-        results = [None] * num_seqs
-        drawn = self.sampler.split(
-            tokens.tolist(), draw.token_logprobs.tolist(), draw.top, draw.counts
-        )
-        for row, result in zip(rows, drawn, strict=True):
-            results[row] = result
-        self._add_prompt_logprobs(step, hidden, starts, results)
-        pending = self.input_batch.advance(step, firsts)
-        self.input_batch.record(pending, [result.token_ids[0] for result in drawn])
-        return StepFuture(num_seqs, ready=results)
+        return ForwardPass(self.sampling, step, self._forward(step))
 
     def _prepare(self, plan: StepPlan) -> PreparedStep:
         """The plan applied (`apply_plan`), then the step's inputs."""
+        if self._unsampled is not None and not self._unsampled.sampled:
+            raise RuntimeError("a step was launched before the step before it was sampled")
         self.apply_plan(plan)
         return self.input_batch.prepare(plan)
 
@@ -338,22 +313,6 @@ class ModelRunner:
             if pairs:
                 move(torch.tensor(pairs, dtype=torch.int64))
         self.input_batch.apply(plan)
-
-    @contextlib.contextmanager
-    def _sampling_threads(self) -> Iterator[None]:
-        """On the CPU, the sampler's ops on one thread: splitting a [rows, vocab] reduction
-        over torch's OpenMP threads gains little and, where another process holds a core,
-        waits for the descheduled thread at every op (milliseconds a step instead of tens of
-        microseconds)."""
-        threads = torch.get_num_threads()
-        if self.device.type != "cpu" or threads == 1:
-            yield
-            return
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)
 
     @torch.inference_mode()
     def forward_plan(self, plan: StepPlan) -> tuple[PreparedStep, torch.Tensor]:
@@ -372,16 +331,6 @@ class ModelRunner:
             return self._forward(self._prepare(plan))
         finally:
             self.input_batch.release([seq.seq_id for seq in plan.new_seqs])
-
-    def _first_draws(self, counts: list[int]) -> torch.Tensor:
-        return device_tensor([0, *accumulate(counts)][:-1], self.device)
-
-    @staticmethod
-    def last_hidden(hidden: torch.Tensor, step: PreparedStep) -> torch.Tensor:
-        """The hidden states of the last new token of each sampling row."""
-        if len(step.sample_rows) == len(hidden):  # one token per sequence, each sampling
-            return hidden
-        return hidden[step.sample_tokens]
 
     def _forward(self, step: PreparedStep) -> torch.Tensor:
         """Final hidden states of the step's new tokens (sequence i's at query_start_loc[i] ..
@@ -405,13 +354,3 @@ class ModelRunner:
         with set_forward_context(metadata):
             hidden: torch.Tensor = self.model(input_ids, positions)
         return hidden
-
-    def _add_prompt_logprobs(
-        self,
-        step: PreparedStep,
-        hidden: torch.Tensor,
-        starts: list[int],
-        results: list[SampleOutput | None],
-    ) -> None:
-        if self.input_batch.prompt_logprob_seqs:
-            add_prompt_logprobs(self.model.compute_logits, step, hidden, starts, results)

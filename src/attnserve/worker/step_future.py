@@ -6,15 +6,26 @@ tokens: the runner hands back a future whose tokens are being copied to pinned h
 behind the step's kernels, and `result()` waits for that copy only when the engine needs them.
 Steps whose results need more host work (log-probabilities, several draws per row, prompt
 log-probabilities) are materialised at once and come back as a ready future.
+
+`DeferredStep` is the `LaunchedForward` of ranks that take only complete plans (another process,
+a step a draft model proposes in at once): nothing runs until the token bitmask is handed over,
+then the whole step, its plan completed with it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
-from attnserve.step_types import SampleOutput, StepResults
+from attnserve.step_types import (
+    AsyncStepOutput,
+    SampleOutput,
+    StepPlan,
+    StepResults,
+    TokenBitmask,
+)
 
 
 class StepFuture:
@@ -55,6 +66,17 @@ class StepFuture:
                 results[row] = SampleOutput([token], token_logprobs=[logprob])
             self._ready = results
         return self._ready
+
+
+class DeferredStep:
+    """A step launched whole once its token bitmask arrives: `launch` gets the plan with it."""
+
+    def __init__(self, plan: StepPlan, launch: Callable[[StepPlan], AsyncStepOutput]) -> None:
+        self._plan = plan
+        self._launch = launch
+
+    def sample(self, token_bitmask: TokenBitmask | None) -> AsyncStepOutput:
+        return self._launch(dataclasses.replace(self._plan, token_bitmask=token_bitmask))
 
 
 def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:

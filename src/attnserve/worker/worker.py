@@ -9,7 +9,9 @@ its own persistent batch and running it, until the driver broadcasts None. All r
 logits are all-gathered, the draws the same on every rank), so each rank's batch knows the tokens
 its next step reads; only the driver's results are returned. With a draft model (speculative
 decoding) each rank also holds the draft's runner (`DraftProposer`), which takes in every step
-and computes for the sequences it drafts for.
+and computes for the sequences it drafts for. A single rank (in the engine's process) also runs
+a step in two halves (`launch_forward`): the forward pass at once, the draws when the engine
+hands over the token bitmask it computed meanwhile.
 """
 
 from __future__ import annotations
@@ -25,10 +27,17 @@ from attnserve.distributed import (
     init_distributed_environment,
 )
 from attnserve.engine_config import EngineConfig
-from attnserve.step_types import AsyncStepOutput, StepPlan, StepResults
+from attnserve.step_types import (
+    AsyncStepOutput,
+    LaunchedForward,
+    StepPlan,
+    StepResults,
+    TokenBitmask,
+)
 from attnserve.worker.draft_proposer import DraftProposer
 from attnserve.worker.model_runner import ModelRunner
-from attnserve.worker.step_future import StepFuture
+from attnserve.worker.step_future import DeferredStep, StepFuture
+from attnserve.worker.step_sampling import ForwardPass
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +163,16 @@ class Worker:
             return self.proposer.follow_later(plan, self.runner.execute_async(plan))
         return StepFuture(len(plan.seq_ids), ready=self._run(plan))
 
+    def launch_forward(self, plan: StepPlan) -> LaunchedForward:
+        """Launch a step's forward pass on a single rank, its draws once its token bitmask is
+        handed over (`sample`). With a draft model a step that drafts runs whole then; any
+        other is launched now, and the draft takes it in when it is read back."""
+        if self.proposer is None:
+            return self.runner.launch_forward(plan)
+        if plan.draft_seq_ids:
+            return DeferredStep(plan, self.execute_model_async)
+        return _FollowedWhenSampled(self.proposer, plan, self.runner.launch_forward(plan))
+
     def execute_model(self, plan: StepPlan) -> StepResults:
         """On the driver: send the step to the other ranks, then run it here."""
         broadcast_object(plan)
@@ -174,3 +193,15 @@ class Worker:
     def shutdown(self) -> None:
         self.model_runner = self.proposer = None
         destroy_distributed_environment()
+
+
+class _FollowedWhenSampled:
+    """A launched forward pass whose draws, once launched, the draft takes in when read."""
+
+    def __init__(self, proposer: DraftProposer, plan: StepPlan, forward: ForwardPass) -> None:
+        self._proposer = proposer
+        self._plan = plan
+        self._forward = forward
+
+    def sample(self, token_bitmask: TokenBitmask | None) -> AsyncStepOutput:
+        return self._proposer.follow_later(self._plan, self._forward.sample(token_bitmask))

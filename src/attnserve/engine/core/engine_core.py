@@ -35,12 +35,10 @@ logger = logging.getLogger(__name__)
 
 
 def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
-    """Whether a step needs every drawn token on the host first (penalties read the outputs; a
-    grammar's bitmask follows them)."""
-    return any(
-        i.samples and (i.seq.sampling_params.has_penalties or i.seq.grammar is not None)
-        for i in scheduled.scheduled
-    )
+    """Whether a step needs every drawn token on the host before it is launched: penalties
+    read the outputs. (A grammar's bitmask follows them too, but is needed only at sampling
+    time: the pipeline launches such a step's forward pass first and its draws after.)"""
+    return any(i.samples and i.seq.sampling_params.has_penalties for i in scheduled.scheduled)
 
 
 def _outputs(seq: Sequence, drew: bool) -> list[EngineCoreOutput]:
@@ -108,7 +106,9 @@ class EngineCore:
             BlockAllocator(swap_blocks) if swap_blocks else None,
         )
         self.eos_token_ids = list(config.model_config.eos_token_ids)
-        self.structured_outputs = StructuredOutputManager(config.model_config)
+        # the rank runs in this process on CUDA: token bitmasks in pinned memory (async copies)
+        pinned = config.device.type == "cuda" and parallel_config.executor_backend == "uni"
+        self.structured_outputs = StructuredOutputManager(config.model_config, pinned)
         self.requests: dict[str, dict[int, Sequence]] = {}  # request id -> index -> sequence
         self._ended: list[str] = []  # requests ended since the last report
         self.pipeline = StepPipeline(
@@ -187,8 +187,11 @@ class EngineCore:
         With async scheduling the step launched here is read back during the next call (its
         tokens meanwhile feed the next step on the device), so the host's work for one step
         overlaps the device's work for the previous one; each call reports the step launched by
-        the call before. While speculative decoding is active (a small batch), each step is read
-        back at once and the running sequences' drafts for the next step are proposed from it.
+        the call before. A step with constrained draws overlaps too: its forward pass is launched
+        before the previous step is read back, its token bitmask (which follows that step's
+        tokens) handed over after (`StepPipeline.launch`). While speculative decoding is active
+        (a small batch), each step is read back at once and the running sequences' drafts for
+        the next step are proposed from it.
         """
         self.num_steps += 1
         out = EngineCoreOutputs()

@@ -107,7 +107,7 @@ class GrammarCache:
 
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         compiler = self._compiler
-        any_whitespace = not spec.disable_any_whitespace
+        any_whitespace = spec.any_whitespace  # compact: xgrammar's separators ", " and ": "
         try:
             if spec.kind == "json":
                 return compiler.compile_json_schema(spec.key[1], any_whitespace=any_whitespace)

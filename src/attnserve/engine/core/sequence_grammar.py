@@ -4,8 +4,10 @@ The matcher follows the sequence's output tokens: `advance` feeds it whatever it
 yet, so it stays right however the tokens came (drawn, or a fork's first token). A fork starts a
 matcher of its own at the grammar's start (forks are made when the prompt draws their first
 tokens). Preemption keeps a sequence's tokens (recompute computes their cache again, a swap
-moves it), so the matcher needs no rollback. Before each step, `token_bitmask` fills the allowed
-tokens of every constrained sequence that draws; the sampler masks the logits with it.
+moves it), so the matcher needs no rollback. For each step with constrained draws,
+`token_bitmask` fills the allowed tokens of every constrained sequence that draws, once the
+matchers have taken the previous step's tokens (while the step's forward pass runs); the sampler
+masks the logits with it.
 """
 
 from __future__ import annotations
@@ -43,13 +45,17 @@ class SequenceGrammar:
         return bool(self.matcher.is_terminated())
 
 
-def token_bitmask(grammars: Sequence[SequenceGrammar | None]) -> TokenBitmask | None:
+def token_bitmask(
+    grammars: Sequence[SequenceGrammar | None], pin_memory: bool = False
+) -> TokenBitmask | None:
     """The bitmask of one step's sampling sequences (None for an unconstrained one), or None
-    when none is constrained."""
+    when none is constrained; in pinned host memory with `pin_memory`."""
     constrained = [(i, grammar) for i, grammar in enumerate(grammars) if grammar is not None]
     if not constrained:
         return None
     cache = constrained[0][1].cache
-    bitmask = torch.full((len(constrained), -(-cache.vocab_size // 32)), -1, dtype=torch.int32)
+    shape = (len(constrained), -(-cache.vocab_size // 32))
+    # every word of each row is written by the fill: no initial value (nor torch's threads for it)
+    bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=pin_memory)
     cache.fill_bitmask([grammar.matcher for _, grammar in constrained], bitmask)
     return TokenBitmask([i for i, _ in constrained], bitmask)

@@ -6,6 +6,12 @@ the step before it (whose draws the new step may already be reading on the devic
 scheduling), then counts the new step's tokens as computed; `drain` reads back the step in
 flight, if any. Reading back hands each sequence its draws (the scheduler forks and finishes
 them), then advances the grammars of constrained sequences.
+
+A step with constrained draws is launched in two halves: its forward pass first
+(`launch_forward`), then, once the step before is read back and the matchers have taken its
+tokens, its token bitmask, which launches its draws (`LaunchedForward.sample`). So the device
+runs the forward pass while the host reads the tokens back and fills the bitmask, and
+constrained steps keep async scheduling.
 """
 
 from __future__ import annotations
@@ -39,11 +45,19 @@ class StepPipeline:
         return self._in_flight is not None
 
     def launch(self, scheduled: SchedulerOutput) -> list[Sequence]:
-        """Launch `scheduled`, then drain the step before it; the sequences that drained."""
-        future = self.executor.execute_model_async(self.planner.plan(scheduled))
-        touched = self.drain()
+        """Launch `scheduled`, then drain the step before it; the sequences that drained (a
+        step with constrained draws: its forward pass, the drain, then its draws)."""
+        plan = self.planner.plan(scheduled)
+        drawing = [item.seq for item in scheduled.scheduled if item.samples]
+        if any(seq.grammar is not None for seq in drawing):
+            forward = self.executor.launch_forward(plan)
+            touched = self.drain()
+            launched = forward.sample(self.structured_outputs.token_bitmask(drawing))
+        else:
+            launched = self.executor.execute_model_async(plan)
+            touched = self.drain()
         self.scheduler.advance(scheduled)
-        self._in_flight = (scheduled, future)
+        self._in_flight = (scheduled, launched)
         return touched
 
     def drain(self) -> list[Sequence]:

@@ -4,14 +4,14 @@ date for the step the scheduler chose.
 A sequence the ranks do not hold (new, forked, or back from a preemption or a swap) goes down
 whole as a `NewSequence`; one they hold sends only its block-table change, if any. Sequences that
 stopped running since the last plan (finished, aborted, preempted, swapped out) are released, so
-the ranks drop them before anything else.
+the ranks drop them before anything else. A step's token bitmask (structured outputs) is not
+part of the plan: the pipeline hands it over once the step before is read back.
 """
 
 from __future__ import annotations
 
 from attnserve.engine.core.scheduler import SchedulerOutput
 from attnserve.engine.core.sequence import Sequence, SequenceStatus
-from attnserve.engine.core.sequence_grammar import token_bitmask
 from attnserve.step_types import BlockUpdate, NewSequence, StepPlan
 
 
@@ -69,7 +69,6 @@ class StepPlanner:
             blocks_to_swap_in=out.swap_in,
             blocks_to_swap_out=out.swap_out,
             blocks_to_copy=out.copies,
-            token_bitmask=token_bitmask([i.seq.grammar for i in out.scheduled if i.samples]),
             spec_token_ids={
                 i.seq.seq_id: i.spec_token_ids for i in out.scheduled if i.spec_token_ids
             },

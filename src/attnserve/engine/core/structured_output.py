@@ -7,6 +7,14 @@ them to the matchers and names the sequences the grammar ends: a terminated matc
 sequence with "stop" (also under `ignore_eos`); a token the matcher refuses (never drawn under
 its mask, so a bug) ends it with "abort". A grammar that cannot be finished within `max_tokens`
 ends with "length", as any sequence does.
+
+`token_bitmask` fills the mask of a launched step's draws from the matchers as the step before
+left them (the pipeline reads that step back while the new one's forward pass runs). A sequence
+that step finished still has a row in the new step: it draws unconstrained, its token dropped,
+and its matcher is never asked again. With `pin_memory` (a CUDA rank in this process) the mask
+is filled in pinned host memory: its copy to the device is then queued behind the forward pass,
+where a pageable copy of that size (rows x vocabulary / 8 bytes) would block the host until the
+device reaches it.
 """
 
 from __future__ import annotations
@@ -16,8 +24,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from attnserve.engine.core.grammar import CompiledGrammar, GrammarCache, grammar_cache
 from attnserve.engine.core.sequence import Sequence
-from attnserve.engine.core.sequence_grammar import SequenceGrammar
+from attnserve.engine.core.sequence_grammar import SequenceGrammar, token_bitmask
 from attnserve.model.config import ModelConfig
+from attnserve.step_types import TokenBitmask
 from attnserve.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -27,8 +36,9 @@ COMPILE_WAIT_S = 0.05
 
 
 class StructuredOutputManager:
-    def __init__(self, model_config: ModelConfig) -> None:
+    def __init__(self, model_config: ModelConfig, pin_memory: bool = False) -> None:
         self.model_config = model_config
+        self.pin_memory = pin_memory
         self._cache: GrammarCache | None = None
         self._compiling: list[tuple[Sequence, Future[CompiledGrammar]]] = []
 
@@ -78,3 +88,9 @@ class StructuredOutputManager:
             elif grammar.terminated:
                 ended.append((seq, "stop"))
         return ended
+
+    def token_bitmask(self, drawing: list[Sequence]) -> TokenBitmask | None:
+        """The bitmask of a step's draws (`drawing`: its sampling sequences, in order) from
+        the matchers as they are now, or None when no unfinished one is constrained."""
+        grammars = [None if seq.is_finished else seq.grammar for seq in drawing]
+        return token_bitmask(grammars, self.pin_memory)

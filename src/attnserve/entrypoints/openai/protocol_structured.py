@@ -44,7 +44,9 @@ class StructuredOutputsRequest(RequestBody):
     choice: list[Text] | None = None
     grammar: Text | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool | None = Field(
+        None, description="JSON is compact unless false (free whitespace)"
+    )
     whitespace_pattern: Text | None = None
 
 

@@ -3,7 +3,9 @@
 fields, or, for tool calls, `tool_choice` (a named function: its arguments' schema; "required":
 an array of calls, each `{"name", "parameters"}` of one of the tools; one at most without
 `parallel_tool_calls`). A spec the checks refuse is a 400 naming the field; one the grammar
-compiler refuses is a 400 with its message (at submission, from the engine).
+compiler refuses is a 400 with its message (at submission, from the engine). JSON comes out
+compact (`StructuredOutputsParams`' default) from every field; only vLLM's
+`structured_outputs.disable_any_whitespace: false` asks for free whitespace.
 """
 
 from __future__ import annotations

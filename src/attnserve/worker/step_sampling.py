@@ -1,0 +1,148 @@
+"""The second half of a step on one rank: from the forward pass's final hidden states to the
+step's draws (`StepSampling`), and `ForwardPass`, a step between its two halves.
+
+`ModelRunner.launch_forward` launches a step's forward pass and hands back a `ForwardPass`
+(a `LaunchedForward`); its `sample` takes the step's token bitmask (structured outputs) and
+launches the draws, which come back as a `StepFuture`. So the engine fills a step's bitmask on
+the host while the device runs the step's forward pass (the bitmask follows the previous step's
+tokens, read back meanwhile), and the device waits for the host only for what is left of that
+work when the forward pass ends. A step is sampled once; until then the runner launches no other
+step (the batch counts a step's tokens, `InputBatch.advance`, only once it is sampled).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from itertools import accumulate
+
+import torch
+
+from attnserve.host_copy import device_tensor
+from attnserve.profiling import SAMPLING_RANGE, marked
+from attnserve.step_types import SampleOutput, StepResults, TokenBitmask
+from attnserve.worker.draft_verifier import DraftVerifier
+from attnserve.worker.input_batch import InputBatch, PreparedStep
+from attnserve.worker.prompt_logprobs import add_prompt_logprobs
+from attnserve.worker.sampler import Sampler
+from attnserve.worker.step_future import StepFuture
+
+
+@contextlib.contextmanager
+def sampling_threads(device: torch.device) -> Iterator[None]:
+    """On the CPU, the sampler's ops on one thread: splitting a [rows, vocab] reduction over
+    torch's OpenMP threads gains little and, where another process holds a core, waits for the
+    descheduled thread at every op (milliseconds a step instead of tens of microseconds)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def last_hidden(hidden: torch.Tensor, step: PreparedStep) -> torch.Tensor:
+    """The hidden states of the last new token of each sampling row."""
+    if len(step.sample_rows) == len(hidden):  # one token per sequence, each sampling
+        return hidden
+    return hidden[step.sample_tokens]
+
+
+class StepSampling:
+    """How this rank turns a step's final hidden states into its draws: logits of the sampling
+    rows, the sampler (on `sampling_threads`), drafts verified where the step carries them,
+    prompt log-probabilities, and the batch brought up to date. It holds nothing of the model
+    runner that holds it (no cycle: the engine freezes the garbage collector's objects)."""
+
+    def __init__(
+        self,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        sampler: Sampler,
+        input_batch: InputBatch,
+        device: torch.device,
+    ) -> None:
+        self.compute_logits = compute_logits
+        self.sampler = sampler
+        self.input_batch = input_batch
+        self.sampling_threads = functools.partial(sampling_threads, device)
+        self.verifier = DraftVerifier(compute_logits, sampler, input_batch, self.sampling_threads)
+
+    def draw(
+        self, step: PreparedStep, hidden: torch.Tensor, token_bitmask: TokenBitmask | None
+    ) -> StepFuture:
+        """Launch the step's draws; they stay on the device until the future's `result()`
+        where one token each is drawn and nothing more is asked of them."""
+        num_seqs = len(step.states)
+        starts: list[int] = step.layout.query_start_loc.tolist()
+        rows = step.sample_rows
+        if not rows:
+            results: StepResults = [None] * num_seqs
+            self._add_prompt_logprobs(step, hidden, starts, results)
+            self.input_batch.advance(step, None)
+            return StepFuture(num_seqs, ready=results)
+        if step.drafts is not None:
+            results = self.verifier.verify(step, hidden, token_bitmask)
+            self._add_prompt_logprobs(step, hidden, starts, results)
+            return StepFuture(num_seqs, ready=results)
+        logits = self.compute_logits(last_hidden(hidden, step))
+        with marked(SAMPLING_RANGE), self.sampling_threads():
+            draw = self.sampler.draw(logits, step.sampling, step.sampling_metadata, token_bitmask)
+        tokens = draw.tokens
+        one_draw_each = len(tokens) == len(rows)
+        firsts = tokens if one_draw_each else tokens[self._first_draws(draw.counts, tokens)]
+        if one_draw_each and draw.top is None and not self.input_batch.prompt_logprob_seqs:
+            pending = self.input_batch.advance(step, firsts)
+            record = functools.partial(self.input_batch.record, pending)
+            return StepFuture(num_seqs, (rows, tokens, draw.token_logprobs), on_tokens=record)
+        results = [None] * num_seqs
+        drawn = self.sampler.split(
+            tokens.tolist(), draw.token_logprobs.tolist(), draw.top, draw.counts
+        )
+        for row, result in zip(rows, drawn, strict=True):
+            results[row] = result
+        self._add_prompt_logprobs(step, hidden, starts, results)
+        pending = self.input_batch.advance(step, firsts)
+        self.input_batch.record(pending, [result.token_ids[0] for result in drawn])
+        return StepFuture(num_seqs, ready=results)
+
+    @staticmethod
+    def _first_draws(counts: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """Where each row's first draw lies among `tokens` (each row's draws in a run)."""
+        return device_tensor([0, *accumulate(counts)][:-1], tokens.device)
+
+    def _add_prompt_logprobs(
+        self,
+        step: PreparedStep,
+        hidden: torch.Tensor,
+        starts: list[int],
+        results: list[SampleOutput | None],
+    ) -> None:
+        if self.input_batch.prompt_logprob_seqs:
+            add_prompt_logprobs(self.compute_logits, step, hidden, starts, results)
+
+
+class ForwardPass:
+    """A step whose forward pass is launched and whose draws are not (a `LaunchedForward`)."""
+
+    def __init__(self, sampling: StepSampling, step: PreparedStep, hidden: torch.Tensor) -> None:
+        self._sampling = sampling
+        self._step = step
+        self._hidden: torch.Tensor | None = hidden
+
+    @property
+    def sampled(self) -> bool:
+        """Whether `sample` has been called."""
+        return self._hidden is None
+
+    @torch.inference_mode()
+    def sample(self, token_bitmask: TokenBitmask | None) -> StepFuture:
+        """Launch the step's draws under `token_bitmask` (its rows: positions among the step's
+        sampling sequences; None where none is constrained)."""
+        hidden, self._hidden = self._hidden, None
+        if hidden is None:
+            raise RuntimeError("this step's draws were launched already")
+        return self._sampling.draw(self._step, hidden, token_bitmask)
