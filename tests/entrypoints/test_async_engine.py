@@ -208,6 +208,29 @@ def test_a_failing_core_fails_requests_instead_of_hanging(tiny_llama_dir: Path) 
         engine.shutdown()
 
 
+def test_a_failing_output_step_fails_requests_instead_of_hanging(tiny_llama_dir: Path) -> None:
+    """Core steps are turned into outputs on the event loop: an error there fails every waiting
+    request as a failed core step does, and the engine is dead after it."""
+    args = EngineArgs(str(tiny_llama_dir), device="cpu", engine_core_process=False)
+    engine = AsyncLLMEngine.from_engine_args(args)
+
+    def broken_process(*_: object) -> object:
+        raise RuntimeError("detokenizer exploded")
+
+    engine.engine.process = broken_process  # type: ignore[method-assign,assignment]
+
+    async def run() -> None:
+        with pytest.raises(EngineDeadError, match="detokenizer exploded"):
+            async for _ in engine.generate([1, 2], SamplingParams(max_tokens=3), "a"):
+                pass
+
+    try:
+        _run(run())
+        assert engine.errored
+    finally:
+        engine.shutdown()
+
+
 def test_a_killed_core_process_fails_requests_and_leaves_no_process(tiny_llama_dir: Path) -> None:
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(str(tiny_llama_dir), device="cpu"))
     client = engine.engine.client

@@ -181,7 +181,7 @@ class AsyncLLMEngine:
         return self._error is not None
 
     def _loop(self) -> None:
-        while not self._stopped:
+        while not self._stopped and self._error is None:
             if not self.engine.has_unfinished_requests():
                 if self._wake.wait(timeout=IDLE_POLL_S):
                     self._wake.clear()
@@ -211,8 +211,9 @@ class AsyncLLMEngine:
         lock passed back and forth between the two per token)."""
         try:
             outputs = self.engine.process(core_outputs, taken)
-        except EngineDeadError as error:  # handing a stop string's finish to a dead core
-            self._fail(error)
+        except BaseException as error:  # handed to every waiting caller, as a failed step's
+            logger.error("the engine failed: %s", error)
+            self._fail(error if isinstance(error, EngineDeadError) else EngineDeadError(error))
             return
         self._deliver(outputs)
 
