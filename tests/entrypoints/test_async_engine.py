@@ -184,44 +184,29 @@ def test_merged_deltas_equal_the_whole_output(tiny_llama_dir: Path) -> None:
     llm.shutdown()
 
 
-def test_a_failing_core_fails_requests_instead_of_hanging(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("broken", ["core step", "output step"])
+def test_a_failing_step_fails_requests_instead_of_hanging(
+    tiny_llama_dir: Path, broken: str
+) -> None:
+    """A core step that raises, or an error turning a step into outputs (on the event loop),
+    fails every waiting and later request, and the engine is dead after it."""
     args = EngineArgs(str(tiny_llama_dir), device="cpu", engine_core_process=False)
     engine = AsyncLLMEngine.from_engine_args(args)
 
-    def broken_step() -> object:
-        raise RuntimeError("device lost")
+    def fail(*_: object) -> object:
+        raise RuntimeError(f"{broken} lost")
 
-    engine.engine.engine_core.step = broken_step  # type: ignore[method-assign,assignment]
+    if broken == "core step":
+        engine.engine.engine_core.step = fail  # type: ignore[method-assign,assignment]
+    else:
+        engine.engine.process = fail  # type: ignore[method-assign,assignment]
 
     async def run() -> None:
-        with pytest.raises(EngineDeadError, match="device lost"):
+        with pytest.raises(EngineDeadError, match=f"{broken} lost"):
             async for _ in engine.generate([1, 2], SamplingParams(max_tokens=3), "a"):
                 pass
         with pytest.raises(EngineDeadError):
             async for _ in engine.generate([1, 2], SamplingParams(max_tokens=3), "b"):
-                pass
-
-    try:
-        _run(run())
-        assert engine.errored
-    finally:
-        engine.shutdown()
-
-
-def test_a_failing_output_step_fails_requests_instead_of_hanging(tiny_llama_dir: Path) -> None:
-    """Core steps are turned into outputs on the event loop: an error there fails every waiting
-    request as a failed core step does, and the engine is dead after it."""
-    args = EngineArgs(str(tiny_llama_dir), device="cpu", engine_core_process=False)
-    engine = AsyncLLMEngine.from_engine_args(args)
-
-    def broken_process(*_: object) -> object:
-        raise RuntimeError("detokenizer exploded")
-
-    engine.engine.process = broken_process  # type: ignore[method-assign,assignment]
-
-    async def run() -> None:
-        with pytest.raises(EngineDeadError, match="detokenizer exploded"):
-            async for _ in engine.generate([1, 2], SamplingParams(max_tokens=3), "a"):
                 pass
 
     try:
