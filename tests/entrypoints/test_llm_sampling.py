@@ -153,7 +153,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string(text_llm: LLM) -> None
 
 def test_two_threads_draw_what_one_does_and_keep_the_thread_count(llm: LLM) -> None:
     """On the CPU the sampler runs on one torch thread inside each step
-    (`ModelRunner._sampling_threads`); the caller's thread count is back afterwards and the
+    (`worker/step_sampling.sampling_threads`); the caller's thread count is back afterwards and the
     seeded and greedy draws equal a one-thread run's."""
     params = [
         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
