@@ -190,20 +190,17 @@ class AsyncLLMEngine:
                 continue
             try:
                 core_outputs = self.engine.client.get_output()
-            except BaseException as error:  # handed to every waiting caller
-                if self._stopped:
-                    return
-                logger.error("the engine failed: %s", error)
-                self._fail(error if isinstance(error, EngineDeadError) else EngineDeadError(error))
+            except BaseException as error:
+                if not self._stopped:
+                    self._failed(error)
                 return
             taken = time.monotonic()
             loop = self._process_loop
-            try:
-                if loop is None:
-                    raise RuntimeError("no request has come from an event loop yet")
-                loop.call_soon_threadsafe(self._process, core_outputs, taken)
-            except RuntimeError:  # that event loop is closed: this thread processes the step
-                self._process(core_outputs, taken)
+            if loop is not None:
+                with contextlib.suppress(RuntimeError):  # its loop is closed: processed here
+                    loop.call_soon_threadsafe(self._process, core_outputs, taken)
+                    continue
+            self._process(core_outputs, taken)
 
     def _process(self, core_outputs: EngineCoreOutputs, taken: float) -> None:
         """Turn one core step into outputs and hand them to their requests: on the event loop
@@ -211,11 +208,16 @@ class AsyncLLMEngine:
         lock passed back and forth between the two per token)."""
         try:
             outputs = self.engine.process(core_outputs, taken)
-        except BaseException as error:  # handed to every waiting caller, as a failed step's
-            logger.error("the engine failed: %s", error)
-            self._fail(error if isinstance(error, EngineDeadError) else EngineDeadError(error))
+        except BaseException as error:
+            self._failed(error)
             return
         self._deliver(outputs)
+
+    def _failed(self, error: BaseException) -> None:
+        """A step failed (in the core, or turning it into outputs): every waiting caller gets
+        the error."""
+        logger.error("the engine failed: %s", error)
+        self._fail(error if isinstance(error, EngineDeadError) else EngineDeadError(error))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         entries: list[tuple[_Sink, _Item]] = []

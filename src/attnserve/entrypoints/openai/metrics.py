@@ -161,14 +161,14 @@ class RequestTracker:
         now = time.monotonic()
         new_tokens = sum(len(c.token_ids) for c in output.outputs)
         if new_tokens:
-            first = self.last is None
-            if first:
+            last = self.last
+            if last is None:
                 self.metrics.ttft.observe(now - self.received)
                 self.metrics.prompt_tokens.inc(len(output.prompt_token_ids))
                 self.metrics.breakdown.request(self.received, self.tokenized, output.submitted)
-            elif self.last is not None:
-                self.metrics.tpot.observe(now - self.last)
-            self._stages(output, now, first)
+            else:
+                self.metrics.tpot.observe(now - last)
+            self._stages(output, now, first=last is None)
             self.last = now
             self.metrics.generation_tokens.inc(new_tokens)
         if output.finished:
