@@ -39,13 +39,19 @@ _ERROR_TYPES = {
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}  # e.g. Retry-After on a 503, Allow on a 405
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> str:
@@ -66,7 +72,7 @@ def error_response(error: ApiError) -> JSONResponse:
         log = logger.warning if error.status < 500 else logger.error
     log("%d %s", error.status, error.message)
     body = error_body(error.status, error.message, error.param, error.code)
-    return JSONResponse(json.loads(body), status_code=error.status)
+    return JSONResponse(json.loads(body), status_code=error.status, headers=error.headers)
 
 
 def _describe(errors: list[Any]) -> tuple[str, str | None]:
