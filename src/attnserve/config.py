@@ -44,6 +44,9 @@ class CacheConfig:
             )
 
 
+LONG_PREFILL_FRACTION = 0.04  # of max_model_len: vLLM's default long-prefill threshold
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per step at most max_num_seqs sequences and max_num_batched_tokens new tokens; when the
@@ -55,6 +58,16 @@ class SchedulerConfig:
     max_model_len: int = 8192
     preemption_mode: str = "recompute"
     async_scheduling: bool = True
+    long_prefill_token_threshold: int = 0  # 0: 4% of max_model_len (vLLM's value)
+    max_long_partial_prefills: int = 1
+
+    @property
+    def long_prefill_tokens(self) -> int:
+        """A prompt with more tokens than this left to compute is long (the scheduler's
+        docstring says how long prompts share the budget)."""
+        if self.long_prefill_token_threshold:
+            return self.long_prefill_token_threshold
+        return max(1, int(self.max_model_len * LONG_PREFILL_FRACTION))
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -69,6 +82,15 @@ class SchedulerConfig:
             )
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0: 4% of max_model_len), got "
+                f"{self.long_prefill_token_threshold}"
+            )
+        if self.max_long_partial_prefills < 1:
+            raise ValueError(
+                f"max_long_partial_prefills must be >= 1, got {self.max_long_partial_prefills}"
+            )
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")

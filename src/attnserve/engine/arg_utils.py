@@ -39,6 +39,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 LARGE_GPU_GIB = 70
 LARGE_GPU_OFFLINE_LIMITS = (1024, 16384)  # max_num_seqs, max_num_batched_tokens
 LARGE_GPU_SERVER_LIMITS = (1024, 8192)
+CPU_SERVER_MAX_NUM_BATCHED_TOKENS = 512  # a CPU step with a prompt chunk stays under a second
 
 
 def _arg(default: Any, help_text: str) -> Any:
@@ -93,7 +94,16 @@ class EngineArgs:
         None,
         f"most new tokens in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; on a GPU of "
         f"{LARGE_GPU_GIB} GiB or more: {LARGE_GPU_OFFLINE_LIMITS[1]} offline, "
-        f"{LARGE_GPU_SERVER_LIMITS[1]} for the server, as vLLM)",
+        f"{LARGE_GPU_SERVER_LIMITS[1]} for the server, as vLLM; the server on the CPU: "
+        f"{CPU_SERVER_MAX_NUM_BATCHED_TOKENS})",
+    )
+    long_prefill_token_threshold: int = _arg(
+        0,
+        "a prompt with more tokens than this left to compute is long: short prompts start "
+        "before long ones and keep the tokens they need in a step (0: max_model_len / 25, as vLLM)",
+    )
+    max_long_partial_prefills: int = _arg(
+        1, "most long prompts a step leaves part-way through their prefill"
     )
     enable_prefix_caching: bool = _arg(
         True, "reuse the cached KV blocks of prompt prefixes seen before"
@@ -158,7 +168,11 @@ class EngineArgs:
     def with_server_defaults(self) -> EngineArgs:
         """These arguments for the server (`attnserve serve`): on a GPU of LARGE_GPU_GIB or
         more, the step limits not given are vLLM's online ones there (as many sequences as
-        offline, half the tokens a step: a step that carries prompt chunks stays short)."""
+        offline, half the tokens a step: a step that carries prompt chunks stays short); on
+        the CPU, CPU_SERVER_MAX_NUM_BATCHED_TOKENS a step, for the same reason."""
+        if self.resolved_device().type == "cpu":
+            tokens = _given_or(self.max_num_batched_tokens, CPU_SERVER_MAX_NUM_BATCHED_TOKENS)
+            return dataclasses.replace(self, max_num_batched_tokens=tokens)
         return self._with_large_gpu_limits(LARGE_GPU_SERVER_LIMITS)
 
     def _with_large_gpu_limits(self, limits: tuple[int, int]) -> EngineArgs:
@@ -212,6 +226,8 @@ class EngineArgs:
             max_model_len=model_config.max_model_len,
             preemption_mode=self.preemption_mode,
             async_scheduling=self.async_scheduling,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_long_partial_prefills=self.max_long_partial_prefills,
         )
         speculative_config = (
             None

@@ -17,6 +17,12 @@ The policy, once per step, within `max_num_seqs` sequences and `max_num_batched_
    new sequence first takes the cached blocks of its longest cached prefix (prefix caching) and
    computes only the rest (unless it asks for prompt log-probabilities, which need every prompt
    token computed); a long prompt is split into chunks across steps (chunked prefill).
+Prompts share the budget (vLLM's partial-prefill limits): a prompt with more than
+`long_prefill_token_threshold` tokens left to compute is long. Short waiting prompts start before
+long ones, and the prompts already running leave them the tokens they need this step; at most
+`max_long_partial_prefills` long prompts are left mid-prefill by a step, the others wait their
+turn. So a long prompt, or a request of many, holds a short one back a step, not for its whole
+prefill; a lone prompt takes the whole budget.
 A step that had to preempt admits nothing new (no thrashing). Writes into a block shared with a
 parallel-sampling sibling copy it first (copy-on-write).
 """
@@ -94,8 +100,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
         self.num_lookahead_tokens = 0  # positions a draft model writes past a step
+        self.num_steps = 0  # `schedule` calls so far
 
     def add(self, seq: Sequence) -> None:
+        seq.arrival_step = self.num_steps
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -125,22 +133,13 @@ class Scheduler:
         return seqs
 
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
-        for decodes in (True, False):
-            for seq in list(self.running):
-                if budget == 0:
-                    break
-                if seq.status is not SequenceStatus.RUNNING or self._ends_when_resolved(seq):
-                    continue
-                if (seq.num_uncomputed_tokens == 1) is not decodes:
-                    continue
-                drafts = self._drafts(seq, budget) if decodes else []
-                chunk = min(seq.num_uncomputed_tokens, budget) + len(drafts)
-                if self._make_room(seq, chunk, out):
-                    out.scheduled.append(ScheduledSequence(seq, chunk, drafts))
-                    budget -= chunk
+        budget = self._schedule_running(out, budget, decodes=True)
+        reserve = 0 if self.swapped else self._short_prompt_reserve(out, budget)
+        budget = self._schedule_running(out, budget - reserve, decodes=False) + reserve
         if self.num_preemptions == preemptions_before:
             budget = self._swap_in(out, budget)
         if self.num_preemptions == preemptions_before and not self.swapped:
@@ -148,6 +147,51 @@ class Scheduler:
         out.scheduled.sort(key=lambda item: not item.is_prefill)
         self._look_ahead(out)
         return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, decodes: bool) -> int:
+        """Schedule the running sequences that decode (or, with `decodes` False, those in
+        their prompt) within `budget`; return what is left of it."""
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or self._ends_when_resolved(seq):
+                continue
+            if (seq.num_uncomputed_tokens == 1) is not decodes:
+                continue
+            drafts = self._drafts(seq, budget) if decodes else []
+            chunk = min(seq.num_uncomputed_tokens, budget) + len(drafts)
+            if self._make_room(seq, chunk, out):
+                out.scheduled.append(ScheduledSequence(seq, chunk, drafts))
+                budget -= chunk
+        return budget
+
+    def _is_long(self, seq: Sequence) -> bool:
+        return seq.num_uncomputed_tokens > self.config.long_prefill_tokens
+
+    def _short_prompt_reserve(self, out: SchedulerOutput, budget: int) -> int:
+        """The tokens of `budget` kept from running prompts for the short waiting prompts
+        that can start this step (in queue order, while sequence slots and free blocks last)."""
+        reserve = blocks = 0
+        slots = self.config.max_num_seqs - len(out.scheduled)
+        for seq in self.waiting:
+            if reserve >= budget or slots == 0:
+                break
+            if self._is_long(seq):
+                continue
+            blocks += seq.block_table.extra_blocks_for(seq.num_tokens)
+            if not self.allocator.can_allocate(blocks):
+                break
+            reserve += seq.num_uncomputed_tokens
+            slots -= 1
+        return min(reserve, budget)
+
+    def _long_prefills(self, out: SchedulerOutput) -> int:
+        """Running long prompts that still have tokens to compute after this step."""
+        chunks = {id(item.seq): item.num_new_tokens for item in out.scheduled}
+        return sum(
+            self._is_long(seq) and seq.num_uncomputed_tokens > chunks.get(id(seq), 0)
+            for seq in self.running
+        )
 
     def _ends_when_resolved(self, seq: Sequence) -> bool:
         """Whether `seq`'s pending draw (async scheduling) ends it by length whatever the token:
@@ -204,8 +248,14 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and self._room_left(out, budget):
-            seq = self.waiting[0]
+        """Admit waiting sequences, the short prompts first, each group in queue order (the
+        policy in the module docstring); a long one only while fewer than
+        `max_long_partial_prefills` long prompts would be left mid-prefill after this step."""
+        long_slots = self.config.max_long_partial_prefills - self._long_prefills(out)
+        for seq in sorted(self.waiting, key=self._is_long):
+            long = self._is_long(seq)
+            if not self._room_left(out, budget) or (long and long_slots <= 0):
+                return
             if not seq.block_table.blocks and seq.sampling_params.prompt_logprobs is None:
                 # (prompt log-probabilities need every prompt token computed: no cache hits)
                 seq.num_computed_tokens = seq.block_table.match_prefix(seq.token_ids)
@@ -215,8 +265,11 @@ class Scheduler:
                 seq.reset_for_recompute()
                 return
             seq.block_table.ensure_capacity(end)
-            self.waiting.popleft()
-            seq.first_scheduled_at = seq.first_scheduled_at or time.monotonic()
+            self.waiting.remove(seq)
+            if not seq.first_scheduled_at:
+                seq.first_scheduled_at = time.monotonic()
+                seq.queued_steps = self.num_steps - seq.arrival_step
+            long_slots -= long and chunk < seq.num_uncomputed_tokens
             self._start(seq, chunk, out)
             budget -= chunk
 

@@ -53,6 +53,8 @@ class Sequence:
         self.num_pending_tokens = 0  # drawn by a launched step, not yet read back
         self.status = SequenceStatus.WAITING
         self.first_scheduled_at = 0.0  # time.monotonic() when a step first took it
+        self.arrival_step = 0  # the scheduler's step count when it arrived ...
+        self.queued_steps = 0  # ... and the steps it then waited before a step first took it
         self.finish_reason: str | None = None
         self.num_forks_pending = sampling_params.num_candidates - 1
         self.logprobs: list[TokenLogprobs] = []
