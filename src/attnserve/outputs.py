@@ -67,6 +67,7 @@ class RequestOutput:
     step_timings: StepTimings | None = None
     submitted: float = 0.0  # time.monotonic() when the front end handed the request to the core
     scheduled: float = 0.0  # ... and when a core step first took it (0.0: not yet, or unknown)
+    queued_steps: int = 0  # the steps the core's scheduler ran between the two
 
     @staticmethod
     def merged(outputs: Sequence[RequestOutput]) -> RequestOutput:
@@ -88,4 +89,5 @@ class RequestOutput:
             step_timings=first.step_timings,
             submitted=first.submitted,
             scheduled=first.scheduled,
+            queued_steps=first.queued_steps,
         )

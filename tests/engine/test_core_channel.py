@@ -8,17 +8,20 @@ import pickle
 import threading
 from dataclasses import fields
 from multiprocessing import Pipe
-from typing import Any
+from typing import Any, TypeVar
 
 from attnserve.engine.core.loop import pipe_emit, pipe_take, run_core
 from attnserve.engine.core.messages import (
     PICKLE_PROTOCOL,
     CoreCommand,
+    CoreGauges,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
 )
 from attnserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 GUARD_S = 60.0  # only a broken channel waits this long
 
@@ -80,6 +83,9 @@ class _RecordingCore:
             assert self.release.wait(GUARD_S)
         return EngineCoreOutputs([EngineCoreOutput(r, 0, [1]) for r in scheduled])
 
+    def stats(self) -> dict[str, float]:
+        return {"num_waiting": len(self.waiting), "num_steps": self.steps}
+
     def shutdown(self) -> None:
         self.log.append("shutdown")
 
@@ -105,7 +111,7 @@ def test_a_request_that_arrives_during_a_step_is_in_the_next_step() -> None:
     assert core.in_step.wait(GUARD_S)  # step 1 runs (and waits) with "first"
     commands.send_bytes(pickle.dumps(_request("late")))
     core.release.set()
-    steps = [pickle.loads(messages.recv_bytes()) for _ in range(2)]
+    steps = _received(messages, EngineCoreOutputs, 2)
     commands.send_bytes(pickle.dumps((CoreCommand.SHUTDOWN, None)))
     thread.join(GUARD_S)
     assert [[o.request_id for o in step.outputs] for step in steps] == [["first"], ["late"]]
@@ -116,6 +122,28 @@ def test_a_request_that_arrives_during_a_step_is_in_the_next_step() -> None:
         "step 2 schedules ['late']",
         "shutdown",
     ]
+
+
+def _received(messages: Any, kind: type[T], count: int) -> list[T]:
+    """The next `count` messages of `kind` from the core (the others passed over)."""
+    found: list[T] = []
+    while len(found) < count:
+        assert messages.poll(GUARD_S)
+        message = pickle.loads(messages.recv_bytes())
+        if isinstance(message, kind):
+            found.append(message)
+    return found
+
+
+def test_the_core_pushes_its_gauges_when_it_goes_idle() -> None:
+    core = _RecordingCore(block_at=0)
+    commands, messages, thread = _serve(core)
+    assert _received(messages, CoreGauges, 1)[0].stats == {"num_waiting": 0, "num_steps": 0}
+    commands.send_bytes(pickle.dumps(_request("first")))
+    _received(messages, EngineCoreOutputs, 1)
+    assert _received(messages, CoreGauges, 1)[0].stats == {"num_waiting": 0, "num_steps": 1}
+    commands.send_bytes(pickle.dumps((CoreCommand.SHUTDOWN, None)))
+    thread.join(GUARD_S)
 
 
 def test_a_burst_is_read_while_a_step_runs() -> None:

@@ -33,6 +33,7 @@ from attnserve.engine_config import EngineConfig
 from attnserve.model.config import LOAD_FORMATS, ModelConfig
 from attnserve.model.default_model import default_model_dir
 from attnserve.model.quantization.resolve import check_quantization
+from attnserve.structured_outputs import StructuredOutputsConfig
 
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -138,6 +139,11 @@ class EngineArgs:
         None,
         'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, '
         '"prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}',
+    )
+    structured_outputs_config: dict[str, Any] | None = _arg(  # noqa: RUF009 (the default is None)
+        None,
+        'structured outputs\' limits, as JSON: {"cache_bytes": 67108864 (compiled grammars each '
+        'process keeps), "max_spec_bytes": 524288 (largest spec), "compile_timeout_s": 10}',
     )
     engine_core_process: bool | None = _arg(
         None,
@@ -251,6 +257,9 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             speculative_config=speculative_config,
             draft_model_config=draft,
+            structured_outputs_config=StructuredOutputsConfig.from_dict(
+                self.structured_outputs_config
+            ),
         )
 
     def create_parallel_config(self, device: torch.device) -> ParallelConfig:

@@ -15,7 +15,8 @@ one output, not one per token.
 `abort(request_id)` ends a request (a consumer that stops iterating early aborts its request the
 same way); `end_all(reason)` ends every request in flight with `RequestEndedError` (a server's
 drain past its shutdown timeout); when the core dies, every waiting and later request raises
-`EngineDeadError`, until `restart()` starts a new core.
+`EngineDeadError`, until `restart()` starts a new core (a new core that fails to start raises
+`EngineDeadError` there, and stays the engine's error until a later `restart()` succeeds).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from attnserve.engine.arg_utils import EngineArgs
@@ -140,16 +141,34 @@ class AsyncLLMEngine:
 
     def restart(self) -> None:
         """After the core died: shut the old engine down and start a new one from the same
-        arguments (RuntimeError for an engine not built from them, or one still alive)."""
+        arguments. EngineDeadError when the new core does not start (the engine's error from
+        then on: another restart() may follow) or the engine was shut down meanwhile;
+        RuntimeError for an engine not built from arguments, or one still alive."""
         if self.args is None or self._error is None:
             raise RuntimeError("restart() needs a dead engine built by from_engine_args")
         self._thread.join(timeout=10)
         self.engine.shutdown()
-        self.engine = LLMEngine(self.args, default_core_process=True, thread_safe=True)
+        try:
+            engine = LLMEngine(self.args, default_core_process=True, thread_safe=True)
+        except Exception as error:
+            failed = EngineDeadError(f"a new engine core did not start: {error}")
+            with self._lock:
+                self._error = failed
+            raise failed from error
         with self._lock:
-            self._error = None
+            stopped = self._stopped
+            if not stopped:
+                self.engine, self._error = engine, None
+        if stopped:
+            engine.shutdown()
+            raise EngineDeadError("the engine was shut down while a new core started")
         self._last_stats = None
         self._thread = self._start_output_thread()
+
+    @property
+    def core_pids(self) -> list[int]:
+        """The engine core processes' ids (none for a core in this process)."""
+        return self.engine.client.core_pids
 
     def end_all(self, reason: str) -> None:
         """End every request in flight: each raises `RequestEndedError(reason)` in its caller
@@ -285,10 +304,18 @@ class AsyncLLMEngine:
             self.engine.abort_request(request_id)
 
     def stats(self) -> dict[str, float]:
-        """The core's gauges (the last ones it gave, once it is gone)."""
+        """The core's gauges, after every command sent before (the last ones it gave, once it
+        is gone)."""
+        return self._gauges(self.engine.stats)
+
+    def latest_stats(self) -> dict[str, float]:
+        """The core's gauges as it last pushed them: at once, never waiting for a step."""
+        return self._gauges(self.engine.latest_stats)
+
+    def _gauges(self, read: Callable[[], dict[str, float]]) -> dict[str, float]:
         if not self.errored:
             try:
-                self._last_stats = self.engine.stats()
+                self._last_stats = read()
             except EngineDeadError as error:
                 self._fail(error)
         if self._last_stats is None:

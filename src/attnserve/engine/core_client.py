@@ -5,7 +5,8 @@ in a process of its own) and `DPClient` (`dp_client`: several core processes) bu
 
 Every client takes requests, aborts and stop-string finishes, hands out the core's
 `EngineCoreOutputs` one step at a time (`get_output`, blocking until the next step) and answers
-`stats()`. The background clients only queue commands, so a caller never waits for a step; a
+`stats()` (and `latest_stats()`: the gauges the core last pushed, at once). The background
+clients only queue commands, so a caller never waits for a step; a
 call (`stats`) is answered in order, after every command sent before it. When the core dies
 (its process is killed, a step raises), every waiting and later use raises `EngineDeadError`
 within moments: the process's pipe reads EOF, and a reader thread turns that into the error.
@@ -26,6 +27,7 @@ from attnserve.engine.core.messages import (
     Command,
     CoreCommand,
     CoreFailed,
+    CoreGauges,
     CoreMessage,
     CoreReady,
     EngineCoreOutputs,
@@ -65,6 +67,11 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def stats(self) -> dict[str, float]: ...
 
+    def latest_stats(self) -> dict[str, float]:
+        """The core's gauges as it last pushed them (`CoreGauges`): at once, without waiting
+        for the step in flight."""
+        return self.stats()
+
     @abstractmethod
     def reset_stats(self) -> None:
         """Start the core's counters again (`EngineCore.reset_stats`)."""
@@ -76,6 +83,11 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the core and free what it holds (idempotent)."""
+
+    @property
+    def core_pids(self) -> list[int]:
+        """The ids of the core's processes (none for a core in this process)."""
+        return []
 
     @property
     def engine_core(self) -> EngineCore:
@@ -143,6 +155,7 @@ class ChannelClient(EngineCoreClient):
         self._lock = threading.Lock()
         self._failure: str | None = None
         self._closed = False
+        self._gauges: dict[str, float] | None = None
         self.error: EngineDeadError | None = None
 
     @abstractmethod
@@ -156,6 +169,8 @@ class ChannelClient(EngineCoreClient):
                 future = self._calls.pop(message.call_id, None)
             if future is not None:
                 future.set_result(message.result)
+        elif isinstance(message, CoreGauges):
+            self._gauges = message.stats
         elif isinstance(message, CoreFailed):
             self._failure = message.message
 
@@ -210,6 +225,10 @@ class ChannelClient(EngineCoreClient):
     def stats(self) -> dict[str, float]:
         result: dict[str, float] = self.call("stats")
         return result
+
+    def latest_stats(self) -> dict[str, float]:
+        gauges = self._gauges  # (the core pushes its first as soon as it serves)
+        return self.stats() if gauges is None else gauges
 
     def reset_stats(self) -> None:
         self.call("reset_stats")

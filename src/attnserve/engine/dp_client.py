@@ -176,13 +176,10 @@ class DPClient(EngineCoreClient):
         return [client.stats() for client in self.clients]
 
     def stats(self) -> dict[str, float]:
-        each = self.core_stats()
-        merged = {key: sum(s[key] for s in each) for key in _SUMMED_STATS}
-        for key in ("kv_cache_usage", "prefix_cache_hit_rate"):  # equal caches: the mean
-            merged[key] = sum(s[key] for s in each) / len(each)
-        if SPEC_DECODE_COUNTS[0] in each[0]:
-            merged |= spec_decode_stats(*(sum(s[k] for s in each) for k in SPEC_DECODE_COUNTS))
-        return merged
+        return _merged_stats(self.core_stats())
+
+    def latest_stats(self) -> dict[str, float]:
+        return _merged_stats([client.latest_stats() for client in self.clients])
 
     def reset_stats(self) -> None:
         for client in self.clients:
@@ -192,6 +189,20 @@ class DPClient(EngineCoreClient):
         for client in self.clients:
             client.check_health()
 
+    @property
+    def core_pids(self) -> list[int]:
+        return [pid for client in self.clients for pid in client.core_pids]
+
     def shutdown(self) -> None:
         for client in self.clients:
             client.shutdown()
+
+
+def _merged_stats(each: list[dict[str, float]]) -> dict[str, float]:
+    """The cores' gauges as one engine's: counts summed, rates averaged."""
+    merged = {key: sum(s[key] for s in each) for key in _SUMMED_STATS}
+    for key in ("kv_cache_usage", "prefix_cache_hit_rate"):  # equal caches: the mean
+        merged[key] = sum(s[key] for s in each) / len(each)
+    if SPEC_DECODE_COUNTS[0] in each[0]:
+        merged |= spec_decode_stats(*(sum(s[k] for s in each) for k in SPEC_DECODE_COUNTS))
+    return merged

@@ -91,7 +91,12 @@ class LLMEngine:
             self.client.shutdown()
             raise
         ready = self.client.ready
-        self.processor = Processor(self.model_config, self.tokenizer, ready.kv_cache_tokens)
+        self.processor = Processor(
+            self.model_config,
+            self.tokenizer,
+            ready.kv_cache_tokens,
+            self.config.structured_outputs_config,
+        )
         self.output_processor = OutputProcessor()
         self.step_stats = StepStats()
         self._lock = threading.Lock()  # the output processor, for callers on several threads
@@ -186,6 +191,10 @@ class LLMEngine:
         """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate (after every
         command sent before this call)."""
         return self.client.stats()
+
+    def latest_stats(self) -> dict[str, float]:
+        """The gauges the core last pushed, at once (`EngineCoreClient.latest_stats`)."""
+        return self.client.latest_stats()
 
     def reset_stats(self) -> None:
         """Start the core's counters (prefix-cache hits, preemptions) again."""

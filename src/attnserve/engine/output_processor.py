@@ -59,6 +59,7 @@ class RequestState:
         self.request_id = request_id
         self.submitted = 0.0  # when the front end handed it to the core (time.monotonic())
         self.scheduled = 0.0  # when a core step first took it
+        self.queued_steps = 0  # the steps the core's scheduler ran before that
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -96,6 +97,8 @@ class RequestState:
             self.prompt_logprobs = out.prompt_logprobs
         if out.scheduled_at is not None:
             self.scheduled = out.scheduled_at
+        if out.queued_steps is not None:
+            self.queued_steps = out.queued_steps
         if out.finish_reason is not None:
             self._finish(completion, out.finish_reason)
             completion.ended_by_stop_token = out.finish_reason == "stop" and bool(out.new_token_ids)
@@ -186,6 +189,7 @@ class RequestState:
             else None,
             submitted=self.submitted,
             scheduled=self.scheduled,
+            queued_steps=self.queued_steps,
         )
 
 

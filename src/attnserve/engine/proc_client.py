@@ -105,6 +105,10 @@ class ProcClient(ChannelClient):
         self._reader: threading.Thread | None = None
         atexit.register(self.shutdown)
 
+    @property
+    def core_pids(self) -> list[int]:
+        return [self.process.pid] if self.process.pid is not None else []
+
     def wait_ready(self) -> None:
         """Wait for the core's `CoreReady`; its own exception (or a RuntimeError) if it fails."""
         ready = wait([self._messages, self.process.sentinel], timeout=STARTUP_TIMEOUT_S)
@@ -127,7 +131,7 @@ class ProcClient(ChannelClient):
         if not ready:
             raise RuntimeError(f"the engine core did not start in {STARTUP_TIMEOUT_S:.0f} s")
         raise RuntimeError(
-            f"the engine core process exited while starting "
+            f"the engine core process (pid {self.process.pid}) exited while starting "
             f"({_exit_description(self.process.exitcode)})"
         )
 

@@ -19,6 +19,7 @@ from attnserve.engine.core.grammar import grammar_cache
 from attnserve.engine.core.messages import EngineCoreRequest
 from attnserve.model.config import ModelConfig
 from attnserve.sampling_params import SamplingParams
+from attnserve.structured_outputs import StructuredOutputsConfig
 
 
 class Processor:
@@ -27,8 +28,10 @@ class Processor:
         model_config: ModelConfig,
         tokenizer: PreTrainedTokenizerBase | None,
         kv_cache_tokens: int,
+        structured_outputs_config: StructuredOutputsConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        self.structured_outputs_config = structured_outputs_config
         self.tokenizer = tokenizer
         self.kv_cache_tokens = kv_cache_tokens
         self._counter = itertools.count()
@@ -65,10 +68,12 @@ class Processor:
 
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the request's structured-output grammar, if it has one (a cache hit for a
-        spec seen before); ValueError with the compiler's message for a bad spec."""
+        spec seen before); ValueError with the compiler's message for a bad spec, or naming
+        the limit (size, compile time) it is past."""
         if params.structured_outputs is not None:
-            cache = grammar_cache(self.model_config, self.tokenizer)
-            cache.compile(params.structured_outputs)
+            config = self.structured_outputs_config
+            cache = grammar_cache(self.model_config, self.tokenizer, config)
+            cache.check(params.structured_outputs)
 
     def process(
         self, request_id: str, token_ids: list[int], params: SamplingParams

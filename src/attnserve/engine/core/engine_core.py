@@ -67,6 +67,7 @@ def _outputs(seq: Sequence, drew: bool) -> list[EngineCoreOutput]:
                 seq.finish_reason if j == -1 else None,
                 seq.prompt_logprobs if first and params.prompt_logprobs is not None else None,
                 seq.first_scheduled_at if first else None,
+                seq.queued_steps if first else None,
             )
         )
     return outputs
@@ -108,7 +109,9 @@ class EngineCore:
         self.eos_token_ids = list(config.model_config.eos_token_ids)
         # the rank runs in this process on CUDA: token bitmasks in pinned memory (async copies)
         pinned = config.device.type == "cuda" and parallel_config.executor_backend == "uni"
-        self.structured_outputs = StructuredOutputManager(config.model_config, pinned)
+        self.structured_outputs = StructuredOutputManager(
+            config.model_config, pinned, config.structured_outputs_config
+        )
         self.requests: dict[str, dict[int, Sequence]] = {}  # request id -> index -> sequence
         self._ended: list[str] = []  # requests ended since the last report
         self.pipeline = StepPipeline(

@@ -2,7 +2,8 @@
 
 `run_core` serves one `EngineCore` until it is told to stop: it takes every queued command
 between steps (adds, aborts, stop-string finishes, calls), runs one step and emits ONE
-`EngineCoreOutputs` for it, and when it has nothing to do it blocks until a command comes. The
+`EngineCoreOutputs` for it, and when it has nothing to do it blocks until a command comes. Its
+gauges (`CoreGauges`) go out every GAUGE_INTERVAL_S while it steps and before it blocks. The
 transport is two callables, so the same loop runs in a thread (queues) or in a process of its own
 (`run_engine_core_process`: `multiprocessing.connection` pipes, pickle protocol 5).
 
@@ -33,6 +34,7 @@ import torch
 from attnserve.engine.core.engine_core import EngineCore
 from attnserve.engine.core.messages import (
     CALLABLE_METHODS,
+    GAUGE_INTERVAL_S,
     HEARTBEAT_INTERVAL_S,
     PICKLE_PROTOCOL,
     CallReply,
@@ -40,6 +42,7 @@ from attnserve.engine.core.messages import (
     CoreAlive,
     CoreCommand,
     CoreFailed,
+    CoreGauges,
     CoreMessage,
 )
 from attnserve.engine_config import EngineConfig
@@ -75,9 +78,14 @@ def _apply(core: EngineCore, command: Command, emit: Emit) -> bool:
 def run_core(core: EngineCore, take: Take, emit: Emit) -> bool:
     """Serve `core` until a shutdown command (or the channel closes), then shut it down; False
     after a failure, which is emitted as `CoreFailed` first."""
+    gauges_at = 0.0  # time.monotonic() of the last `CoreGauges`
     try:
         while True:
-            for command in take(not core.has_work()):
+            idle = not core.has_work()
+            if idle or time.monotonic() - gauges_at >= GAUGE_INTERVAL_S:
+                emit(CoreGauges(core.stats()))
+                gauges_at = time.monotonic()
+            for command in take(idle):
                 if not _apply(core, command, emit):
                     return True
             if core.has_work():

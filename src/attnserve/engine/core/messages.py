@@ -59,12 +59,14 @@ class EngineCoreOutput:
     cumulative_logprob: float | None = None  # the sum of the drawn tokens' log-probabilities
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
-    scheduled_at: float | None = None  # first outputs: when a step first took the request
+    scheduled_at: float | None = None  # first outputs: when a step first took the request,
+    queued_steps: int | None = None  # ... and how many steps the scheduler ran before that
 
 
 # The fields of `EngineCoreOutput` that most outputs leave at None, sent only where set.
 _SPARSE_FIELDS = (
     "new_logprobs", "cumulative_logprob", "finish_reason", "prompt_logprobs", "scheduled_at",
+    "queued_steps",
 )  # fmt: skip
 
 
@@ -127,6 +129,17 @@ HEARTBEAT_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True)
+class CoreGauges:
+    """The core's `stats()`, pushed every `GAUGE_INTERVAL_S` while it steps and each time it
+    goes idle: its front end answers `/metrics` from them, never waiting for a step."""
+
+    stats: dict[str, float]
+
+
+GAUGE_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
 class CoreReady:
     """The core is up: what the front end needs to know of it."""
 
@@ -152,4 +165,4 @@ class CoreFailed:
         return cls(f"{type(error).__name__}: {error}", error)
 
 
-CoreMessage = EngineCoreOutputs | CoreReady | CallReply | CoreFailed | CoreAlive
+CoreMessage = EngineCoreOutputs | CoreReady | CallReply | CoreFailed | CoreAlive | CoreGauges

@@ -1,7 +1,7 @@
 """`StructuredOutputManager`: the engine core's side of structured outputs.
 
 A constrained request waits here, outside the scheduler, until its grammar is compiled (on the
-`GrammarCache`'s thread, so steps go on meanwhile; a spec compiled before is ready at once), then
+`GrammarCache`'s threads, so steps go on meanwhile; a spec compiled before is ready at once), then
 enters the scheduler with its matcher. After each step's tokens are in place, `advance` feeds
 them to the matchers and names the sequences the grammar ends: a terminated matcher ends its
 sequence with "stop" (also under `ignore_eos`); a token the matcher refuses (never drawn under
@@ -20,14 +20,19 @@ device reaches it.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
 
-from attnserve.engine.core.grammar import CompiledGrammar, GrammarCache, grammar_cache
+from attnserve.engine.core.grammar import (
+    CompiledGrammar,
+    GrammarCache,
+    grammar_cache,
+    mark_core_process,
+)
 from attnserve.engine.core.sequence import Sequence
 from attnserve.engine.core.sequence_grammar import SequenceGrammar, token_bitmask
 from attnserve.model.config import ModelConfig
 from attnserve.step_types import TokenBitmask
-from attnserve.structured_outputs import StructuredOutputsParams
+from attnserve.structured_outputs import StructuredOutputsConfig, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +41,23 @@ COMPILE_WAIT_S = 0.05
 
 
 class StructuredOutputManager:
-    def __init__(self, model_config: ModelConfig, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        pin_memory: bool = False,
+        config: StructuredOutputsConfig | None = None,
+    ) -> None:
         self.model_config = model_config
         self.pin_memory = pin_memory
+        self.config = config
         self._cache: GrammarCache | None = None
+        mark_core_process(model_config, config)  # a front end here: its checks feed this core
         self._compiling: list[tuple[Sequence, Future[CompiledGrammar]]] = []
 
     @property
     def cache(self) -> GrammarCache:
         if self._cache is None:
-            self._cache = grammar_cache(self.model_config)
+            self._cache = grammar_cache(self.model_config, config=self.config)
         return self._cache
 
     @property
@@ -65,7 +77,7 @@ class StructuredOutputManager:
         ready = [(seq, future) for seq, future in self._compiling if future.done()]
         self._compiling = [(seq, future) for seq, future in self._compiling if not future.done()]
         for seq, future in ready:
-            error = future.exception()
+            error = CancelledError() if future.cancelled() else future.exception()
             if error is None:
                 seq.grammar = SequenceGrammar(self.cache, future.result())
             else:  # the front end compiled it before sending: not expected here

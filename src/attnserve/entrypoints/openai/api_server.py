@@ -31,7 +31,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
 from attnserve.engine.warmup import warm_up
+from attnserve.entrypoints.openai.admission import Admission
 from attnserve.entrypoints.openai.cli_args import (
+    DEFAULT_MAX_ENGINE_CORE_RESTARTS,
+    DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_REQUEST_BYTES,
     auto_tool_call_parser,
     is_loopback,
@@ -44,6 +47,7 @@ from attnserve.entrypoints.openai.errors import (
     error_response,
     install_error_handlers,
 )
+from attnserve.entrypoints.openai.json_body import JsonBodyRoute
 from attnserve.entrypoints.openai.lifecycle import (
     ANSWERS_OUT_S,
     BodyDeadlineMiddleware,
@@ -116,6 +120,9 @@ class ServerOptions:
     request_timeout_s: float | None = None
     request_read_timeout_s: float = 30.0
     restart_engine_core: bool = False
+    max_engine_core_restarts: int = DEFAULT_MAX_ENGINE_CORE_RESTARTS
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    max_request_prompt_tokens_in_flight: int | None = None  # None: half the KV cache
 
 
 def build_app(
@@ -130,14 +137,19 @@ def build_app(
     so the engine core is stopped before the process exits."""
     options = options or ServerOptions()
     metrics = ServerMetrics(
-        engine.stats, lambda: not engine.errored, lambda: engine.engine.step_stats
+        engine.latest_stats, lambda: not engine.errored, lambda: engine.engine.step_stats
     )
     lifecycle = ServerLifecycle(
-        engine, metrics, options.shutdown_timeout_s, options.restart_engine_core
+        engine,
+        metrics,
+        options.shutdown_timeout_s,
+        options.restart_engine_core,
+        options.max_engine_core_restarts,
     )
     completion = OpenAIServingCompletion(engine, model_name, metrics)
     chat = OpenAIServingChat(engine, model_name, metrics, options.tool_call_parser)
     completion.request_timeout_s = chat.request_timeout_s = options.request_timeout_s
+    completion.admission = chat.admission = _admission(engine, options, metrics)
     tokenization = OpenAIServingTokenization(engine, model_name, metrics)
     ready = asyncio.Event()
     if not warm:
@@ -164,13 +176,14 @@ def build_app(
     app = _App(
         title="attnserve", version=__version__, summary="OpenAI-compatible API", lifespan=lifespan
     )
+    app.router.route_class = JsonBodyRoute  # JSON bodies nested too deeply: a 400 saying so
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _on_disconnect)
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503]})
     async def health() -> HealthResponse:
         if engine.errored:
-            raise ApiError(503, f"the engine has failed: {engine.error}")
+            raise ApiError(503, lifecycle.engine_failure())
         if lifecycle.draining:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         if not ready.is_set():
@@ -179,7 +192,7 @@ def build_app(
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
-        text = await asyncio.to_thread(metrics.render)  # stats() waits for the step in flight
+        text = metrics.render()  # from the gauges the core last pushed: no step is waited for
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     card = ModelCard(id=model_name, max_model_len=completion.max_model_len)
@@ -234,6 +247,17 @@ def build_app(
     return app, lifecycle
 
 
+def _admission(engine: AsyncLLMEngine, options: ServerOptions, metrics: ServerMetrics) -> Admission:
+    prompt_tokens = options.max_request_prompt_tokens_in_flight
+    admission = Admission(
+        options.max_queued_requests,
+        prompt_tokens or engine.engine.processor.kv_cache_tokens // 2,
+        metrics.rejected.labels("queue_full").inc,
+    )
+    metrics.queued.set_function(lambda: admission.num_queued)
+    return admission
+
+
 class _App(FastAPI):
     """FastAPI, whose OpenAPI document does not promise the 422 it never sends (a body that
     does not match the schema is a 400 here, as in OpenAI's API)."""
@@ -261,8 +285,9 @@ def served_model_name(args: EngineArgs) -> str:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """`attnserve serve`: 0 after a drain, 1 after the engine core died (without
-    --restart-engine-core)."""
+    """`attnserve serve`: 0 after a drain; 1 when the engine core died (without
+    --restart-engine-core, or past --max-engine-core-restarts); 128 + the signal's number after
+    a second SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args).with_server_defaults()
     api_key = resolve_api_key(args, dict(os.environ))
@@ -283,6 +308,9 @@ def run_server(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         request_read_timeout_s=args.request_read_timeout,
         restart_engine_core=args.restart_engine_core,
+        max_engine_core_restarts=args.max_engine_core_restarts,
+        max_queued_requests=args.max_queued_requests,
+        max_request_prompt_tokens_in_flight=args.max_request_prompt_tokens_in_flight,
     )
     if options.api_key is None and not is_loopback(args.host):
         logger.warning("serving on %s without an API key (--allow-no-api-key)", args.host)

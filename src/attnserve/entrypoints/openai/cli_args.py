@@ -13,6 +13,8 @@ import ipaddress
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")  # tool_parsers.TOOL_CALL_PARSERS' keys
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_MAX_ENGINE_CORE_RESTARTS = 5
+DEFAULT_MAX_QUEUED_REQUESTS = 4096  # above the largest bursts benchmarks send at once
 API_KEY_ENV = "ATTNSERVE_API_KEY"
 
 
@@ -61,6 +63,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="when the engine core dies, start a new one and serve on (default: exit non-zero)",
     )
     parser.add_argument(
+        "--max-engine-core-restarts",
+        type=_count,
+        default=DEFAULT_MAX_ENGINE_CORE_RESTARTS,
+        help="with --restart-engine-core: how many restarts in a row (each new core failing to "
+        "start or dying within a minute of it; retried after growing waits) before the server "
+        "gives up and exits 1",
+    )
+    parser.add_argument(
         "--max-request-bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
@@ -86,6 +96,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "Qwen) or llama3_json (Llama 3's JSON); default: the one the model's chat template "
         "calls for, if any",
     )
+    _add_admission_args(parser)
+
+
+def _add_admission_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-queued-requests",
+        type=_positive_int,
+        default=DEFAULT_MAX_QUEUED_REQUESTS,
+        help="generation requests admitted and still waiting for their first output; past it "
+        "a request gets 503 with Retry-After",
+    )
+    parser.add_argument(
+        "--max-request-prompt-tokens-in-flight",
+        type=_positive_int,
+        default=None,
+        help="the prompt tokens one request's prompts (a completion's list) have in the engine "
+        "at once, one prompt at least; the others wait their turn (default: half the KV cache)",
+    )
 
 
 def auto_tool_call_parser(args: argparse.Namespace, detected: str | None) -> str | None:
@@ -101,6 +129,13 @@ def auto_tool_call_parser(args: argparse.Namespace, detected: str | None) -> str
     return args.tool_call_parser or detected
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):
@@ -108,14 +143,26 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return value
+
+
 def resolve_api_key(args: argparse.Namespace, environ: dict[str, str]) -> str | None:
     """The key from --api-key, --api-key-file or $ATTNSERVE_API_KEY (one source only); ValueError
-    for an unreadable or empty key file, two sources, or a non-loopback --host without a key
-    (unless --allow-no-api-key)."""
+    for an empty key (given, but blank: the server would serve without one), an unreadable key
+    file, two sources, or a non-loopback --host without a key (unless --allow-no-api-key)."""
     given = [v for v in (args.api_key, args.api_key_file) if v is not None]
     if len(given) > 1:
         raise ValueError("give the API key once: --api-key or --api-key-file")
-    key = args.api_key or environ.get(API_KEY_ENV) or None
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty: give a key, or leave the flag out (no key)")
+    from_env = environ.get(API_KEY_ENV) if not given else None
+    if from_env is not None and not from_env.strip():
+        raise ValueError(f"${API_KEY_ENV} is set but empty: give it a key, or unset it")
+    key = args.api_key or from_env
     if args.api_key_file is not None:
         try:
             with open(args.api_key_file) as file:

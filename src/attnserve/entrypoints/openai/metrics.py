@@ -4,9 +4,12 @@ Gauges read the engine's `stats()` at scrape time: running / waiting / swapped r
 usage (0..1; 0 once idle means no block is leaked), prefix-cache hit rate, preemptions, and
 `engine_healthy` (1, or 0 once the core is dead or hung: the queues and the KV usage then read
 0, since nothing runs); with speculative decoding, its draft and accepted token counts, the
-acceptance rate and the mean acceptance length. Counters: requests that failed, by reason, and
+acceptance rate and the mean acceptance length. Counters: requests that failed, by reason,
+requests refused at admission (`request_rejected_total`, by reason: `queue_full`; the queue
+is `num_requests_queued`), and
 engine-core restarts. The serving layer records, per request, time to first token, the time
-per output token (each gap between outputs), end-to-end latency, prompt and generated tokens,
+per output token (each gap between outputs), end-to-end latency, the engine steps it
+waited before a step first took it (`request_queue_steps`), prompt and generated tokens,
 and finished requests; and the front end's own share of the first token's latency: from the
 engine core handing over the step that drew it to the server handing it to the request's HTTP
 response (`first_token_frontend_delay_seconds`); and every request's way out stage by stage
@@ -19,7 +22,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -32,6 +35,7 @@ PREFIX = "attnserve:"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 FRONTEND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+QUEUE_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 _GAUGES = {
@@ -110,6 +114,15 @@ class ServerMetrics:
         )  # fmt: skip
         for reason in FAILURE_REASONS:
             self.failures.labels(reason)
+        self.queued = Gauge(
+            PREFIX + "num_requests_queued",
+            "requests admitted by the server still waiting for their first output",
+            registry=r,
+        )  # fmt: skip
+        self.rejected = Counter(
+            PREFIX + "request_rejected", "requests refused at admission, by reason", ["reason"],
+            registry=r,
+        )  # fmt: skip
         self.restarts = Counter(
             PREFIX + "engine_core_restarts", "engine cores started again after one died",
             registry=r,
@@ -130,6 +143,11 @@ class ServerMetrics:
             PREFIX + "first_token_frontend_delay_seconds",
             "from the engine core handing over a request's first token to its response",
             buckets=FRONTEND_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue_steps = Histogram(
+            PREFIX + "request_queue_steps",
+            "engine steps a request waited before a step first took it", buckets=QUEUE_STEP_BUCKETS,
+            registry=r,
         )  # fmt: skip
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens", registry=r)
         self.generation_tokens = Counter(
@@ -164,6 +182,7 @@ class RequestTracker:
             last = self.last
             if last is None:
                 self.metrics.ttft.observe(now - self.received)
+                self.metrics.queue_steps.observe(output.queued_steps)
                 self.metrics.prompt_tokens.inc(len(output.prompt_token_ids))
                 self.metrics.breakdown.request(self.received, self.tokenized, output.submitted)
             else:

@@ -11,6 +11,7 @@ stops reading (the client went away), every engine request of the call is aborte
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -25,12 +26,14 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from attnserve.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestEndedError
+from attnserve.entrypoints.openai.admission import Admission
 from attnserve.entrypoints.openai.errors import ApiError, error_body
 from attnserve.entrypoints.openai.merge_streams import Batch, merge_streams, one_stream
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
-from attnserve.entrypoints.openai.request_fields import unsupported_field
+from attnserve.entrypoints.openai.request_fields import token_ids_out_of_range, unsupported_field
 from attnserve.entrypoints.openai.structured import structured_outputs
+from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from attnserve.step_types import TokenLogprobs
 
@@ -100,6 +103,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.admission = Admission()  # the server's own: set by `build_app`
         config = engine.engine.model_config
         self.max_model_len = config.max_model_len
         self.vocab_size = config.vocab_size
@@ -171,10 +175,9 @@ class OpenAIServing:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        bias = request.logit_bias
-        if bias and max(bias) >= self.vocab_size:
-            message = f"logit_bias token ids must be in 0..{self.vocab_size - 1}"
-            raise ApiError(400, message, "logit_bias")
+        out_of_range = token_ids_out_of_range(request, self.vocab_size)
+        if out_of_range is not None:
+            raise ApiError(400, out_of_range[1], out_of_range[0])
         constraint = structured_outputs(request)
         if constraint is not None and tool_constraint is not None:
             message = "tool_choice constrains the output already: no response_format with it"
@@ -190,7 +193,7 @@ class OpenAIServing:
                 presence_penalty=request.presence_penalty,
                 frequency_penalty=request.frequency_penalty,
                 repetition_penalty=request.repetition_penalty,
-                logit_bias=bias,
+                logit_bias=request.logit_bias,
                 seed=request.seed,
                 max_tokens=room if max_tokens is None else max_tokens,
                 min_tokens=request.min_tokens,
@@ -235,9 +238,8 @@ class OpenAIServing:
         times: tuple[float, float],
         constraint: str | None,
     ) -> AsyncGenerator[list[Delta], None]:
-        streams = [
-            self.engine.generate(ids, params, f"{request_id}-{i}") for i, ids in enumerate(prompts)
-        ]
+        ticket = self.admission.admit()
+        streams = self._streams(prompts, params, request_id)
         trackers = [self.metrics.tracker(*times) for _ in streams]
         merged = (
             merge_streams(streams, trackers)
@@ -248,6 +250,7 @@ class OpenAIServing:
         try:
             async with aclosing(merged):
                 while (batch := await self._next_batch(merged, started)) is not None:
+                    ticket.leave(started=True)
                     delivered = time.monotonic()
                     yield [
                         Delta(
@@ -275,6 +278,21 @@ class OpenAIServing:
             self.metrics.failures.labels("timeout").inc()
             limit = f"--request-timeout {self.request_timeout_s:g} s"
             raise ApiError(504, f"the request ran past the server's {limit}") from None
+        finally:
+            ticket.leave(started=False)
+
+    def _streams(
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Each prompt's engine stream, behind the request's prompt gate (`Admission`)."""
+        streams = [
+            functools.partial(self.engine.generate, ids, params, f"{request_id}-{i}")
+            for i, ids in enumerate(prompts)
+        ]
+        gate = self.admission.gate()
+        if gate is None or len(prompts) == 1:
+            return [open_stream() for open_stream in streams]
+        return [gate.stream(len(ids), s) for ids, s in zip(prompts, streams, strict=True)]
 
     async def _next_batch(
         self, merged: AsyncGenerator[Batch, None], started: float
