@@ -1,6 +1,7 @@
 """Bad input against a real server (a tiny random model with the default model's tokenizer;
 shared with test_openai_fields.py): each kind of bad request gets an OpenAI-style error object
-with the right status, is logged, and the server keeps serving; then schemathesis fuzzes the
+with the right status, is logged, and the server keeps serving (JSON nested too deeply, token
+ids past the vocabulary, a 405 with its Allow header among them); then schemathesis fuzzes the
 OpenAPI document: no 5xx."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from attnserve.entrypoints.openai.errors import ApiError, error_response
+from attnserve.entrypoints.openai.json_body import MAX_JSON_DEPTH
 from tests.conftest import HANG_GUARD_S
 from tests.entrypoints.openai_server import (
     TINY_MAX_BYTES,
@@ -46,6 +48,14 @@ def _post(server: ServerProcess, path: str, content: bytes) -> httpx.Response:
 
 
 CHAT = {"model": TINY_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _nested(levels: int) -> bytes:
+    """A completions body whose field "x" nests its arrays so the body is `levels` deep."""
+    inner = levels - 1  # the body's own object is one level
+    return b'{"prompt": "hi", "x": ' + b"[" * inner + b"]" * inner + b"}"
+
+
 BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     # (name, path, body: bytes or JSON-able, status, param)
     ("malformed JSON", "/v1/completions", b'{"prompt": "hi",', 400, None),
@@ -73,6 +83,15 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
      {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, None),
     ("body over the size limit", "/v1/completions", {"prompt": "a " * MAX_BYTES}, 413, None),
     ("65 prompts", "/v1/completions", {"prompt": ["a"] * 65}, 400, "prompt"),
+    ("JSON nested past the parser's limit", "/v1/completions", _nested(5000), 400, None),
+    ("JSON nested one level too deep", "/v1/completions", _nested(MAX_JSON_DEPTH + 1), 400,
+     None),
+    ("stop_token_ids past int64", "/v1/completions", {"prompt": "hi", "stop_token_ids": [2**70]},
+     400, "stop_token_ids"),
+    ("stop_token_ids past the vocabulary", "/v1/chat/completions",
+     {**CHAT, "stop_token_ids": [1, 10**6]}, 400, "stop_token_ids"),
+    ("logit_bias key past int64", "/v1/completions",
+     {"prompt": "hi", "logit_bias": {str(2**70): 1}}, 400, "logit_bias"),
     ("json_schema without its schema", "/v1/chat/completions",
      {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
      "response_format.json_schema.schema"),
@@ -89,6 +108,14 @@ def test_too_many_prompts_get_one_plain_message(server: ServerProcess) -> None:
 def test_a_body_that_is_not_utf8_is_named_so(server: ServerProcess) -> None:
     response = _post(server, "/v1/completions", b'{"prompt": "\xff\xfe"}')
     assert response.status_code == 400 and "UTF-8" in response.json()["error"]["message"]
+
+
+def test_json_nesting_is_bounded_and_named(server: ServerProcess) -> None:
+    for levels in (MAX_JSON_DEPTH + 1, 5000):
+        error = _post(server, "/v1/completions", _nested(levels)).json()["error"]
+        assert "nested too deeply" in error["message"] and str(MAX_JSON_DEPTH) in error["message"]
+    read = _post(server, "/v1/completions", _nested(MAX_JSON_DEPTH)).json()["error"]
+    assert read["param"] == "x" and "unknown field" in read["message"]  # read whole, then judged
 
 
 def test_expected_503s_are_logged_as_info(caplog: pytest.LogCaptureFixture) -> None:
@@ -133,6 +160,9 @@ def test_unknown_route_and_wrong_method(server: ServerProcess) -> None:
     assert unknown.json()["error"]["type"] == "not_found_error"
     wrong_method = httpx.get(server.url + "/v1/completions", timeout=HANG_GUARD_S)
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+    assert wrong_method.headers["allow"] == "POST"
+    not_get = httpx.post(server.url + "/health", timeout=HANG_GUARD_S)
+    assert not_get.status_code == 405 and not_get.headers["allow"] == "GET"
 
 
 CHECKS = [

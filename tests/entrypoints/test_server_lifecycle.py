@@ -1,10 +1,12 @@
 """The server in operation, on the tiny dummy preset with its engine core in its own process: a
 hung (stopped) core is seen and ended; SIGTERM drains (503 for new work, in-flight requests
-finish, or end with an error past --shutdown-timeout) and exits 0 without a traceback; with
---restart-engine-core a killed core is replaced; --request-timeout and --request-read-timeout
-bound a request; API keys (any case of the scheme, a challenge on 401, from a file, refused
-absence on a public address); /metrics without the warm-up, and once the core is gone. Every
-wait polls with a bound."""
+finish, or end with an error past --shutdown-timeout) and exits 0 without a traceback, and a
+second SIGINT ends the streams with an error event at once and exits 130; with
+--restart-engine-core a core killed twice in a row (the second as it starts) is replaced, and
+one that keeps dying past --max-engine-core-restarts ends the server with exit code 1;
+--request-timeout and --request-read-timeout bound a request; API keys (any case of the scheme,
+a challenge on 401, from a file, refused absence on a public address, refused empty keys);
+/metrics without the warm-up, and once the core is gone. Every wait polls with a bound."""
 
 from __future__ import annotations
 
@@ -159,23 +161,82 @@ def test_past_the_shutdown_timeout_eight_streams_end_with_an_error_and_done() ->
     server.stop()
 
 
-def test_a_killed_core_is_replaced_with_restart_engine_core() -> None:
+def _kill_twice(server: ServerProcess) -> tuple[int, int]:
+    """Kill the engine core, then the new one as soon as it is there (while it starts up, as a
+    rule): the two pids."""
+    (core,) = server.engine_core_pids()
+    os.kill(core, signal.SIGKILL)
+    new_cores: list[int] = []
+
+    def new_core_started() -> bool:
+        new_cores[:] = [pid for pid in server.engine_core_pids() if pid != core]
+        return bool(new_cores)
+
+    _poll(new_core_started, "a new engine core started")
+    os.kill(new_cores[0], signal.SIGKILL)
+    return core, new_cores[0]
+
+
+def test_a_core_killed_twice_in_a_row_is_replaced_with_restart_engine_core() -> None:
     server = ServerProcess([*TINY, "--restart-engine-core"])
     try:
         ready = server.metrics()  # the warm-up's prefix-cache hits count in no metric
         assert ready["attnserve:prefix_cache_hit_rate"] == 0
         assert ready["attnserve:num_preemptions_total"] == 0
-        (core,) = server.engine_core_pids()
-        os.kill(core, signal.SIGKILL)
-        _poll(lambda: server.metrics()["attnserve:engine_core_restarts_total"] == 1, "restart")
+        first, second = _kill_twice(server)
         _poll(lambda: _status(server.url) == 200, "healthy again")
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
         answer = httpx.post(server.url + "/v1/completions", json=body, timeout=HANG_GUARD_S)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
-        (new_core,) = server.engine_core_pids()
-        assert new_core != core and server.metrics()["attnserve:engine_healthy"] == 1
+        (serving,) = server.engine_core_pids()
+        assert serving not in (first, second) and server.metrics()["attnserve:engine_healthy"] == 1
+        log = server.log_text()
+        assert f"pid {first}) died (killed by SIGKILL)" in log
+        assert f"pid {second})" in log and "restarting the engine core" in log
+        assert f"the engine core restarted (pid {serving})" in log
+        restarts = server.metrics()["attnserve:engine_core_restarts_total"]
+        assert restarts == log.count("the engine core restarted (pid")  # those that worked
     finally:
         assert server.stop() == 0
+
+
+def test_a_core_that_keeps_dying_ends_the_server_with_exit_code_1() -> None:
+    server = ServerProcess([*TINY, "--restart-engine-core", "--max-engine-core-restarts", "1"])
+    try:
+        _kill_twice(server)
+        assert server.proc.wait(timeout=HANG_GUARD_S) == 1
+        log = server.log_text()
+        assert "giving up" in log and "--max-engine-core-restarts 1" in log
+        assert "Traceback" not in log
+    finally:
+        server.stop()
+
+
+def test_a_second_sigint_ends_the_streams_with_an_error_and_exits_130() -> None:
+    server = ServerProcess(TINY)
+
+    async def run() -> tuple[list[list[str]], httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=HANG_GUARD_S) as http:
+            started = [asyncio.Event() for _ in range(3)]
+            streams = [asyncio.create_task(_stream(http, event)) for event in started]
+            whole = asyncio.create_task(http.post("/v1/completions", json=LONG))
+            for event in started:
+                await event.wait()
+            server.proc.send_signal(signal.SIGINT)
+            assert await asyncio.to_thread(_poll_health_down, server.url) == 503  # draining
+            server.proc.send_signal(signal.SIGINT)
+            return list(await asyncio.gather(*streams)), await whole
+
+    streams, whole = asyncio.run(asyncio.wait_for(run(), HANG_GUARD_S))
+    for events in streams:
+        assert (
+            events[-1] == "[DONE]"
+            and "a second SIGINT" in json.loads(events[-2])["error"]["message"]
+        )
+    assert whole.status_code == 503 and "a second SIGINT" in whole.json()["error"]["message"]
+    assert server.proc.wait(timeout=HANG_GUARD_S) == 128 + signal.SIGINT
+    assert "Traceback" not in server.log_text()
+    server.stop()
 
 
 def test_request_timeout_ends_long_requests_with_504() -> None:
@@ -249,13 +310,25 @@ def test_api_key_sources_and_a_public_address_without_one(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="--allow-no-api-key"):
         resolve_api_key(_args(host="0.0.0.0"), {})
     assert resolve_api_key(_args(host="0.0.0.0", allow_no_api_key=True), {}) is None
+    for blank in ("", "  "):
+        with pytest.raises(ValueError, match="--api-key is empty"):
+            resolve_api_key(_args(api_key=blank), {})
+        with pytest.raises(ValueError, match="ATTNSERVE_API_KEY is set but empty"):
+            resolve_api_key(_args(), {"ATTNSERVE_API_KEY": blank})
+    assert resolve_api_key(_args(api_key="flag"), {"ATTNSERVE_API_KEY": ""}) == "flag"
 
 
-def test_serve_refuses_a_public_address_without_a_key_before_loading() -> None:
-    command = [sys.executable, "-m", "attnserve.cli", "serve", *TINY, "--host", "0.0.0.0"]
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [(["--host", "0.0.0.0"], "--allow-no-api-key"), (["--api-key", ""], "--api-key is empty")],
+)
+def test_serve_refuses_a_key_setup_that_serves_without_one_before_loading(
+    flags: list[str], said: str
+) -> None:
+    command = [sys.executable, "-m", "attnserve.cli", "serve", *TINY, *flags]
     env = {k: v for k, v in os.environ.items() if k != "ATTNSERVE_API_KEY"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
-    assert result.returncode == 2 and "--allow-no-api-key" in result.stderr
+    assert result.returncode == 2 and said in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -47,7 +47,6 @@ from attnserve.entrypoints.openai.errors import (
     error_response,
     install_error_handlers,
 )
-from attnserve.entrypoints.openai.json_body import JsonBodyRoute
 from attnserve.entrypoints.openai.lifecycle import (
     ANSWERS_OUT_S,
     BodyDeadlineMiddleware,
@@ -176,7 +175,6 @@ def build_app(
     app = _App(
         title="attnserve", version=__version__, summary="OpenAI-compatible API", lifespan=lifespan
     )
-    app.router.route_class = JsonBodyRoute  # JSON bodies nested too deeply: a 400 saying so
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _on_disconnect)
 

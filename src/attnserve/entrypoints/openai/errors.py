@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from attnserve.entrypoints.openai.json_body import TOO_DEEP
 from attnserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -110,16 +111,26 @@ async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc)
 
 
-_UNPARSED_BODY = "There was an error parsing the body"  # FastAPI's, for a body not UTF-8
+_UNPARSED_BODY = "There was an error parsing the body"  # FastAPI's, for a body it could not read
+
+
+def _unread_body(cause: BaseException | None) -> str:
+    """Why FastAPI could not read a body, from the exception it caught."""
+    if isinstance(cause, UnicodeDecodeError):
+        return "the body could not be read as text: a JSON body must be UTF-8"
+    if isinstance(cause, RecursionError):  # the parser's own limit (json_body's comes first)
+        return TOO_DEEP
+    return f"the body could not be read ({type(cause).__name__})"
 
 
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    """An HTTP error as an error object, with its headers (`Allow` on a 405)."""
     if not isinstance(exc, HTTPException):
         raise exc
     message = str(exc.detail)
     if exc.status_code == 400 and message == _UNPARSED_BODY:
-        message = "the body could not be read as text: a JSON body must be UTF-8"
-    return error_response(ApiError(exc.status_code, message))
+        message = _unread_body(exc.__cause__)
+    return error_response(ApiError(exc.status_code, message, headers=dict(exc.headers or {})))
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -4,14 +4,17 @@ or SIGINT, what a dead engine core leads to, and bounded request reads.
 - **Drain**: the first SIGTERM/SIGINT stops new work (every `/v1` request gets 503, `/health`
   503) and lets the requests in flight finish for up to `--shutdown-timeout`; the rest are then
   ended (`AsyncLLMEngine.end_all`: an error event and `[DONE]` on a stream, a 503 error object
-  otherwise), and the server exits 0 once their answers are out. A second signal exits at once.
+  otherwise), and the server exits 0 once their answers are out. A second signal ends every
+  request in flight at once (the same way) and exits 128 + the signal's number (130 for SIGINT)
+  once their answers are out; a third stops at once.
 - **A dead engine core** (killed, failed, or hung: no heartbeat): the requests in flight fail as
   they do today; then the server exits 1 once their answers are out (so a supervisor restarts
-  it), or with `--restart-engine-core` a new core is started and serving goes on (each restart
-  counted in `/metrics`).
+  it), or with `--restart-engine-core` new cores are started until one serves (`engine_restart`:
+  with back-off, at most `--max-engine-core-restarts` in a row, then the server exits 1). A
+  server that stops for any reason while its engine core is dead exits 1.
 - **Reads**: a connection whose request line and headers have not arrived within
   `--request-read-timeout` is closed (`server_protocol`), and a request whose body has not
-  arrived whole by then gets 408 (`BodyDeadlineMiddleware`).
+  arrived whole by then gets 408 (`BodyDeadlineMiddleware`; a body nested too deeply: 400).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 from types import FrameType
 from typing import Any
@@ -29,7 +33,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
+from attnserve.entrypoints.openai.cli_args import DEFAULT_MAX_ENGINE_CORE_RESTARTS
+from attnserve.entrypoints.openai.engine_restart import EngineRestarter
 from attnserve.entrypoints.openai.errors import ApiError, send_error
+from attnserve.entrypoints.openai.json_body import TOO_DEEP, too_deep
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -40,8 +47,8 @@ WATCH_S = 0.5  # how often the engine's health is looked at
 
 
 class ServerLifecycle:
-    """Requests in flight, draining, and the engine watch; `server` is the uvicorn server it
-    stops (None in tests that drive the app without one)."""
+    """Requests in flight, draining, signals, and the engine watch; `server` is the uvicorn
+    server it stops (None in tests that drive the app without one)."""
 
     def __init__(
         self,
@@ -49,16 +56,38 @@ class ServerLifecycle:
         metrics: ServerMetrics,
         shutdown_timeout_s: float = 30.0,
         restart_engine_core: bool = False,
+        max_engine_core_restarts: int = DEFAULT_MAX_ENGINE_CORE_RESTARTS,
     ) -> None:
         self.engine = engine
-        self.metrics = metrics
         self.shutdown_timeout_s = shutdown_timeout_s
-        self.restart_engine_core = restart_engine_core
+        self.restarter = (
+            EngineRestarter(engine, metrics, max_engine_core_restarts)
+            if restart_engine_core
+            else None
+        )
         self.server: uvicorn.Server | None = None
         self.in_flight = 0
         self.draining = False
         self.exit_code = 0
-        self._drain_task: asyncio.Task[None] | None = None
+        self.signals = 0
+        self._tasks: set[asyncio.Task[None]] = set()  # the loop holds only weak references
+
+    def engine_failure(self) -> str:
+        """What /health says once the engine core is dead: why, or that it is restarting."""
+        if self.restarter is not None and self.restarter.status is not None:
+            return self.restarter.status
+        return f"the engine has failed: {self.engine.error}"
+
+    def on_signal(self, sig: int) -> None:
+        """SIGTERM or SIGINT (on the event loop): the first drains, the second ends every
+        request now, the third stops at once (see the module docstring)."""
+        self.signals += 1
+        if self.signals == 1:
+            self.begin_drain()
+        elif self.signals == 2:
+            self._end_now(sig)
+        elif self.server is not None:
+            self.server.should_exit = self.server.force_exit = True
 
     def begin_drain(self) -> None:
         """Stop taking requests and drain (see the module docstring); called once."""
@@ -70,8 +99,12 @@ class ServerLifecycle:
             self.in_flight,
             self.shutdown_timeout_s,
         )
-        # kept: the loop holds only a weak reference to a task
-        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        self._spawn(self._drain())
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _drain(self) -> None:
         if not await self._until_idle(self.shutdown_timeout_s):
@@ -83,6 +116,18 @@ class ServerLifecycle:
             await self._until_idle(ANSWERS_OUT_S)
         self._stop_server()
 
+    def _end_now(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        logger.warning("a second %s: ending the %d requests in flight now", name, self.in_flight)
+        self.draining = True
+        self.exit_code = self.exit_code or 128 + sig
+        self.engine.end_all(f"the server is shutting down now (a second {name})")
+        self._spawn(self._stop_when_idle())
+
+    async def _stop_when_idle(self) -> None:
+        await self._until_idle(ANSWERS_OUT_S)
+        self._stop_server()
+
     async def _until_idle(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while self.in_flight and time.monotonic() < deadline:
@@ -90,21 +135,27 @@ class ServerLifecycle:
         return not self.in_flight
 
     def _stop_server(self) -> None:
+        if self.engine.errored and not self.exit_code:
+            logger.error("the server stops with its engine core dead: exit code 1")
+            self.exit_code = 1
         if self.server is not None:
             self.server.should_exit = True
 
     async def watch_engine(self) -> None:
-        """Until the server stops: when the engine core dies, restart it or stop the server."""
+        """Until the server stops: when the engine core dies, restart it (with
+        --restart-engine-core) or stop the server."""
         while True:
             await asyncio.sleep(WATCH_S)
-            if self.draining or not self.engine.errored:
+            if not self.engine.errored:
                 continue
-            if self.restart_engine_core:
-                logger.error("the engine core died (%s): starting a new one", self.engine.error)
-                await asyncio.to_thread(self.engine.restart)
-                self.metrics.restarts.inc()
+            logger.error("the engine core died: %s", self.engine.error)
+            if self.draining:  # stopping anyway: no restart, and the exit code says so
+                self.exit_code = self.exit_code or 1
+                return
+            if self.restarter is not None and await self.restarter.restart():
                 continue
-            logger.error("the engine core died (%s): the server exits", self.engine.error)
+            if self.restarter is None:
+                logger.error("the server exits 1 (--restart-engine-core would start a new core)")
             self.draining = True
             self.exit_code = 1
             await self._until_idle(ANSWERS_OUT_S)
@@ -136,8 +187,9 @@ class InFlightMiddleware:
 
 
 class BodyDeadlineMiddleware:
-    """408 for a request whose body has not arrived whole `timeout_s` after its headers: the
-    body is read here, within that time, and handed to the app as it came."""
+    """408 for a request whose body has not arrived whole `timeout_s` after its headers, 400
+    for one nested too deeply (`json_body.too_deep`): the body is read here, within that time,
+    and handed to the app as it came."""
 
     def __init__(self, app: ASGIApp, timeout_s: float) -> None:
         self.app = app
@@ -154,6 +206,9 @@ class BodyDeadlineMiddleware:
             return
         except HTTPException as error:  # from the body limit's receive
             await send_error(send, ApiError(error.status_code, str(error.detail)))
+            return
+        if too_deep(b"".join(message.get("body", b"") for message in received)):
+            await send_error(send, ApiError(400, TOO_DEEP))
             return
 
         async def replayed() -> Message:
@@ -217,9 +272,9 @@ def server_protocol(read_timeout_s: float) -> type[asyncio.Protocol]:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, whose first SIGTERM/SIGINT drains (`ServerLifecycle.begin_drain`)
-    instead of stopping; a second one stops at once. Signals are not raised again on exit, so
-    a drained server exits with its own code."""
+    """uvicorn's server, whose SIGTERM/SIGINT go to `ServerLifecycle.on_signal` (drain, end
+    now, stop) instead of stopping it. Signals are not raised again on exit, so the server exits
+    with the lifecycle's code."""
 
     def __init__(self, config: uvicorn.Config, lifecycle: ServerLifecycle) -> None:
         super().__init__(config)
@@ -227,8 +282,4 @@ class DrainingServer(uvicorn.Server):
         lifecycle.server = self
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.lifecycle.draining:
-            self.should_exit = self.force_exit = True
-            return
-        loop = asyncio.get_event_loop()
-        loop.call_soon_threadsafe(self.lifecycle.begin_drain)
+        asyncio.get_event_loop().call_soon_threadsafe(self.lifecycle.on_signal, sig)

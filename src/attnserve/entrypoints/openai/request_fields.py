@@ -4,16 +4,20 @@ A field a request model declares is served (protocol.py). Any other field is jud
 that none is silently ignored: a few that common clients send are accepted where their value
 asks for nothing this server would have to do (`store: false`, `service_tier: "auto"`, ...);
 a field of OpenAI's API that is not implemented is refused (400) with the reason; anything
-else is refused as unknown. docs/serving.md lists every field with its status.
+else is refused as unknown. docs/serving.md lists every field with its status. Fields that name
+token ids are checked against the model's vocabulary here too (`token_ids_out_of_range`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from attnserve.entrypoints.openai.protocol import SamplingRequest
 
 
 def _null(value: Any) -> bool:
@@ -67,4 +71,15 @@ def unsupported_field(request: BaseModel) -> tuple[str, str] | None:
             return name, f"unknown field {name!r}: this server does not implement it"
         if not rule.accepts(value):
             return name, f"{name!r} is not supported: {rule.why}"
+    return None
+
+
+def token_ids_out_of_range(request: SamplingRequest, vocab_size: int) -> tuple[str, str] | None:
+    """The first field naming a token id outside the vocabulary (`stop_token_ids`, the keys of
+    `logit_bias`), with the error message; None when all are in it. (A prompt's token ids are
+    checked with the prompt.)"""
+    fields = {"stop_token_ids": request.stop_token_ids, "logit_bias": request.logit_bias}
+    for name, ids in fields.items():
+        if any(not 0 <= token_id < vocab_size for token_id in ids or ()):
+            return name, f"{name} token ids must be in 0..{vocab_size - 1}"
     return None
