@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from attnserve.entrypoints.openai.chunk_renderer import ChunkRenderer
 from attnserve.entrypoints.openai.protocol import (
     ChatCompletionChunk,
     ChatStreamChoice,
@@ -20,7 +21,6 @@ from attnserve.entrypoints.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from attnserve.entrypoints.openai.serving_engine import ChunkRenderer
 
 TEXTS = ["plain", 'quote " and \\ backslash', "line\nbreak\ttab \u0001", "héllo 世界 🙂", ""]
 

@@ -32,6 +32,7 @@ from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
 from attnserve.engine.warmup import warm_up
 from attnserve.entrypoints.openai.admission import Admission
+from attnserve.entrypoints.openai.body_parsing import OffLoopBodyRoute
 from attnserve.entrypoints.openai.cli_args import (
     DEFAULT_MAX_ENGINE_CORE_RESTARTS,
     DEFAULT_MAX_QUEUED_REQUESTS,
@@ -56,6 +57,7 @@ from attnserve.entrypoints.openai.lifecycle import (
     server_protocol,
 )
 from attnserve.entrypoints.openai.metrics import ServerMetrics
+from attnserve.entrypoints.openai.preprocess import DEFAULT_THREADS, PreprocessPool
 from attnserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -122,6 +124,7 @@ class ServerOptions:
     max_engine_core_restarts: int = DEFAULT_MAX_ENGINE_CORE_RESTARTS
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     max_request_prompt_tokens_in_flight: int | None = None  # None: half the KV cache
+    tokenizer_pool_size: int = DEFAULT_THREADS  # threads for bodies, templates, tokenizing
 
 
 def build_app(
@@ -145,11 +148,12 @@ def build_app(
         options.restart_engine_core,
         options.max_engine_core_restarts,
     )
-    completion = OpenAIServingCompletion(engine, model_name, metrics)
-    chat = OpenAIServingChat(engine, model_name, metrics, options.tool_call_parser)
+    pool = PreprocessPool(options.tokenizer_pool_size)
+    completion = OpenAIServingCompletion(engine, model_name, metrics, pool)
+    chat = OpenAIServingChat(engine, model_name, metrics, options.tool_call_parser, pool)
     completion.request_timeout_s = chat.request_timeout_s = options.request_timeout_s
     completion.admission = chat.admission = _admission(engine, options, metrics)
-    tokenization = OpenAIServingTokenization(engine, model_name, metrics)
+    tokenization = OpenAIServingTokenization(engine, model_name, metrics, pool)
     ready = asyncio.Event()
     if not warm:
         ready.set()
@@ -170,11 +174,14 @@ def build_app(
         yield
         for task in tasks:
             task.cancel()
+        pool.shutdown()
         await asyncio.to_thread(engine.shutdown)
 
     app = _App(
         title="attnserve", version=__version__, summary="OpenAI-compatible API", lifespan=lifespan
     )
+    app.state.preprocess_pool = pool
+    app.router.route_class = OffLoopBodyRoute  # large JSON bodies decoded on the pool
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _on_disconnect)
 
@@ -229,12 +236,12 @@ def build_app(
     }
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=no_engine_errors)
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return tokenization.create_tokenize(body)
+    async def tokenize(body: TokenizeRequest, raw: Request) -> Response:
+        return await tokenization.create_tokenize(body, raw)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=no_engine_errors)
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return tokenization.create_detokenize(body)
+    async def detokenize(body: DetokenizeRequest, raw: Request) -> Response:
+        return await tokenization.create_detokenize(body, raw)
 
     # the last added runs first: key, in-flight count, body size limit, then the body's deadline
     app.add_middleware(BodyDeadlineMiddleware, timeout_s=options.request_read_timeout_s)
@@ -309,6 +316,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_engine_core_restarts=args.max_engine_core_restarts,
         max_queued_requests=args.max_queued_requests,
         max_request_prompt_tokens_in_flight=args.max_request_prompt_tokens_in_flight,
+        tokenizer_pool_size=args.tokenizer_pool_size,
     )
     if options.api_key is None and not is_loopback(args.host):
         logger.warning("serving on %s without an API key (--allow-no-api-key)", args.host)

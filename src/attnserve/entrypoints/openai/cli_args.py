@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import ipaddress
 
+from attnserve.entrypoints.openai.preprocess import DEFAULT_THREADS as PREPROCESS_THREADS
+
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")  # tool_parsers.TOOL_CALL_PARSERS' keys
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
@@ -75,6 +77,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="larger request bodies get 413",
+    )
+    parser.add_argument(
+        "--tokenizer-pool-size",
+        type=_positive_int,
+        default=PREPROCESS_THREADS,
+        help="threads that decode large JSON bodies, render chat templates and tokenize, off "
+        "the event loop (at most this many jobs at once; large ones leave one thread free)",
     )
     parser.add_argument(
         "--uvicorn-log-level",

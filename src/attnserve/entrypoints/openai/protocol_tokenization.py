@@ -40,8 +40,10 @@ class TokenizeChatRequest(RequestBody):
 
 
 def _request_kind(body: Any) -> str | None:
-    """Which kind of tokenize request a JSON body is: chat-style when it has `messages`; None
-    (refused) when it is not an object."""
+    """Which kind of tokenize request a JSON body (or a body validated already, off the event
+    loop) is: chat-style when it has `messages`; None (refused) when it is not an object."""
+    if isinstance(body, BaseModel):
+        return "tokenize-chat" if isinstance(body, TokenizeChatRequest) else "tokenize-completion"
     if not isinstance(body, dict):
         return None
     return "tokenize-chat" if "messages" in body else "tokenize-completion"

@@ -13,8 +13,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
+from attnserve.entrypoints.openai.chunk_renderer import ChunkRenderer, usage
 from attnserve.entrypoints.openai.errors import ApiError
 from attnserve.entrypoints.openai.metrics import ServerMetrics
+from attnserve.entrypoints.openai.preprocess import PreprocessPool
 from attnserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -30,16 +32,15 @@ from attnserve.entrypoints.openai.protocol import (
 )
 from attnserve.entrypoints.openai.serving_engine import (
     Choice,
-    ChunkRenderer,
     Delta,
     OpenAIServing,
     finite,
     new_id,
-    usage,
 )
 from attnserve.entrypoints.openai.structured import constraint_field
 from attnserve.entrypoints.openai.tool_choice import ToolPlan, tool_plan
 from attnserve.entrypoints.openai.tool_parsers import ToolCallStream, merged_calls
+from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import TokenLogprobs
 
 
@@ -95,9 +96,10 @@ class OpenAIServingChat(OpenAIServing):
         model_name: str,
         metrics: ServerMetrics,
         tool_call_parser: str | None = None,
+        pool: PreprocessPool | None = None,
     ) -> None:
         """`tool_call_parser`: the server's parser for "auto" tool choice (None: refused)."""
-        super().__init__(engine, model_name, metrics)
+        super().__init__(engine, model_name, metrics, pool)
         self.tool_call_parser = tool_call_parser
 
     async def create_chat_completion(
@@ -108,13 +110,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request, request_id)
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        plan = tool_plan(request, self.tool_call_parser)
-        prompt = self._render(request.messages, plan.template_tools)
         k = (request.top_logprobs or 0) if request.logprobs else None
-        max_tokens = request.max_completion_tokens or request.max_tokens
-        params = self.sampling_params(
-            request, len(prompt), max_tokens, k, tool_constraint=plan.constraint
-        )
+        plan, prompt, params = await self.off_loop(raw, self._prepare, request, k)
         stream = self.generate([prompt], params, request_id, received, constraint_field(request))
         chunks = None
         if request.stream:
@@ -143,6 +140,19 @@ class OpenAIServingChat(OpenAIServing):
             logprobs=None if k is None else self.logprobs(choice.token_ids, choice.logprobs, k),
             finish_reason=plan.finish_reason(reader, choice.finish_reason),
         )
+
+    def _prepare(
+        self, request: ChatCompletionRequest, k: int | None
+    ) -> tuple[ToolPlan, list[int], SamplingParams]:
+        """The request's tool plan, prompt token ids and sampling parameters (400 for what they
+        refuse): the request's CPU work, on the preprocessing pool."""
+        plan = tool_plan(request, self.tool_call_parser)
+        prompt = self._render(request.messages, plan.template_tools)
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        params = self.sampling_params(
+            request, len(prompt), max_tokens, k, tool_constraint=plan.constraint
+        )
+        return plan, prompt, params
 
     def _render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> list[int]:
         """The conversation (and the tools) through the chat template, as prompt token ids."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from attnserve.entrypoints.openai.chunk_renderer import ChunkRenderer, usage
 from attnserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -20,15 +21,14 @@ from attnserve.entrypoints.openai.protocol import (
 )
 from attnserve.entrypoints.openai.serving_engine import (
     Choice,
-    ChunkRenderer,
     Delta,
     OpenAIServing,
     PromptLogprobs,
     finite,
     new_id,
-    usage,
 )
 from attnserve.entrypoints.openai.structured import constraint_field
+from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import TokenLogprobs
 
 
@@ -49,21 +49,11 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = new_id("cmpl")
         self.check_request(request, request_id)
         given = _prompt_list(request.prompt)
-        prompts = [self._prompt_ids(p) for p in given]
-        longest = max(len(p) for p in prompts)
+        for prompt in given:
+            if isinstance(prompt, str):
+                self.check_length(prompt, "prompt")
+        prompts, params, echo = await self.off_loop(raw, self._prepare, request, given)
         k = request.logprobs
-        params = self.sampling_params(
-            request,
-            longest,
-            request.max_tokens,
-            k,
-            best_of=request.best_of,
-            prompt_logprobs=k if request.echo else None,
-        )
-        echo = None
-        if request.echo:
-            texts = [p if isinstance(p, str) else self._decode(p) for p in given]
-            echo = _Echo(texts, prompts, request.n)
         stream = self.generate(prompts, params, request_id, received, constraint_field(request))
         chunks = None
         if request.stream:
@@ -78,6 +68,27 @@ class OpenAIServingCompletion(OpenAIServing):
             )
 
         return await self.respond(raw, stream, chunks, len(prompts) * request.n, build)
+
+    def _prepare(
+        self, request: CompletionRequest, given: list[str | list[int]]
+    ) -> tuple[list[list[int]], SamplingParams, _Echo | None]:
+        """The prompts' token ids, the sampling parameters and what `echo` shows (400 for what
+        they refuse): the request's CPU work, on the preprocessing pool."""
+        prompts = [self._prompt_ids(p) for p in given]
+        k = request.logprobs
+        params = self.sampling_params(
+            request,
+            max(len(p) for p in prompts),
+            request.max_tokens,
+            k,
+            best_of=request.best_of,
+            prompt_logprobs=k if request.echo else None,
+        )
+        echo = None
+        if request.echo:
+            texts = [p if isinstance(p, str) else self._decode(p) for p in given]
+            echo = _Echo(texts, prompts, request.n)
+        return prompts, params, echo
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         ids = self.encode(prompt, "prompt") if isinstance(prompt, str) else prompt

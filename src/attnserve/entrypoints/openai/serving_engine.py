@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -30,7 +30,9 @@ from attnserve.entrypoints.openai.admission import Admission
 from attnserve.entrypoints.openai.errors import ApiError, error_body
 from attnserve.entrypoints.openai.merge_streams import Batch, merge_streams, one_stream
 from attnserve.entrypoints.openai.metrics import ServerMetrics
-from attnserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from attnserve.entrypoints.openai.preprocess import LARGE_JOB_BYTES, PreprocessPool
+from attnserve.entrypoints.openai.prompt_bound import prompt_bound
+from attnserve.entrypoints.openai.protocol import SamplingRequest
 from attnserve.entrypoints.openai.request_fields import token_ids_out_of_range, unsupported_field
 from attnserve.entrypoints.openai.structured import structured_outputs
 from attnserve.outputs import RequestOutput
@@ -39,8 +41,8 @@ from attnserve.step_types import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
+P = ParamSpec("P")
 T = TypeVar("T")
-ChunkT = TypeVar("ChunkT", bound=BaseModel)
 ResponseT = TypeVar("ResponseT", bound=BaseModel)
 
 
@@ -96,17 +98,34 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class Chunks(Protocol):
+    """A streamed call's chunks (`chunk_renderer.ChunkRenderer`)."""
+
+    def render(self, deltas: list[Delta]) -> list[str]: ...
+
+    def usage_chunk(self, tokens: int) -> str | None: ...
+
+
 class OpenAIServing:
     request_timeout_s: float | None = None  # a request still running after this gets a 504
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        model_name: str,
+        metrics: ServerMetrics,
+        pool: PreprocessPool | None = None,
+    ) -> None:
+        """`pool`: the server's, shared by its endpoints (None: one of this endpoint's own)."""
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.admission = Admission()  # the server's own: set by `build_app`
+        self.pool = pool or PreprocessPool()
         config = engine.engine.model_config
         self.max_model_len = config.max_model_len
         self.vocab_size = config.vocab_size
+        self.prompt_bound = prompt_bound(self.tokenizer)
 
     @property
     def tokenizer(self) -> Any:
@@ -134,9 +153,36 @@ class OpenAIServing:
         if request.user is not None:
             logger.info("%s for user %r", request_id, request.user)
 
+    async def off_loop(
+        self, raw: Request, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """`fn(*args, **kwargs)` on the preprocessing pool, as a job the size of the request's
+        body (a body of unknown length counts as large)."""
+        length = raw.headers.get("content-length", "")
+        size = int(length) if length.isdigit() else LARGE_JOB_BYTES
+        return await self.pool.run(size, fn, *args, **kwargs)
+
+    def check_length(self, text: str, param: str) -> None:
+        """400 (without tokenizing it) for a text too long for the context however the
+        tokenizer splits it (see `prompt_bound`)."""
+        bound = self.prompt_bound
+        if bound is None or not bound.cannot_fit(text, self.max_model_len - 1):
+            return
+        raise ApiError(
+            400,
+            f"the prompt has {len(text)} characters, more than {self.max_model_len - 1} tokens "
+            f"of this model can hold (one stands for {bound.chars_per_token} characters at "
+            f"most); this model's maximum context length is {self.max_model_len} tokens, which "
+            "must leave room for one generated token",
+            param,
+            "context_length_exceeded",
+        )
+
     def encode(self, text: str, param: str) -> list[int]:
+        """The text's token ids (a text that cannot fit the context is refused first)."""
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send token ids", param)
+        self.check_length(text, param)
         ids: list[int] = self.tokenizer.encode(text)
         return ids
 
@@ -337,7 +383,7 @@ class OpenAIServing:
         self,
         raw: Request,
         stream: AsyncGenerator[list[Delta], None],
-        chunks: ChunkRenderer[Any] | None,
+        chunks: Chunks | None,
         num_choices: int,
         build: Callable[[list[Choice], int], ResponseT],
     ) -> ResponseT | StreamingResponse:
@@ -361,55 +407,6 @@ class OpenAIServing:
         return choices, sum(len(c.token_ids) for c in choices)
 
 
-class ChunkRenderer(Generic[ChunkT]):
-    """The streamed chunks of one API call, as JSON: each endpoint's `render` turns a batch of
-    deltas into chunks of its `chunk_type`; the closing usage chunk (if the request asks for it)
-    is the same for both, and so is, with `continuous_usage_stats`, each chunk's usage so far
-    (of its choice: its prompt's tokens and the tokens it has generated). The fields every chunk
-    of the call shares (`id`, `object`, `created`, `model`) are written once; each chunk then
-    encodes only its choices (the JSON `chunk_type(...).model_dump_json(exclude_none=True)`
-    would give, at a third of the cost)."""
-
-    chunk_type: type[ChunkT]
-
-    def __init__(
-        self, model_name: str, request_id: str, prompts: list[list[int]], request: SamplingRequest
-    ) -> None:
-        self.prompts = prompts
-        self.n = request.n
-        self.include_usage = request.include_usage
-        self.continuous_usage = request.continuous_usage
-        self.generated: dict[int, int] = {}  # choice index -> tokens so far
-        shared = self.chunk_type(id=request_id, model=model_name, choices=[])
-        self._head = shared.model_dump_json(exclude_none=True)[: -len("]}")]  # "...choices":[
-
-    def chunk(self, choices: list[BaseModel], usage_info: UsageInfo | None = None) -> str:
-        """One chunk's JSON."""
-        parts = [self._head, ",".join(c.model_dump_json(exclude_none=True) for c in choices)]
-        if usage_info is not None:
-            parts.append(f'],"usage":{usage_info.model_dump_json()}}}')
-        else:
-            parts.append("]}")
-        return "".join(parts)
-
-    def count_tokens(self, index: int, new_tokens: int) -> None:
-        """`new_tokens` more generated for choice `index` (a held-back delta's too)."""
-        self.generated[index] = self.generated.get(index, 0) + new_tokens
-
-    def choice_chunk(self, choice: BaseModel, index: int, new_tokens: int) -> str:
-        """A chunk of one choice that brings `new_tokens` more tokens."""
-        self.count_tokens(index, new_tokens)
-        if not self.continuous_usage:
-            return self.chunk([choice])
-        return self.chunk([choice], usage([self.prompts[index // self.n]], self.generated[index]))
-
-    def usage_chunk(self, tokens: int) -> str | None:
-        return self.chunk([], usage(self.prompts, tokens)) if self.include_usage else None
-
-    def render(self, deltas: list[Delta]) -> list[str]:
-        raise NotImplementedError
-
-
 def _invalid(error: ValueError, constraint: str | None) -> ApiError:
     """A 400 for a refused request; the grammar compiler's refusal names the client's field."""
     message = str(error)
@@ -421,15 +418,6 @@ def _invalid(error: ValueError, constraint: str | None) -> ApiError:
 
 def _event(data: str) -> str:
     return f"data: {data}\n\n"
-
-
-def usage(prompts: list[list[int]], completion_tokens: int) -> UsageInfo:
-    prompt_tokens = sum(len(p) for p in prompts)
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -1,12 +1,18 @@
 """`POST /tokenize` and `POST /detokenize`, vLLM's routes beside the OpenAI API: a prompt, or a
 conversation rendered as `/v1/chat/completions` renders it (`render_messages`), as token ids
 (with their count, the model's `max_model_len` and, if asked, each token's string); token ids back
-to text. Only the tokenizer is used, never the engine; a prompt longer than the context is
-counted, not refused (as vLLM: the client compares `count` with `max_model_len`)."""
+to text. Only the tokenizer is used, never the engine, on the preprocessing pool (off the event
+loop); a prompt longer than the context is counted, not refused (as vLLM: the client compares
+`count` with `max_model_len`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
 
 from attnserve.entrypoints.openai.errors import ApiError
 from attnserve.entrypoints.openai.protocol_tokenization import (
@@ -19,6 +25,8 @@ from attnserve.entrypoints.openai.protocol_tokenization import (
 from attnserve.entrypoints.openai.serving_chat import render_messages
 from attnserve.entrypoints.openai.serving_engine import OpenAIServing
 
+R = TypeVar("R", bound=BaseModel)
+
 NOT_BOTH = (
     "continue_final_message and add_generation_prompt cannot both be true "
     "(add_generation_prompt defaults to true: send false with continue_final_message)"
@@ -26,10 +34,21 @@ NOT_BOTH = (
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    def create_tokenize(
+    async def create_tokenize(
+        self, request: TokenizeCompletionRequest | TokenizeChatRequest, raw: Request
+    ) -> Response:
+        """A `TokenizeResponse`, as JSON rendered off the loop (hundreds of thousands of ids)."""
+        self.check_model(request)
+        return await self.off_loop(raw, _rendered, self._tokenize, request)
+
+    async def create_detokenize(self, request: DetokenizeRequest, raw: Request) -> Response:
+        """A `DetokenizeResponse`, as JSON rendered off the loop."""
+        self.check_model(request)
+        return await self.off_loop(raw, _rendered, self._detokenize, request)
+
+    def _tokenize(
         self, request: TokenizeCompletionRequest | TokenizeChatRequest
     ) -> TokenizeResponse:
-        self.check_model(request)
         if isinstance(request, TokenizeChatRequest):
             tokenizer = self._tokenizer("/tokenize", "messages")
             ids = self._tokenize_chat(tokenizer, request)
@@ -41,8 +60,7 @@ class OpenAIServingTokenization(OpenAIServing):
             count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=token_strs
         )
 
-    def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
-        self.check_model(request)
+    def _detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         tokenizer = self._tokenizer("/detokenize", "tokens")
         for i, token_id in enumerate(request.tokens):
             if token_id >= self.vocab_size:
@@ -72,3 +90,8 @@ class OpenAIServingTokenization(OpenAIServing):
         )
         ids: list[int] = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
         return ids
+
+
+def _rendered(build: Callable[[R], BaseModel], request: R) -> Response:
+    """`build(request)` as a JSON response (what FastAPI would render of it)."""
+    return Response(build(request).model_dump_json(), media_type="application/json")
