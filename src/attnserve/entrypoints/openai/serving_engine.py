@@ -3,7 +3,10 @@ from a request, and the engine requests of one API call run as one stream of `De
 
 Prompts are tokenized here, so a prompt longer than the context, or one whose `max_tokens` does
 not fit after it, is refused (400) before the engine sees it; so is a structured-output spec
-that does not compile (the engine compiles it at submission). Every engine request is streamed as
+that does not compile (the engine compiles it at submission). That work (templates, tokenizing,
+the sampling parameters) runs on the server's `PreprocessPool` (`off_loop`), never on the event
+loop; a text too long for the context however it is tokenized is refused before it is tokenized
+(`check_length`). Every engine request is streamed as
 deltas (the non-streaming endpoints add them up) with its metrics recorded; when the caller
 stops reading (the client went away), every engine request of the call is aborted at once.
 """
