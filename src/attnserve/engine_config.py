@@ -8,19 +8,21 @@ and the leaf `config` pieces, below the worker.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from attnserve.config import CacheConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from attnserve.model.config import ModelConfig
+from attnserve.structured_outputs import StructuredOutputsConfig
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """`device` is the engine's (each rank derives its own from it); `attention_backend` None
     lets the selector choose; `enforce_eager` turns CUDA graphs off; `speculative_config` None:
-    no speculative decoding."""
+    no speculative decoding; `structured_outputs_config`: the grammar caches' and compiles'
+    limits."""
 
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -32,3 +34,6 @@ class EngineConfig:
     enforce_eager: bool = False
     speculative_config: SpeculativeConfig | None = None
     draft_model_config: ModelConfig | None = None  # speculative_config.model's
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )

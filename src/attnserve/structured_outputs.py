@@ -7,19 +7,66 @@ object). JSON outputs are compact by default: one line, no whitespace outside st
 single spaces of the separators `", "` and `": "` (xgrammar's `any_whitespace=False`; free
 whitespace lets a model pad its output with newlines and spaces until `max_tokens`).
 `disable_any_whitespace` keeps vLLM's name: None (the default) or True is compact, False asks
-for free whitespace between JSON tokens (vLLM's default). A leaf module:
-it imports nothing of attnserve, so `SamplingParams` and every layer may use it. What travels to
-the engine core is this spec (picklable); grammars are compiled from it where they are used.
+for free whitespace between JSON tokens (vLLM's default). A schema may nest at most
+`MAX_SCHEMA_DEPTH` objects and arrays (deeper ones would exhaust Python's recursion on their way
+to the compiler). A leaf module: it imports nothing of attnserve, so `SamplingParams` and every
+layer may use it. What travels to the engine core is this spec (picklable); grammars are compiled
+from it where they are used (`build_grammar`: the spec as xgrammar's grammar, before its token
+masks are compiled).
+
+`StructuredOutputsConfig` (vLLM's `structured_outputs_config`, attnserve's own keys): the bytes of
+compiled grammars a process caches, the largest spec accepted and how long one may take to compile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 XGRAMMAR_HINT = "pip install 'xgrammar>=0.2' (or attnserve[structured])"
+MAX_SCHEMA_DEPTH = 128  # objects and arrays nested in a JSON schema (about 64 schema levels)
+# xgrammar's messages start with a timestamp and the C++ source line: "[13:12:25] /x/y.cc:83: "
+_COMPILER_PREFIX = re.compile(r"^\[[\d:.]+\]\s+\S+:\d+:\s*")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """`cache_bytes`: compiled grammars each process keeps (their xgrammar sizes; least recently
+    used first out); `max_spec_bytes`: the largest spec (its text: a schema's compact JSON)
+    accepted; `compile_timeout_s`: how long the front end waits for a spec to compile before
+    refusing it. The defaults let 50 distinct 400 KB specs (about 100 MB compiled each) through
+    while raising neither process's memory by more than 500 MB."""
+
+    cache_bytes: int = 64 << 20
+    max_spec_bytes: int = 512 << 10
+    compile_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("cache_bytes", "max_spec_bytes", "compile_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"structured_outputs_config.{name} must be a positive number")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> StructuredOutputsConfig:
+        """The config of `--structured-outputs-config`'s JSON (None: the defaults); ValueError
+        naming an unknown key."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values or {}) - set(known))
+        if unknown:
+            raise ValueError(
+                f"structured_outputs_config: unknown key {unknown[0]!r} (known: {', '.join(known)})"
+            )
+        return cls(**(values or {}))
+
+
+def compiler_message(error: Exception) -> str:
+    """The compiler's message without its timestamp and source location."""
+    return _COMPILER_PREFIX.sub("", str(error).strip())
 
 
 def load_xgrammar() -> ModuleType:
@@ -97,17 +144,59 @@ class StructuredOutputsParams:
         return "root ::= " + " | ".join(literals)
 
 
+def build_grammar(spec: StructuredOutputsParams, text: str | None = None) -> Any:
+    """`spec` as xgrammar's `Grammar` (`text`: its key's text, if known); ValueError with the
+    compiler's message for a spec it refuses."""
+    grammar = load_xgrammar().Grammar
+    any_whitespace = spec.any_whitespace  # compact: xgrammar's separators ", " and ": "
+    try:
+        if spec.kind == "json":
+            schema = spec.key[1] if text is None else text
+            return grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+        if spec.kind == "json_object":  # any object: no schema to be strict about
+            return grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False
+            )
+        if spec.kind == "regex":
+            return grammar.from_regex(spec.regex)
+        return grammar.from_ebnf(spec.ebnf_for_choice if spec.kind == "choice" else spec.grammar)
+    except (RuntimeError, ValueError, TypeError, RecursionError) as error:
+        raise ValueError(compiler_message(error)) from None
+
+
+def _too_deep() -> ValueError:
+    return ValueError(
+        f"structured_outputs.json nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep"
+    )
+
+
+def _check_depth(schema: Any) -> None:
+    """ValueError for a schema nesting more than MAX_SCHEMA_DEPTH objects and arrays (walked
+    without recursion)."""
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise _too_deep()
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+
+
 def _check_types(params: StructuredOutputsParams) -> None:
     if params.json is not None:
         if not isinstance(params.json, str | dict):
             raise ValueError("structured_outputs.json must be a JSON schema (object or JSON text)")
-        if isinstance(params.json, str):
+        schema = params.json
+        if isinstance(schema, str):
             try:
-                schema = json.loads(params.json)
+                schema = json.loads(schema)
+            except RecursionError:
+                raise _too_deep() from None
             except json.JSONDecodeError as error:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from error
             if not isinstance(schema, dict):
                 raise ValueError("structured_outputs.json must be a JSON schema object")
+        _check_depth(schema)
     for name in ("regex", "grammar", "whitespace_pattern"):
         value = getattr(params, name)
         if value is not None and (not isinstance(value, str) or not value):

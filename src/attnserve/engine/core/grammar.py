@@ -15,9 +15,10 @@ with the config's size limit and compile timeout) and the engine core (whose mat
 `compile_async`) each compile: `grammar_cache` keeps one cache per model, config and process, so
 with the core in the front end's process they share it and a spec is compiled once. A front end
 without a core in its process (`mark_core_process` never called) keeps only each spec's verdict,
-never its compiled grammar. In the core, the cache loads the model's tokenizer itself. Evicted
-grammars are freed by Python, but glibc keeps the pages of their many small allocations: after
-every `TRIM_AFTER_BYTES` released the heap is handed back to the system (`malloc_trim`).
+never its compiled grammar. In the core, the cache loads the model's tokenizer itself. A grammar
+is freed once neither the cache nor a request holds it, but glibc keeps the pages of its many
+small allocations (about 1.6 times its `memory_size_bytes`): after every `TRIM_AFTER_BYTES` of
+grammars freed, a pool thread hands the heap's free pages back to the system (`malloc_trim`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -73,7 +75,7 @@ _CHECKED = _done()  # a spec a front end has seen compile, its grammar not kept
 class _Entry:
     future: Future[CompiledGrammar]  # _CHECKED: compiled once, not kept
     keep: bool  # False: a front end's check, which keeps only the verdict
-    nbytes: int = ENTRY_BYTES
+    nbytes: int
 
 
 class GrammarCache:
@@ -101,14 +103,19 @@ class GrammarCache:
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self.cached_bytes = 0
-        self._released_bytes = 0  # since the heap was last trimmed
+        self._freed_bytes = 0  # grammars freed since the heap was last trimmed
+        self._trim_due = threading.Event()
+        trim = _malloc_trim()
+        if trim is not None:
+            name = "attnserve-grammar-trim"
+            threading.Thread(target=self._trim_heap, args=(trim,), name=name, daemon=True).start()
         self.hits = 0
         self.misses = 0
         logger.info("grammar compiler ready in %.2f s", time.perf_counter() - started)
 
     def compile_async(self, spec: StructuredOutputsParams) -> Future[CompiledGrammar]:
         """The compiled grammar of `spec`: the cached future, or a compile started now."""
-        return self._lookup(spec, _digest(spec.key), keep=True)
+        return self._lookup(spec, spec.key, keep=True)
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of `spec`, waiting for it; ValueError for a bad spec."""
@@ -127,9 +134,9 @@ class GrammarCache:
                 f"server's limit of {config.max_spec_bytes} (structured_outputs_config "
                 "max_spec_bytes)"
             )
-        future = self._lookup(spec, _digest(key), keep=self.keeps_checked)
+        future = self._lookup(spec, key, keep=self.keeps_checked)
         try:
-            compiled = future.result(timeout=config.compile_timeout_s)
+            future.result(timeout=config.compile_timeout_s)
         except (TimeoutError, CancelledError):
             if not self.keeps_checked:  # only checks wait for it: not started, not needed
                 future.cancel()
@@ -137,8 +144,6 @@ class GrammarCache:
                 f"invalid structured_outputs.{spec.kind}: not compiled within "
                 f"{config.compile_timeout_s:g} s (structured_outputs_config compile_timeout_s)"
             ) from None
-        if compiled is not None and not self.keeps_checked:
-            self._release(compiled.memory_size_bytes)  # dropped by the caller now
 
     def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher (at the grammar's start) of a compiled grammar."""
@@ -154,10 +159,11 @@ class GrammarCache:
             matcher.fill_next_token_bitmask(bitmask, row)
 
     def _lookup(
-        self, spec: StructuredOutputsParams, digest: bytes, keep: bool
+        self, spec: StructuredOutputsParams, key: tuple[str, str, bool], keep: bool
     ) -> Future[CompiledGrammar]:
         """The entry's future (one only checked is compiled again where the grammar is to be
-        kept), or a compile started now."""
+        kept), or a compile started now (its entry costs the spec's text until it ends)."""
+        digest = _digest(key)
         with self._lock:
             entry = self._entries.get(digest)
             if entry is not None and (entry.future is not _CHECKED or not keep):
@@ -169,9 +175,9 @@ class GrammarCache:
             future = self._pool.submit(self._compile, spec)
             if entry is not None:
                 self.cached_bytes -= entry.nbytes
-            self._entries[digest] = _Entry(future, keep)
+            self._entries[digest] = entry = _Entry(future, keep, ENTRY_BYTES + len(key[1]))
             self._entries.move_to_end(digest)
-            self.cached_bytes += ENTRY_BYTES
+            self.cached_bytes += entry.nbytes
         future.add_done_callback(functools.partial(self._settle, digest))
         return future
 
@@ -197,36 +203,38 @@ class GrammarCache:
                 entry.future = _CHECKED
             self.cached_bytes += nbytes - entry.nbytes
             entry.nbytes = nbytes
-            released = self._evict()
-        self._release(released)
+            self._evict()
 
-    def _evict(self) -> int:
-        """Drop least recently used entries until the cache fits its budget; the bytes out."""
-        released = 0
+    def _evict(self) -> None:
+        """Drop least recently used entries until the cache fits its budget."""
         while self.cached_bytes > self.config.cache_bytes and self._entries:
             _, entry = self._entries.popitem(last=False)
             self.cached_bytes -= entry.nbytes
-            released += entry.nbytes
-        return released
 
-    def _release(self, nbytes: int) -> None:
-        """Count grammars freed; past TRIM_AFTER_BYTES, hand the heap's free pages back."""
-        with self._lock:
-            self._released_bytes += nbytes
-            due = self._released_bytes >= TRIM_AFTER_BYTES
-            if due:
-                self._released_bytes = 0
-        trim = _malloc_trim()
-        if due and trim is not None:
+    def _freed(self, nbytes: int) -> None:
+        """A compiled grammar is gone (in whichever thread let it go, whatever locks it
+        holds: maybe the step's, maybe this cache's); past TRIM_AFTER_BYTES freed, the
+        trimming thread is woken."""
+        self._freed_bytes += nbytes  # under the GIL; a lost update only delays a trim
+        if self._freed_bytes >= TRIM_AFTER_BYTES:
+            self._freed_bytes = 0
+            self._trim_due.set()
+
+    def _trim_heap(self, trim: Callable[[int], int]) -> None:
+        while True:
+            self._trim_due.wait()
+            self._trim_due.clear()
             trim(0)
 
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         try:
-            return self._compiler.compile_grammar(build_grammar(spec))
+            compiled = self._compiler.compile_grammar(build_grammar(spec))
         except (RuntimeError, ValueError, TypeError, RecursionError) as error:
             raise ValueError(
                 f"invalid structured_outputs.{spec.kind}: {compiler_message(error)}"
             ) from None
+        weakref.finalize(compiled, self._freed, compiled.memory_size_bytes).atexit = False
+        return compiled
 
 
 def _digest(key: tuple[str, str, bool]) -> bytes:

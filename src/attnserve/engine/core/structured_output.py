@@ -88,17 +88,19 @@ class StructuredOutputManager:
     @staticmethod
     def advance(seqs: list[Sequence]) -> list[tuple[Sequence, str]]:
         """Feed each unfinished constrained sequence's new tokens to its matcher; the
-        sequences the grammar ends, with their finish reason."""
+        sequences the grammar ends, with their finish reason. A sequence finished (here or
+        before) lets its matcher go: a compiled grammar the cache does not keep is freed with
+        its last request, not with the next step."""
         ended = []
         for seq in seqs:
             grammar = seq.grammar
-            if grammar is None or seq.is_finished:
+            if grammar is None:
                 continue
-            if not grammar.advance(seq.token_ids, seq.num_prompt_tokens):
-                logger.error("request %s: a token outside its grammar", seq.request_id)
-                ended.append((seq, "abort"))
-            elif grammar.terminated:
-                ended.append((seq, "stop"))
+            reason = None if seq.is_finished else _end_reason(seq, grammar)
+            if reason is not None:
+                ended.append((seq, reason))
+            if seq.is_finished or reason is not None:
+                seq.grammar = None  # never asked again: its compiled grammar may go now
         return ended
 
     def token_bitmask(self, drawing: list[Sequence]) -> TokenBitmask | None:
@@ -106,3 +108,12 @@ class StructuredOutputManager:
         the matchers as they are now, or None when no unfinished one is constrained."""
         grammars = [None if seq.is_finished else seq.grammar for seq in drawing]
         return token_bitmask(grammars, self.pin_memory)
+
+
+def _end_reason(seq: Sequence, grammar: SequenceGrammar) -> str | None:
+    """Feed the matcher `seq`'s new tokens: "abort" for a token it refuses, "stop" once the
+    grammar is complete, else None."""
+    if not grammar.advance(seq.token_ids, seq.num_prompt_tokens):
+        logger.error("request %s: a token outside its grammar", seq.request_id)
+        return "abort"
+    return "stop" if grammar.terminated else None

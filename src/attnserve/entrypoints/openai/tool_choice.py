@@ -9,7 +9,7 @@ constraint and how its replies are read.
   and a `--tool-call-parser`, which reads the free reply.
 
 A reply with calls whose output ended normally finishes with "tool_calls". Every refusal is a 400
-naming `tool_choice` or `tools`.
+naming `tool_choice`, `tools` or the tool (`tools[i].function.parameters`).
 """
 
 from __future__ import annotations
@@ -61,10 +61,11 @@ def tool_plan(request: ToolFields, auto_parser: str | None) -> ToolPlan:
         return ToolPlan(template_tools, None, ToolCallStream)
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
-        tool = next((t for t in tools if t.function.name == name), None)
-        if tool is None:
+        index = next((i for i, t in enumerate(tools) if t.function.name == name), None)
+        if index is None:
             raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-        return ToolPlan(template_tools, named_tool_spec(tool), lambda: NamedCallStream(name))
+        spec = named_tool_spec(tools, index)
+        return ToolPlan(template_tools, spec, lambda: NamedCallStream(name))
     if choice == "required":
         spec = required_tools_spec(tools, parallel)
         return ToolPlan(template_tools, spec, lambda: RequiredCallsStream(parallel))
