@@ -60,6 +60,7 @@ GrammarMatcher = Any  # xgrammar.GrammarMatcher
 
 
 def _done(result: Any = None, error: BaseException | None = None) -> Future[Any]:
+    """A future done already, with `result` or `error`."""
     future: Future[Any] = Future()
     if error is None:
         future.set_result(result)
