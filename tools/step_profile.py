@@ -190,14 +190,11 @@ def make_prompts(
     """Each round's prompts for the prompt kind (made before any timing or profiling)."""
     vocab, per_round = engine.model_config.vocab_size, args.prompt_tokens // args.prompt_len
     return [
-        [_prompt(rng, vocab, args.prompt_len) for _ in range(per_round)]
-        for _ in range(args.steps)
+        [_prompt(rng, vocab, args.prompt_len) for _ in range(per_round)] for _ in range(args.steps)
     ]
 
 
-def run_prompt_steps(
-    engine: LLMEngine, rounds: list[list[list[int]]], timings: Timings
-) -> None:
+def run_prompt_steps(engine: LLMEngine, rounds: list[list[list[int]]], timings: Timings) -> None:
     """Each round: one step of its fresh prompts (added outside the timing), then the call
     that reads their draws back."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

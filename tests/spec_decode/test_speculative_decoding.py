@@ -169,7 +169,9 @@ def test_a_draft_model_takes_in_the_steps_it_did_not_draft_in(
     want, _ = generate(model, PROMPTS, STAGGERED, **engine)
     spec = {"model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
     budget = engine.get("kv_cache_memory_bytes")
-    both = engine if budget is None else {**engine, "kv_cache_memory_bytes": 2 * budget}
+    # (no prompt counts as long, so they start in arrival order and the steps preempt)
+    both = engine if budget is None else {**engine, "kv_cache_memory_bytes": 2 * budget,
+                                          "long_prefill_token_threshold": 512}  # fmt: skip
     got, stats = generate(model, PROMPTS, STAGGERED, speculative_config=spec, **both)
     assert_same_outputs(got, want)
     assert stats["spec_decode_num_drafts"] > 0
