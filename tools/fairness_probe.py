@@ -41,6 +41,12 @@ async def _running(client: httpx.AsyncClient) -> bool:
     return float(line.split()[-1]) > 0
 
 
+def _report(ttfts: list[float], health: list[float], metrics: list[float]) -> None:
+    for name, values in (("short first token", ttfts), ("/health", health), ("/metrics", metrics)):
+        print(f"{name}: median {statistics.median(values):.3f} s, worst {max(values):.3f} s "
+              f"({len(values)} while the heavy request ran)", flush=True)  # fmt: skip
+
+
 async def probe(args: argparse.Namespace) -> None:
     async with httpx.AsyncClient(base_url=args.url, timeout=3600) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -56,15 +62,12 @@ async def probe(args: argparse.Namespace) -> None:
             ttfts.append(await _first_token_s(client, model))
             health.append(await _timed_get(client, "/health"))
             metrics.append(await _timed_get(client, "/metrics"))
+        _report(ttfts, health, metrics)
         response = await heavy
-        heavy_s = time.monotonic() - started
+        print(f"heavy request: {args.long_prompts} x {args.long_tokens} token ids, "
+              f"{response.status_code} after {time.monotonic() - started:.1f} s")  # fmt: skip
         queue = [x for x in (await client.get("/metrics")).text.splitlines()
                  if x.startswith("attnserve:request_queue_steps_bucket")]  # fmt: skip
-    print(f"heavy request: {args.long_prompts} x {args.long_tokens} token ids, "
-          f"{response.status_code} after {heavy_s:.1f} s")  # fmt: skip
-    for name, values in (("short first token", ttfts), ("/health", health), ("/metrics", metrics)):
-        print(f"{name}: median {statistics.median(values):.3f} s, worst {max(values):.3f} s "
-              f"({len(values)} while the heavy request ran)")  # fmt: skip
     print("\n".join(queue))
 
 

@@ -1,5 +1,5 @@
 """`EngineArgs.with_offline_defaults` / `with_server_defaults`: vLLM's larger offline and online
-step limits on GPUs of 70 GiB or more, given limits kept, nothing changed elsewhere;
+step limits on GPUs of 70 GiB or more, short steps for the CPU server, given limits kept;
 `create_engine_config` fills the rest."""
 
 from __future__ import annotations
@@ -45,3 +45,10 @@ def test_large_gpu_server_takes_vllms_online_limits(monkeypatch: pytest.MonkeyPa
     _on_gpu(monkeypatch, 40)
     small = EngineArgs(model="llama-tiny").with_server_defaults()
     assert (small.max_num_seqs, small.max_num_batched_tokens) == (None, None)
+
+
+def test_cpu_server_takes_short_steps() -> None:
+    args = EngineArgs(model="llama-tiny", device="cpu").with_server_defaults()
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (None, 128)
+    given = EngineArgs(model="llama-tiny", device="cpu", max_num_batched_tokens=1024)
+    assert given.with_server_defaults().max_num_batched_tokens == 1024

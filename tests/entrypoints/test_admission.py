@@ -24,7 +24,7 @@ LONG_LLAMA = {**TINY_LLAMA, "max_position_embeddings": 8192}
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AsyncLLMEngine]:
-    """The tiny Llama with an 8k context, 512 tokens a step (as the CPU server has it)."""
+    """The tiny Llama with an 8k context, 512 tokens a step."""
     path = _save_random_llama(tmp_path_factory, "long_llama", LONG_LLAMA)
     args = EngineArgs(str(path), device="cpu", max_num_batched_tokens=512)
     engine = AsyncLLMEngine.from_engine_args(args)

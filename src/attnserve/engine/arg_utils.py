@@ -40,7 +40,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 LARGE_GPU_GIB = 70
 LARGE_GPU_OFFLINE_LIMITS = (1024, 16384)  # max_num_seqs, max_num_batched_tokens
 LARGE_GPU_SERVER_LIMITS = (1024, 8192)
-CPU_SERVER_MAX_NUM_BATCHED_TOKENS = 512  # a CPU step with a prompt chunk stays under a second
+CPU_SERVER_MAX_NUM_BATCHED_TOKENS = 128  # a CPU step with a prompt chunk stays near a second
 
 
 def _arg(default: Any, help_text: str) -> Any:
