@@ -1,6 +1,7 @@
-"""FP8 layers take their input quantized by the op before them (issue 30): the fused RMSNorm and
-SiLU-and-mul kernels that end in per-row quantization, the wiring of decoder layers, and the
-Triton FP8 GEMM (row-wise scales, split over K or not; block-wise ones) under the interpreter.
+"""FP8 layers take their input quantized by the op before them (issue 30): the fused RMSNorm
+(Llama's and Gemma's) and gated-activation (SiLU, GeGLU) kernels that end in per-row
+quantization, the wiring of decoder layers, and the Triton FP8 GEMM (row-wise scales, split over
+K or not; block-wise ones) under the interpreter.
 
 The interpreter's E4M3 cast rounds some values wrongly, by up to a binade (tests/gpu/test_fp8.py
 compares the kernels' bits on the GPU): here the scales (each row's max, exact) and the residual
@@ -12,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,23 +49,37 @@ def _assert_quantized_like(got: Fp8Activation, expected: torch.Tensor) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_the_quantized_norm_is_the_norm_then_its_quantization(with_residual: bool) -> None:
+def test_the_quantized_norm_is_the_norm_then_its_quantization(
+    with_residual: bool, unit_offset: bool
+) -> None:
     x, residual, weight = _rand(7, 96), _rand(7, 96, seed=1), 1.0 + 0.1 * _rand(96, seed=2)
-    got, summed = fused_ops.rms_norm_fp8(x, residual if with_residual else None, weight, 1e-6)
+    given = residual if with_residual else None
+    got, summed = fused_ops.rms_norm_fp8(x, given, weight, 1e-6, unit_offset)
     if with_residual:
-        normed, expected_sum = layer_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+        normed, expected_sum = layer_ops.fused_add_rms_norm(x, residual, weight, 1e-6, unit_offset)
         assert summed is not None and torch.equal(summed, expected_sum)
     else:
-        normed = layer_ops.rms_norm(x, weight, 1e-6)
+        normed = layer_ops.rms_norm(x, weight, 1e-6, unit_offset)
         assert summed is None
     _assert_quantized_like(got, normed)
 
 
 @interpreted
-def test_the_quantized_activation_is_the_activation_then_its_quantization() -> None:
+@pytest.mark.parametrize(
+    "quantized, plain",
+    [
+        (fused_ops.silu_and_mul_fp8, layer_ops.silu_and_mul),
+        (fused_ops.gelu_tanh_and_mul_fp8, layer_ops.gelu_tanh_and_mul),
+    ],
+    ids=["silu", "gelu_tanh"],
+)
+def test_the_quantized_activation_is_the_activation_then_its_quantization(
+    quantized: Any, plain: Any
+) -> None:
     x = _rand(5, 2 * 1500)  # a row wider than the unquantized kernel's 1,024-wide chunks
-    _assert_quantized_like(fused_ops.silu_and_mul_fp8(x), layer_ops.silu_and_mul(x))
+    _assert_quantized_like(quantized(x), plain(x))
 
 
 @interpreted
@@ -105,15 +121,24 @@ def test_unquantized_layers_take_float_input(tiny_llama_dir: Path) -> None:
     assert not any(_fusing_ops(model))
 
 
-def test_gemma_norms_and_geglu_leave_quantization_to_the_projections(tmp_path: Path) -> None:
-    """Gemma's (1 + weight) norms and GeGLU have no quantizing kernel: its FP8 projections
-    quantize their input themselves (and the post-attention norm, which feeds no projection
-    there, never would)."""
+def test_gemma_norms_and_geglu_quantize_for_their_projections(tmp_path: Path) -> None:
+    """Gemma's (1 + weight) input and pre-feed-forward norms and its GeGLU hand their FP8
+    projections the input quantized, computing exactly what the projections would; its
+    post-attention and post-feed-forward norms feed no projection and never quantize."""
     from tests.model.test_hf_parity import CASES, _save_hf_model
 
     _save_hf_model(tmp_path, *CASES["gemma2-softcap-sliding"])
-    model, _ = _model(tmp_path, "fp8")
-    assert _fusing_ops(model) and not any(_fusing_ops(model))
+    model, config = _model(tmp_path, "fp8")
+    layers = len(model.model.layers)
+    fusing = _fusing_ops(model)
+    assert fusing.count(True) == 3 * layers and fusing.count(False) == 2 * layers + 1
+    prompt = [5, 17, 99, 3, 42, 7, 150, 2]
+    fused = PagedRunner(model, config, max_len=16, seqs=1).step([prompt])[0]
+    for module in model.modules():
+        if hasattr(module, "output_fp8"):
+            module.output_fp8 = False
+    unfused = PagedRunner(model, config, max_len=16, seqs=1).step([prompt])[0]
+    assert torch.equal(fused, unfused)
 
 
 def _rounded_operands(m: int, n: int, k: int, group: int | None) -> tuple[torch.Tensor, ...]:

@@ -1,8 +1,9 @@
 """Gated activations of a merged gate/up projection: `SiluAndMul` (`ops.silu_and_mul`: one fused
 Triton kernel on CUDA, one native call on the CPU in float32, plain torch elsewhere) and Gemma's
-`GeluTanhAndMul` (plain torch, as HF's `gelu_pytorch_tanh` computes it).
+`GeluTanhAndMul` (`ops.gelu_tanh_and_mul`, as HF's `gelu_pytorch_tanh` computes it: one fused
+Triton kernel on CUDA, plain torch elsewhere).
 
-The MLP runs `forward_to_linear` before its down projection: SiLU-and-mul writes its output in
+The MLP runs `forward_to_linear` before its down projection: either writes its output in
 E4M3 with per-row scales in the same launch when that projection is an FP8 layer that takes
 quantized input (`output_fp8`, set by `linear.fuse_input_quantization`)."""
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnserve.model.layers import ops
@@ -48,6 +48,10 @@ class SiluAndMul(GatedActivation):
 class GeluTanhAndMul(GatedActivation):
     """x = [gate | up] on the last dimension -> gelu_tanh(gate) * up (GeGLU)."""
 
+    supports_fp8_output = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+        return ops.gelu_tanh_and_mul(x)
+
+    def forward_to_linear(self, x: torch.Tensor) -> LinearInput:
+        return ops.gelu_tanh_and_mul_fp8(x) if self.output_fp8 else self(x)

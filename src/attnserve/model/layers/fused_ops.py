@@ -1,6 +1,7 @@
-"""Triton kernels for the model's small elementwise ops: RMSNorm (plain, residual-add, per-head)
-and SiLU-and-mul, each optionally ending in FP8 per-row quantization for an FP8 linear layer
-that reads the result (`rms_norm_fp8`, `silu_and_mul_fp8`); rotary embedding is `fused_rotary`.
+"""Triton kernels for the model's small elementwise ops: RMSNorm (plain, residual-add, per-head;
+Llama's, or Gemma's with `unit_offset`) and the gated activations (SiLU-and-mul, Gemma's GeGLU),
+each optionally ending in FP8 per-row quantization for an FP8 linear layer that reads the result
+(`rms_norm_fp8`, `silu_and_mul_fp8`); rotary embedding is `fused_rotary`.
 
 Each op replaces a chain of plain torch kernels (casts, pow, mean, rsqrt, muls, ...) by a single
 launch, and computes exactly what the plain-torch layer computes, with the same intermediate
@@ -83,10 +84,13 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ) -> None:
     """One row: [sum = x + residual, stored in the residual dtype;] normalise in float32, cast to
     the (summed) input dtype, multiply by the weight; outputs are contiguous [rows, N]. With
-    QUANTIZE the product (rounded to the input dtype) is stored in E4M3 with its row scale."""
+    UNIT_OFFSET (Gemma) the scale is 1 + weight and the norm stays in float32 until the product
+    is rounded once. With QUANTIZE the product (rounded to the input dtype) is stored in E4M3
+    with its row scale."""
     row = tl.program_id(0).to(tl.int64)
     outer = row // inner_rows
     inner = row % inner_rows
@@ -108,8 +112,12 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
         x32 = x.to(tl.float32)
     # torch's CUDA mean multiplies the sum by 1/N: do the same.
     mean_square = tl.sum(x32 * x32, axis=0) * (1.0 / N)
-    normed = round_to(x32 * tl.math.rsqrt(mean_square + eps), in_dtype)
+    normed = x32 * tl.math.rsqrt(mean_square + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0).to(tl.float32)
+    if UNIT_OFFSET:
+        weight = weight + 1.0
+    else:
+        normed = round_to(normed, in_dtype)
     if QUANTIZE:
         out = round_to(normed * weight, in_dtype)
         store_quantized_row(out, out_ptr, scale_ptr, row, cols, mask, N)
@@ -132,15 +140,17 @@ def _launch_rms_norm(
     weight: torch.Tensor,
     eps: float,
     quantize: bool = False,
+    unit_offset: bool = False,
 ) -> _NormOutputs:
-    """Shared launcher of the RMSNorm ops; `quantize` stores the output in E4M3 per row."""
+    """Shared launcher of the RMSNorm ops; `quantize` stores the output in E4M3 per row,
+    `unit_offset` scales by 1 + weight (Gemma; the output in the input's dtype)."""
     n = x.shape[-1]
     rows_x = _rows3(x)
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     rows_r = rows_x if residual is None else _rows3(residual)
     norm_in_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out_dtype = torch.promote_types(weight.dtype, norm_in_dtype)
+    out_dtype = norm_in_dtype if unit_offset else torch.promote_types(weight.dtype, norm_in_dtype)
     if quantize and (out_dtype != norm_in_dtype or x.dim() != 2):
         raise ValueError("a quantized RMSNorm takes [tokens, hidden] rows in the weight's dtype")
     out = torch.empty(x.shape, dtype=FP8 if quantize else out_dtype, device=x.device)
@@ -169,46 +179,58 @@ def _launch_rms_norm(
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
         QUANTIZE=quantize,
+        UNIT_OFFSET=unit_offset,
         num_warps=warps_for(block),
         enable_fp_fusion=False,
     )
     return _NormOutputs(out, residual_out, scale)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+) -> torch.Tensor:
     """`weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)` over the last dimension, the norm in
     float32: `RMSNorm.forward` in one launch. `x` [..., N] may be a strided view (e.g. [T, H, D]
     heads of a wider row); the result is a new contiguous tensor of x's shape, in the dtype torch
-    would promote weight and x to."""
-    return _launch_rms_norm(x, None, weight, eps).out
+    would promote weight and x to. With `unit_offset`, Gemma's `(x * rsqrt(mean(x^2) + eps) *
+    (1 + weight)).to(x.dtype)`, all in float32 (`GemmaRMSNorm.forward`)."""
+    return _launch_rms_norm(x, None, weight, eps, unit_offset=unit_offset).out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`summed = x + residual` (rounded to their dtype, as torch's add does), then
-    `rms_norm(summed)`: `RMSNorm.forward_with_residual` in one launch. Returns new tensors
-    (normed, summed); the inputs are not modified."""
-    outputs = _launch_rms_norm(x, residual, weight, eps)
+    `rms_norm(summed, unit_offset=...)`: `RMSNorm.forward_with_residual` in one launch. Returns
+    new tensors (normed, summed); the inputs are not modified."""
+    outputs = _launch_rms_norm(x, residual, weight, eps, unit_offset=unit_offset)
     assert outputs.residual is not None
     return outputs.out, outputs.residual
 
 
 def rms_norm_fp8(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool = False,
 ) -> tuple[Fp8Activation, torch.Tensor | None]:
     """`rms_norm` (or, with `residual`, `fused_add_rms_norm`) of [T, N] rows in the weight's
     dtype, its output quantized per row as `fp8.quantize_rows` would, in one launch (the
     same values, except that the mean of squares may be summed in another order: a row can
     differ in the norm's last bit, as between any two compilations of the norm). Returns (the
     FP8 rows and their scales, the sum when `residual` was added)."""
-    outputs = _launch_rms_norm(x, residual, weight, eps, quantize=True)
+    outputs = _launch_rms_norm(x, residual, weight, eps, quantize=True, unit_offset=unit_offset)
     assert outputs.scale is not None
     return Fp8Activation(outputs.out, outputs.scale), outputs.residual
 
 
 @triton.jit
-def _silu_and_mul_kernel(  # type: ignore[no-untyped-def]
+def _gated_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     out_ptr,
     scale_ptr,
@@ -216,27 +238,37 @@ def _silu_and_mul_kernel(  # type: ignore[no-untyped-def]
     INTER: tl.constexpr,
     BLOCK: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    GELU_TANH: tl.constexpr,
 ) -> None:
-    """One BLOCK-wide chunk of one row: silu(gate) in float32, rounded to the input dtype (as
-    torch's silu returns it), times up in float32, rounded again (as torch's mul). With QUANTIZE
-    the chunk is the whole row, stored in E4M3 with its row scale."""
+    """One BLOCK-wide chunk of one row: act(gate) in float32 (silu, or with GELU_TANH torch's
+    tanh-approximated gelu), rounded to the input dtype (as torch's activation returns it),
+    times up in float32, rounded again (as torch's mul). With QUANTIZE the chunk is the whole
+    row, stored in E4M3 with its row scale."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0).to(tl.float32)
     in_dtype = x_ptr.dtype.element_ty
-    silu = round_to(gate / (1.0 + tl.exp(-gate)), in_dtype)
+    if GELU_TANH:
+        # torch's constants: kBeta = sqrt(2 / pi), kKappa = 0.044715
+        inner = 0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+        act = round_to(0.5 * gate * (1.0 + tanh), in_dtype)
+    else:
+        act = round_to(gate / (1.0 + tl.exp(-gate)), in_dtype)
     if QUANTIZE:
-        out = round_to(silu * up, in_dtype)
+        out = round_to(act * up, in_dtype)
         store_quantized_row(out, out_ptr, scale_ptr, row, cols, mask, INTER)
     else:
-        out = round_to(silu * up, in_dtype).to(in_dtype)
+        out = round_to(act * up, in_dtype).to(in_dtype)
         tl.store(out_ptr + row * INTER + cols, out, mask=mask)
 
 
-def _launch_silu_and_mul(x: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu(gate) * up [..., I], its rows' scales when `quantize` (else an empty tensor))."""
+def _launch_gated(
+    x: torch.Tensor, quantize: bool, gelu_tanh: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(gate) * up [..., I], its rows' scales when `quantize` (else an empty tensor))."""
     inter = x.shape[-1] // 2
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
@@ -247,7 +279,7 @@ def _launch_silu_and_mul(x: torch.Tensor, quantize: bool) -> tuple[torch.Tensor,
         return out, scale
     whole_row = triton.next_power_of_2(inter)
     block = whole_row if quantize else min(1024, whole_row)
-    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
+    _gated_kernel[(rows.shape[0], triton.cdiv(inter, block))](
         rows,
         out,
         scale,
@@ -255,6 +287,7 @@ def _launch_silu_and_mul(x: torch.Tensor, quantize: bool) -> tuple[torch.Tensor,
         INTER=inter,
         BLOCK=block,
         QUANTIZE=quantize,
+        GELU_TANH=gelu_tanh,
         num_warps=max(warps_for(block), min(16, block // 1024)),
         enable_fp_fusion=False,
     )
@@ -263,10 +296,22 @@ def _launch_silu_and_mul(x: torch.Tensor, quantize: bool) -> tuple[torch.Tensor,
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] [..., 2*I] -> silu(gate) * up [..., I], in one launch: `SiluAndMul`."""
-    return _launch_silu_and_mul(x, quantize=False)[0]
+    return _launch_gated(x, quantize=False)[0]
 
 
 def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Activation:
     """`silu_and_mul` of [T, 2*I] rows quantized per row as `fp8.quantize_rows` would (the same
     bits), in one launch."""
-    return Fp8Activation(*_launch_silu_and_mul(x, quantize=True))
+    return Fp8Activation(*_launch_gated(x, quantize=True))
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] [..., 2*I] -> gelu_tanh(gate) * up [..., I] (GeGLU), in one launch:
+    `GeluTanhAndMul`. tanh is computed from exp, so a bf16 result can differ from torch's in
+    the last bit where the float32 activation lands on a rounding boundary."""
+    return _launch_gated(x, quantize=False, gelu_tanh=True)[0]
+
+
+def gelu_tanh_and_mul_fp8(x: torch.Tensor) -> Fp8Activation:
+    """`gelu_tanh_and_mul` of [T, 2*I] rows quantized per row, in one launch."""
+    return Fp8Activation(*_launch_gated(x, quantize=True, gelu_tanh=True))

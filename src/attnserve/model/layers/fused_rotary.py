@@ -1,6 +1,6 @@
 """Triton kernel of rotary embedding for an attention layer's q and k in one launch (NeoX
-"rotate half"), with Qwen3's per-head q/k RMSNorm and the copy of v folded in for the layer's
-whole qkv split.
+"rotate half"), with the per-head q/k RMSNorm (Qwen3's, or Gemma 3's 1 + weight one) and the copy
+of v folded in for the layer's whole qkv split.
 
 It computes what the plain-torch layers compute with the same roundings (`fused_ops`' rules:
 float32 math, `round_to` for every narrowing, launches without FMA contraction), so a bf16
@@ -29,11 +29,13 @@ def _rotate_heads(  # type: ignore[no-untyped-def]
     HEAD_SIZE: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ) -> None:
     """Rotate one token's heads [NUM_HEADS, HEAD_SIZE] (contiguous at src_ptr) by cos/sin
     [HALF_PAD] ("rotate half": first' = first*cos - second*sin, second' = second*cos +
     first*sin, in float32) into dst_ptr; with HAS_NORM each head is first RMS-normalised and
-    scaled by the weight [HEAD_SIZE], rounded as `RMSNorm.forward` rounds."""
+    scaled by the weight [HEAD_SIZE] (by 1 + weight with UNIT_OFFSET), rounded as
+    `RMSNorm.forward` (`GemmaRMSNorm.forward`) rounds."""
     half: tl.constexpr = HEAD_SIZE // 2
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HALF_PAD)
@@ -47,8 +49,12 @@ def _rotate_heads(  # type: ignore[no-untyped-def]
         inv_rms = tl.math.rsqrt(squares * (1.0 / HEAD_SIZE) + eps)[:, None]
         w_first = tl.load(weight_ptr + dims, mask=dims < half, other=0).to(tl.float32)
         w_second = tl.load(weight_ptr + half + dims, mask=dims < half, other=0).to(tl.float32)
-        first = round_to(round_to(first * inv_rms, out_dtype) * w_first[None, :], out_dtype)
-        second = round_to(round_to(second * inv_rms, out_dtype) * w_second[None, :], out_dtype)
+        if UNIT_OFFSET:
+            first = round_to(first * inv_rms * (w_first[None, :] + 1.0), out_dtype)
+            second = round_to(second * inv_rms * (w_second[None, :] + 1.0), out_dtype)
+        else:
+            first = round_to(round_to(first * inv_rms, out_dtype) * w_first[None, :], out_dtype)
+            second = round_to(round_to(second * inv_rms, out_dtype) * w_second[None, :], out_dtype)
     cos = cos[None, :]
     sin = sin[None, :]
     rotated_first = round_to(first * cos - second * sin, out_dtype).to(out_dtype)
@@ -82,6 +88,7 @@ def _rotary_kernel(  # type: ignore[no-untyped-def]
     HALF_PAD: tl.constexpr,
     KV_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
     HAS_VALUE: tl.constexpr,
 ) -> None:
     """One token: gather its cos/sin row, rotate all its query heads, then all its key heads
@@ -105,6 +112,7 @@ def _rotary_kernel(  # type: ignore[no-untyped-def]
         HEAD_SIZE,
         HALF_PAD,
         HAS_NORM,
+        UNIT_OFFSET,
     )
     _rotate_heads(
         key_ptr + token * stride_key,
@@ -118,6 +126,7 @@ def _rotary_kernel(  # type: ignore[no-untyped-def]
         HEAD_SIZE,
         HALF_PAD,
         HAS_NORM,
+        UNIT_OFFSET,
     )
     if HAS_VALUE:
         width: tl.constexpr = NUM_KV_HEADS * HEAD_SIZE
@@ -155,12 +164,13 @@ def qkv_rotary_embedding(
     head_size: int,
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     eps: float = 0.0,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An attention layer's q, k, v [T, H*D] (strided splits of its qkv projection) made ready
     for attention in one launch: q and k per-head RMS-normalised when `norm_weights` (q's, k's
-    [D], in their dtype; Qwen3's q/k norm) are given, then rotated as `rotary_embedding` does;
-    v copied. Returns new contiguous tensors."""
-    return _launch_rotary(positions, *qkv, cos_sin_cache, head_size, norm_weights, eps)
+    [D], in their dtype; Qwen3's q/k norm, or with `unit_offset` Gemma 3's) are given, then
+    rotated as `rotary_embedding` does; v copied. Returns new contiguous tensors."""
+    return _launch_rotary(positions, *qkv, cos_sin_cache, head_size, norm_weights, eps, unit_offset)
 
 
 def _launch_rotary(
@@ -172,6 +182,7 @@ def _launch_rotary(
     head_size: int,
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     eps: float = 0.0,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_tokens = query.shape[0]
     q_rows, k_rows = _token_rows(query), _token_rows(key)
@@ -216,6 +227,7 @@ def _launch_rotary(
         HALF_PAD=half_pad,
         KV_PAD=triton.next_power_of_2(v_rows.shape[1]),
         HAS_NORM=norm_weights is not None,
+        UNIT_OFFSET=unit_offset,
         HAS_VALUE=value is not None,
         num_warps=warps_for(max(q_pad, kv_pad) * half_pad),
         enable_fp_fusion=False,

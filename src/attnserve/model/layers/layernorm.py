@@ -1,7 +1,7 @@
 """`RMSNorm`, with a fused residual-add variant, computed in float32 like HF's Llama norm
 (`ops.rms_norm`, `ops.fused_add_rms_norm`: one fused Triton kernel on CUDA, one native call on
 the CPU in float32, plain torch elsewhere and as their reference), and Gemma's `GemmaRMSNorm`
-(a scale of 1 + weight, in plain torch).
+(a scale of 1 + weight, all in float32: the same ops with `unit_offset`).
 
 A decoder layer's norm before a projection runs `forward_to_linear`: when the projection is an
 FP8 layer that takes quantized input (`output_fp8`, set by `linear.fuse_input_quantization`),
@@ -20,10 +20,10 @@ from attnserve.model.quantization.fp8_format import LinearInput
 
 
 class RMSNorm(nn.Module):
-    # whether `ops.qkv_rotary_embedding` may apply it as a q/k head norm from (weight, eps)
-    fusable_head_norm: ClassVar[bool] = True
     # whether `forward_to_linear` can hand an FP8 layer its input quantized
     supports_fp8_output: ClassVar[bool] = True
+    # Gemma's norm: the weight stored as its offset from one, no rounding before the scale
+    unit_offset: ClassVar[bool] = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -33,13 +33,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise over the last dimension; `x` may be [T, H, D] heads (Qwen3's q/k norm)."""
-        return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
 
     def forward_with_residual(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add `residual` to `x`, then normalise: returns (normed, new residual)."""
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
 
     def forward_to_linear(
         self, x: torch.Tensor, residual: torch.Tensor | None
@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
         """A decoder layer's norm before its projection: `residual` (if any) added to `x`, the
         sum normalised (quantized when `output_fp8`); returns (normed, residual stream)."""
         if self.output_fp8:
-            normed, summed = ops.rms_norm_fp8(x, residual, self.weight, self.eps)
+            normed, summed = ops.rms_norm_fp8(x, residual, self.weight, self.eps, self.unit_offset)
             return normed, x if summed is None else summed
         if residual is None:
             return self(x), x
@@ -56,18 +56,6 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm, as HF computes it: x / rms(x) * (1 + weight), all in float32, rounded
-    to x's dtype once at the end (plain torch; the stored weight is the offset from one)."""
+    to x's dtype once at the end (the stored weight is the offset from one)."""
 
-    fusable_head_norm: ClassVar[bool] = False
-    supports_fp8_output: ClassVar[bool] = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-
-    def forward_with_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        summed = residual + x
-        return self.forward(summed), summed
+    unit_offset = True

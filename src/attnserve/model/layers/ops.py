@@ -28,7 +28,7 @@ from attnserve.model.quantization.fp8_format import Fp8Activation
 _FUSED = os.environ.get("ATTNSERVE_FUSED_OPS", "1") != "0"
 _TRITON = _FUSED and importlib.util.find_spec("triton") is not None
 
-NormWeight = tuple[torch.Tensor, float]  # an RMSNorm's weight and eps
+NormWeight = tuple[torch.Tensor, float, bool]  # an RMSNorm's weight, eps and unit_offset
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -47,39 +47,50 @@ def use_native(x: torch.Tensor, *others: torch.Tensor) -> bool:
     )
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+) -> torch.Tensor:
     """`rms_norm` in torch: normalised in float32 (like HF's Llama norm), rounded to x's dtype,
-    then scaled by the weight."""
+    then scaled by the weight; with `unit_offset` as HF's Gemma norm: scaled by 1 + weight in
+    float32, rounded to x's dtype once at the end."""
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (x32 * (1.0 + weight.float())).to(dtype)
     return weight * x32.to(dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / sqrt(mean(x^2) + eps) over the last dimension, a new tensor; `x` may be
-    [T, H, D] heads (Qwen3's q/k norm)."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension (with `unit_offset`, Gemma's
+    (1 + weight) * ...), a new tensor; `x` may be [T, H, D] heads (Qwen3's q/k norm)."""
     if use_triton(x):
         from attnserve.model.layers import fused_ops
 
-        return fused_ops.rms_norm(x, weight, eps)
-    if use_native(x):
+        return fused_ops.rms_norm(x, weight, eps, unit_offset)
+    if use_native(x) and not unit_offset:
         return cpu_ops.rms_norm(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+    return rms_norm_reference(x, weight, eps, unit_offset)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`residual` added to `x`, then normalised: (normed, the sum), new tensors."""
+    """`residual` added to `x`, then normalised (`rms_norm`): (normed, the sum), new tensors."""
     if use_triton(x):
         from attnserve.model.layers import fused_ops
 
-        return fused_ops.fused_add_rms_norm(x, residual, weight, eps)
-    if use_native(x, residual):
+        return fused_ops.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
+    if use_native(x, residual) and not unit_offset:
         return cpu_ops.fused_add_rms_norm(x, residual, weight, eps)
     summed = x + residual
-    return rms_norm_reference(summed, weight, eps), summed
+    return rms_norm_reference(summed, weight, eps, unit_offset), summed
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -94,8 +105,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] [..., 2*I] -> gelu_tanh(gate) * up [..., I] (GeGLU, as HF's
+    `gelu_pytorch_tanh` computes it)."""
+    if use_triton(x):
+        from attnserve.model.layers import fused_ops
+
+        return fused_ops.gelu_tanh_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rms_norm_fp8(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool = False,
 ) -> tuple[Fp8Activation, torch.Tensor | None]:
     """`rms_norm` of x (or, with `residual`, `fused_add_rms_norm`) quantized per row for an FP8
     linear layer: (the quantized rows, the sum when `residual` was added). One launch on CUDA
@@ -104,10 +130,10 @@ def rms_norm_fp8(
     if use_triton(x) and x.dim() == 2 and weight.dtype == in_dtype:
         from attnserve.model.layers import fused_ops
 
-        return fused_ops.rms_norm_fp8(x, residual, weight, eps)
+        return fused_ops.rms_norm_fp8(x, residual, weight, eps, unit_offset)
     if residual is None:
-        return Fp8Activation(*quantize_rows(rms_norm(x, weight, eps))), None
-    normed, summed = fused_add_rms_norm(x, residual, weight, eps)
+        return Fp8Activation(*quantize_rows(rms_norm(x, weight, eps, unit_offset))), None
+    normed, summed = fused_add_rms_norm(x, residual, weight, eps, unit_offset)
     return Fp8Activation(*quantize_rows(normed)), summed
 
 
@@ -119,6 +145,15 @@ def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Activation:
 
         return fused_ops.silu_and_mul_fp8(x)
     return Fp8Activation(*quantize_rows(silu_and_mul(x)))
+
+
+def gelu_tanh_and_mul_fp8(x: torch.Tensor) -> Fp8Activation:
+    """`gelu_tanh_and_mul` quantized per row for an FP8 linear layer (as `silu_and_mul_fp8`)."""
+    if use_triton(x):
+        from attnserve.model.layers import fused_ops
+
+        return fused_ops.gelu_tanh_and_mul_fp8(x)
+    return Fp8Activation(*quantize_rows(gelu_tanh_and_mul(x)))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -158,23 +193,23 @@ def qkv_rotary_embedding(
     head_norms: tuple[NormWeight, NormWeight] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An attention layer's q, k, v [T, H*D] (splits of its qkv projection) ready for attention:
-    q and k normalised per head by `head_norms` (Qwen3's q/k norm) when given, then rotated
-    (`rotary_embedding`); v contiguous. One fused launch on CUDA (the norms' weights in q's
-    dtype; the kernel takes q's eps for both), one native call on the CPU after the head norms,
-    the separate ops elsewhere."""
+    q and k normalised per head by `head_norms` (Qwen3's or Gemma 3's q/k norm) when given,
+    then rotated (`rotary_embedding`); v contiguous. One fused launch on CUDA (the norms'
+    weights in q's dtype; the kernel takes q's eps and unit_offset for both), one native call on
+    the CPU after the head norms, the separate ops elsewhere."""
     query, key, value = qkv
     if use_triton(query) and (head_norms is None or head_norms[0][0].dtype == query.dtype):
         from attnserve.model.layers import fused_rotary
 
         weights = None if head_norms is None else (head_norms[0][0], head_norms[1][0])
-        eps = 0.0 if head_norms is None else head_norms[0][1]
+        _, eps, unit_offset = (None, 0.0, False) if head_norms is None else head_norms[0]
         return fused_rotary.qkv_rotary_embedding(
-            positions, qkv, cos_sin_cache, head_size, weights, eps
+            positions, qkv, cos_sin_cache, head_size, weights, eps, unit_offset
         )
     if head_norms is not None:
         query, key = (
-            rms_norm(x.reshape(x.shape[0], -1, head_size), weight, eps).flatten(1)
-            for (weight, eps), x in zip(head_norms, (query, key), strict=True)
+            rms_norm(x.reshape(x.shape[0], -1, head_size), weight, eps, offset).flatten(1)
+            for (weight, eps, offset), x in zip(head_norms, (query, key), strict=True)
         )
     if use_native(query, key, value):
         return cpu_ops.rotary_embedding_qkv(

@@ -92,5 +92,8 @@ class RotaryEmbedding(nn.Module):
         norms = None
         if head_norms is not None:
             q_norm, k_norm = head_norms
-            norms = ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps))
+            norms = (
+                (q_norm.weight, q_norm.eps, q_norm.unit_offset),
+                (k_norm.weight, k_norm.eps, k_norm.unit_offset),
+            )
         return ops.qkv_rotary_embedding(positions, qkv, self.cos_sin_cache, self.head_size, norms)

@@ -113,8 +113,7 @@ class LlamaAttention(nn.Module):
         if parts.variant.qk_norm:
             self.q_norm = parts.variant.make_norm(self.head_size, hf.rms_norm_eps)
             self.k_norm = parts.variant.make_norm(self.head_size, hf.rms_norm_eps)
-            if self.q_norm.fusable_head_norm:
-                self.head_norms = (self.q_norm, self.k_norm)
+            self.head_norms = (self.q_norm, self.k_norm)
         window = layer_sliding_windows(hf)[layer_index]
         self.rotary_emb = parts.rotary_emb if window is None else parts.local_rotary_emb
         self.attn = Attention(
@@ -139,10 +138,6 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: LinearInput) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
-        if self.q_norm is not None and self.k_norm is not None and self.head_norms is None:
-            heads = (-1, self.head_size)  # q/k head norms the fused op cannot apply
-            q = self.q_norm(q.unflatten(-1, heads)).flatten(1)
-            k = self.k_norm(k.unflatten(-1, heads)).flatten(1)
         q, k, v = self.rotary_emb.forward_qkv(positions, (q, k, v), self.head_norms)
         return self.o_proj(self.attn(q, k, v))
 
