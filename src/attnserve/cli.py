@@ -318,6 +318,10 @@ BENCHMARKS = {
         "the KV memory one sequence holds at a long context (sliding-window blocks freed or not)",
     ),
     "llamacpp": ("attnserve.bench.llamacpp", "single-stream chat decode against llama.cpp (CPU)"),
+    "families": (
+        "attnserve.bench.families",
+        "every preset family's standard workload and batch-1/8 latency against their bounds",
+    ),
 }
 
 

@@ -176,6 +176,13 @@ class Rates:
     copy_bytes_per_s: float
     matmul_flops_per_s: float
 
+    def figures(self) -> dict[str, float]:
+        """The rates as a benchmark reports them."""
+        return {
+            "copy_tb_per_s": self.copy_bytes_per_s / 1e12,
+            "matmul_tflop_per_s": self.matmul_flops_per_s / 1e12,
+        }
+
 
 @dataclass(frozen=True)
 class Bound:

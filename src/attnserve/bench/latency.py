@@ -8,6 +8,11 @@ last-token times (when the engine hands them out), from the batch's submission. 
 prefill = when the last request of the batch got its first token, end-to-end = when the last
 request finished, time per output token = the mean over requests of (last − first token time) /
 (output len − 1), as vLLM's serving benchmark computes TPOT.
+
+With TPOT, its bound (bench/bound.py, at the copy bandwidth and matmul rate measured first in the
+same run): the batch's decode steps 1 .. output len − 1, each reading every weight it needs
+(`ModelShape.step_weight_bytes` of the batch) and the K and V of every sequence's context, and
+taking max(bytes / copy rate, FLOPs / matmul rate); their mean, against the median TPOT.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from attnserve.bench.bound import ModelShape, Rates, measure_rates, workload_bound
 from attnserve.bench.common import (
     check_output_files,
     check_positive,
@@ -108,15 +114,41 @@ def _ms_summary(name: str, seconds: list[float]) -> dict[str, float]:
     }
 
 
+BOUND_RULE = "each decode step of the batch: max(bytes / copy rate, FLOPs / matmul rate)"
+
+
+def tpot_bound(args: argparse.Namespace, shape: ModelShape, rates: Rates) -> dict[str, Any]:
+    """The bound of a batch's TPOT: its decode steps' mean time under the bound's rule."""
+    batch = args.batch_size
+    bound = workload_bound(shape, [args.input_len] * batch, [args.output_len] * batch, rates)
+    return {
+        "bound_tpot_ms": bound.decode_s / bound.decode_steps * 1000,
+        "bound_memory_bound_step_share": bound.memory_bound_steps / bound.decode_steps,
+        "bound_rule": BOUND_RULE,
+        **rates.figures(),
+    }
+
+
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """The figures of the module docstring."""
     _check(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config()
+    model_config, device = config.model_config, config.device
+    progress(f"measuring copy bandwidth and {model_config.dtype} matmul rate on {device}")
+    rates = measure_rates(device, model_config.dtype)
     progress("loading the engine")
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine = LLMEngine.from_engine_args(engine_args)
     try:
-        return _figures(engine, args)
+        result = _figures(engine, args)
     finally:
         engine.shutdown()
+    if args.output_len < 2:
+        return result
+    shape = ModelShape.from_config(model_config, engine_args.kv_cache_dtype)
+    result |= tpot_bound(args, shape, rates)
+    result["tpot_fraction_of_bound"] = result["bound_tpot_ms"] / result["median_tpot_ms"]
+    return result
 
 
 def _figures(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:

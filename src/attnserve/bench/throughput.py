@@ -265,12 +265,8 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
         **spec_decode_figures(before, after),
     }
     result |= _against_bound(seconds, workload, shape, rates)
-    result |= {
-        "bound_rule": BOUND_RULE,
-        "copy_tb_per_s": rates.copy_bytes_per_s / 1e12,
-        "matmul_tflop_per_s": rates.matmul_flops_per_s / 1e12,
-        "prefix_cache_hit_rate": llm.llm_engine.stats()["prefix_cache_hit_rate"],
-    }
+    result |= {"bound_rule": BOUND_RULE, **rates.figures()}
+    result["prefix_cache_hit_rate"] = llm.llm_engine.stats()["prefix_cache_hit_rate"]
     if structured is not None:
         result |= _structured_figures(llm, workload, structured, result["output_tokens_per_s"])
     if args.batch_sizes:
