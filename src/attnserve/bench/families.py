@@ -139,6 +139,7 @@ def execute(run: Run, out_dir: Path, timeout: float) -> Row:
     out, log = out_dir / f"{run.name}.json", out_dir / f"{run.name}.log"
     command = [sys.executable, "-m", "attnserve.cli", "bench", run.benchmark, *run.arguments]
     command += ["--json", str(out)]
+    out.unlink(missing_ok=True)  # a kept --out-dir's earlier result is not this run's
     status, seconds = run_command(command, timeout, log)
     value_key, bound_key, fraction_key, unit = _FIGURES[run.benchmark]
     shown = shlex.join(["attnserve", *command[3:]])
