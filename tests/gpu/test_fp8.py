@@ -101,25 +101,33 @@ def _near_bits(got: tuple[torch.Tensor, torch.Tensor], expected: torch.Tensor) -
 
 
 @needs_fp8
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])
 @pytest.mark.parametrize("m", [1, 300, 4096])
-def test_the_quantizing_norm_and_activation_equal_the_separate_ops(m: int) -> None:
-    """The kernels an FP8 layer's input comes from (RMSNorm, with and without the residual
-    add, and SiLU-and-mul, quantizing in the same launch) write what the separate ops and the
-    torch quantization write: SiLU-and-mul bit for bit, the norms up to their last bit."""
+def test_the_quantizing_norm_and_activation_equal_the_separate_ops(
+    m: int, unit_offset: bool
+) -> None:
+    """The kernels an FP8 layer's input comes from (RMSNorm, Llama's or Gemma's, with and
+    without the residual add, and SiLU-and-mul or GeGLU, quantizing in the same launch) write
+    what the separate ops and the torch quantization write: the activations bit for bit, the
+    norms up to their last bit."""
     from attnserve.model.layers import fused_ops
 
     generator = torch.Generator("cuda").manual_seed(m)
     x, residual = (3 * torch.randn(2, m, 4096, device="cuda", generator=generator)).bfloat16()
     weight = (1 + 0.1 * torch.randn(4096, device="cuda", generator=generator)).bfloat16()
-    got, summed = fused_ops.rms_norm_fp8(x, None, weight, 1e-6)
+    got, summed = fused_ops.rms_norm_fp8(x, None, weight, 1e-6, unit_offset)
     assert summed is None
-    _near_bits(got, fused_ops.rms_norm(x, weight, 1e-6))
-    got, summed = fused_ops.rms_norm_fp8(x, residual, weight, 1e-6)
-    normed, expected_sum = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+    _near_bits(got, fused_ops.rms_norm(x, weight, 1e-6, unit_offset))
+    got, summed = fused_ops.rms_norm_fp8(x, residual, weight, 1e-6, unit_offset)
+    normed, expected_sum = fused_ops.fused_add_rms_norm(x, residual, weight, 1e-6, unit_offset)
     assert summed is not None and torch.equal(summed, expected_sum)
     _near_bits(got, normed)
     gate_up = (3 * torch.randn(m, 2 * 14336, device="cuda", generator=generator)).bfloat16()
-    assert _same_bits(fused_ops.silu_and_mul_fp8(gate_up), fused_ops.silu_and_mul(gate_up))
+    if unit_offset:
+        quantized, plain = fused_ops.gelu_tanh_and_mul_fp8, fused_ops.gelu_tanh_and_mul
+    else:
+        quantized, plain = fused_ops.silu_and_mul_fp8, fused_ops.silu_and_mul
+    assert _same_bits(quantized(gate_up), plain(gate_up))
 
 
 @needs_fp8
