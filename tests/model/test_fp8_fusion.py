@@ -99,6 +99,18 @@ def _fusing_ops(model: torch.nn.Module) -> list[bool]:
     return [module.output_fp8 for module in model.modules() if hasattr(module, "output_fp8")]
 
 
+def _assert_fused_equals_unfused(model: torch.nn.Module, config: ModelConfig) -> None:
+    """A prompt's logits are the same with the ops quantizing for their projections and with
+    the projections quantizing their input themselves."""
+    prompt = [5, 17, 99, 3, 42, 7, 150, 2]
+    fused = PagedRunner(model, config, max_len=16, seqs=1).step([prompt])[0]
+    for module in model.modules():
+        if hasattr(module, "output_fp8"):
+            module.output_fp8 = False
+    unfused = PagedRunner(model, config, max_len=16, seqs=1).step([prompt])[0]
+    assert torch.equal(fused, unfused)
+
+
 def test_fp8_decoder_layers_quantize_in_the_norms_and_the_activation(tiny_llama_dir: Path) -> None:
     """Each layer's input norm, post-attention norm and SiLU-and-mul hand their FP8 projection
     its input quantized, and the model computes exactly what it computes when the projections
@@ -107,13 +119,7 @@ def test_fp8_decoder_layers_quantize_in_the_norms_and_the_activation(tiny_llama_
     layers = len(model.model.layers)
     fusing = _fusing_ops(model)
     assert fusing.count(True) == 3 * layers and fusing.count(False) == 1  # the final norm
-    prompt = [5, 17, 99, 3, 42, 7, 150, 2]
-    fused = PagedRunner(model, config, max_len=16, seqs=1).step([prompt])[0]
-    for module in model.modules():
-        if hasattr(module, "output_fp8"):
-            module.output_fp8 = False
-    unfused = PagedRunner(model, config, max_len=16, seqs=1).step([prompt])[0]
-    assert torch.equal(fused, unfused)
+    _assert_fused_equals_unfused(model, config)
 
 
 def test_unquantized_layers_take_float_input(tiny_llama_dir: Path) -> None:
@@ -132,13 +138,7 @@ def test_gemma_norms_and_geglu_quantize_for_their_projections(tmp_path: Path) ->
     layers = len(model.model.layers)
     fusing = _fusing_ops(model)
     assert fusing.count(True) == 3 * layers and fusing.count(False) == 2 * layers + 1
-    prompt = [5, 17, 99, 3, 42, 7, 150, 2]
-    fused = PagedRunner(model, config, max_len=16, seqs=1).step([prompt])[0]
-    for module in model.modules():
-        if hasattr(module, "output_fp8"):
-            module.output_fp8 = False
-    unfused = PagedRunner(model, config, max_len=16, seqs=1).step([prompt])[0]
-    assert torch.equal(fused, unfused)
+    _assert_fused_equals_unfused(model, config)
 
 
 def _rounded_operands(m: int, n: int, k: int, group: int | None) -> tuple[torch.Tensor, ...]:

@@ -1,5 +1,8 @@
 """The fused Triton kernels of `attnserve.model.layers.fused_ops` against the layers' plain-torch
-path (and, for rope and SiLU, an independent float64 formula), then wired into the layers.
+path (and, for rope, SiLU, Gemma's (1 + weight) norm and GeGLU, an independent float64 formula),
+then wired into the layers: a tiny Qwen3 and a tiny Gemma 3 with every layer on the kernels
+against HF transformers (Gemma's norm also per head, with the residual add and folded into the
+q/k-norm rope launch; the FP8-quantizing variants: test_fp8_fusion).
 
 Runs on CUDA when present, else through the Triton interpreter on the CPU (tests/model/conftest
 switches it on before the kernels are defined).
@@ -7,6 +10,7 @@ switches it on before the kernels are defined).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
@@ -153,16 +158,40 @@ def test_qkv_rotary_embedding_matches_the_separate_layers(dtype: torch.dtype, no
     torch.testing.assert_close(got[2], v, atol=0, rtol=0)
 
 
+def _silu_and_mul_float64(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.double().cpu().chunk(2, -1)
+    return (gate * torch.sigmoid(gate) * up).to(x.dtype)
+
+
+def _gelu_tanh_and_mul_float64(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.double().cpu().chunk(2, -1)
+    inner = math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)
+    return (0.5 * gate * (1 + torch.tanh(inner)) * up).to(x.dtype)
+
+
+def _gelu_tanh_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, -1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED = {  # name: (kernel, the layer's plain torch, an independent float64 formula)
+    "silu": ("silu_and_mul", SiluAndMul(), _silu_and_mul_float64),
+    "gelu_tanh": ("gelu_tanh_and_mul", _gelu_tanh_and_mul_torch, _gelu_tanh_and_mul_float64),
+}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("inter", [40, 1500], ids=["one-block", "two-blocks"])
-def test_silu_and_mul_matches_torch_and_formula(dtype: torch.dtype, inter: int) -> None:
-    x = 2 * _rand(T, 2 * inter, dtype=dtype, seed=5)
-    out = ops.silu_and_mul(x)
+@pytest.mark.parametrize("activation", list(GATED))
+def test_gated_activation_matches_torch_and_formula(
+    dtype: torch.dtype, inter: int, activation: str
+) -> None:
+    kernel, plain, formula = GATED[activation]
+    x = 3 * _rand(T, 2 * inter, dtype=dtype, seed=5)
+    out = getattr(ops, kernel)(x)
     assert out.dtype == dtype and out.shape == (T, inter)
-    torch.testing.assert_close(out, SiluAndMul()(x), **TOL[dtype])
-    gate, up = x.double().cpu().chunk(2, -1)
-    expected = (gate * torch.sigmoid(gate) * up).to(dtype)
-    torch.testing.assert_close(out.cpu(), expected, **TOL[dtype])
+    torch.testing.assert_close(out, plain(x), **TOL[dtype])
+    torch.testing.assert_close(out.cpu(), formula(x), **TOL[dtype])
 
 
 def test_empty_batch() -> None:
@@ -178,6 +207,68 @@ def test_empty_batch() -> None:
     assert q.shape == (0, 64) and k.shape == (0, 32)
 
 
+def _gemma_norm_float64(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """HF's Gemma norm in float64, rounded to x's dtype once."""
+    x64 = x.double()
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS)
+    return (normed * (1.0 + weight.double())).to(x.dtype)
+
+
+def _assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal, or (bf16) one rounding step apart where the float32 value sat on a boundary."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        return
+    ulp = torch.finfo(got.dtype).eps * want.float().abs().clamp_min(1e-30)
+    assert bool(((got.float() - want.float()).abs() <= ulp * 1.01 + 1e-30).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemma_norm_matches_torch(dtype: torch.dtype) -> None:
+    x, weight = 3 * _rand(T, HIDDEN, dtype=dtype), 0.3 * _rand(HIDDEN, dtype=dtype, seed=1)
+    out = ops.rms_norm(x, weight, EPS, unit_offset=True)
+    assert out.dtype == dtype and out.shape == x.shape
+    _assert_within_one_ulp(out, layer_ops.rms_norm_reference(x, weight, EPS, unit_offset=True))
+    _assert_within_one_ulp(out.cpu(), _gemma_norm_float64(x.cpu(), weight.cpu()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemma_norm_with_residual_and_per_head(dtype: torch.dtype) -> None:
+    x, residual = _rand(T, HIDDEN, dtype=dtype, seed=2), _rand(T, HIDDEN, dtype=dtype, seed=3)
+    weight = 0.3 * _rand(HIDDEN, dtype=dtype, seed=4)
+    out, summed = ops.fused_add_rms_norm(x, residual, weight, EPS, unit_offset=True)
+    torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
+    _assert_within_one_ulp(out, layer_ops.rms_norm_reference(x + residual, weight, EPS, True))
+    heads = _rand(T, 2 * HIDDEN, dtype=dtype, seed=5)[:, :HIDDEN].reshape(T, 2, HIDDEN // 2)
+    head_weight = 0.3 * _rand(HIDDEN // 2, dtype=dtype, seed=6)
+    out = ops.rms_norm(heads, head_weight, EPS, unit_offset=True)
+    _assert_within_one_ulp(out, layer_ops.rms_norm_reference(heads, head_weight, EPS, True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemma_head_norms_fold_into_the_rope_launch(dtype: torch.dtype) -> None:
+    """Gemma 3's q/k norm, rope and the copy of v in one launch against the norm and the rope
+    run one by one on a strided split of one qkv row."""
+    with torch.device(DEVICE):
+        rope = RotaryEmbedding(HEAD, max_position=64, base=10000.0)
+    positions = torch.tensor([0, 3, 63, 17, 1], device=DEVICE)
+    qkv = 3 * _rand(T, (Q_HEADS + 2 * KV_HEADS) * HEAD, dtype=dtype, seed=9)
+    q, k, v = qkv.split([Q_HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], -1)
+    weights = (0.3 * _rand(HEAD, dtype=dtype, seed=10), 0.3 * _rand(HEAD, dtype=dtype, seed=11))
+    got = fused_rotary.qkv_rotary_embedding(
+        positions, (q, k, v), rope.cos_sin_cache, HEAD, weights, EPS, unit_offset=True
+    )
+    q, k = (
+        layer_ops.rms_norm_reference(x.reshape(T, -1, HEAD), w, EPS, True).flatten(1)
+        for w, x in zip(weights, (q, k), strict=True)
+    )
+    expected = (*rope(positions, q, k), v)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for out, ref in zip(got, expected, strict=True):
+        assert out.dtype == dtype and out.shape == ref.shape
+        torch.testing.assert_close(out, ref, **tol)
+
+
 @pytest.fixture
 def triton_layers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Route every layer through `fused_ops` (on CPU too), recording which kernels ran."""
@@ -185,14 +276,14 @@ def triton_layers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(layer_ops, "use_triton", lambda x: True)
 
     def spy(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             calls.append(name)
-            return real(*args)
+            return real(*args, **kwargs)
 
         return call
 
     kernels = {
-        ops: ("rms_norm", "fused_add_rms_norm", "silu_and_mul"),
+        ops: ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul"),
         fused_rotary: ("rotary_embedding", "qkv_rotary_embedding"),
     }
     for module, names in kernels.items():
@@ -216,18 +307,13 @@ def test_layers_dispatch_to_triton(triton_layers: list[str]) -> None:
     assert triton_layers == ["rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"]
 
 
-def test_qwen3_through_triton_matches_hf(triton_layers: list[str], tmp_path: Path) -> None:
-    """End to end: a tiny Qwen3 (q/k norm, residual norms, rope, SiLU) with every layer on the
-    Triton kernels, a prefill then a paged decode step, against HF transformers in fp32 (a short
-    version of test_hf_parity's case: the interpreter runs programs one by one)."""
-    if DEVICE != "cpu":
-        pytest.skip("the parity harness runs the model on the CPU")
+def _assert_paged_logits_match_hf(hf_model: Any, path: Path) -> None:
+    """The model saved at `path`, run by the engine's layers (a prefill then a paged decode
+    step), gives HF's fp32 logits at every position."""
     from attnserve.model import ModelConfig
     from tests.model.paged import PagedRunner, load_reference_model
-    from tests.model.test_hf_parity import CASES, _save_hf_model
 
-    hf_model = _save_hf_model(tmp_path, *CASES["qwen3-qknorm"])
-    config = ModelConfig.resolve(str(tmp_path), dtype="float32")
+    config = ModelConfig.resolve(str(path), dtype="float32")
     model = load_reference_model(config)
     full = [[5, 17, 99, 3, 42, 7], [150, 2, 64, 11]]
     prompts, continuations = [seq[:-1] for seq in full], [seq[-1:] for seq in full]
@@ -236,9 +322,41 @@ def test_qwen3_through_triton_matches_hf(triton_layers: list[str], tmp_path: Pat
         with torch.no_grad():
             expected = hf_model(torch.tensor([seq])).logits[0]
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_qwen3_through_triton_matches_hf(triton_layers: list[str], tmp_path: Path) -> None:
+    """End to end: a tiny Qwen3 (q/k norm, residual norms, rope, SiLU) with every layer on the
+    Triton kernels against HF transformers in fp32 (a short version of test_hf_parity's case:
+    the interpreter runs programs one by one)."""
+    if DEVICE != "cpu":
+        pytest.skip("the parity harness runs the model on the CPU")
+    from tests.model.test_hf_parity import CASES, _save_hf_model
+
+    _assert_paged_logits_match_hf(_save_hf_model(tmp_path, *CASES["qwen3-qknorm"]), tmp_path)
     assert set(triton_layers) == {
         "rms_norm",
         "fused_add_rms_norm",
         "qkv_rotary_embedding",
         "silu_and_mul",
+    }
+
+
+def test_gemma3_through_triton_matches_hf(triton_layers: list[str], tmp_path: Path) -> None:
+    """End to end: a tiny Gemma 3 (1 + w norms around attention and the feed-forward block, q/k
+    norms, GeGLU) with every layer on the kernels against HF transformers in fp32."""
+    if DEVICE != "cpu":
+        pytest.skip("the parity harness runs the model on the CPU")
+    import transformers
+
+    from tests.model.test_gemma import MODELS, save_random_hf
+
+    config_cls, settings = MODELS["Gemma3ForCausalLM"]
+    hf_config = getattr(transformers, config_cls)(**{**settings, "num_hidden_layers": 2})
+    hf_config.architectures = ["Gemma3ForCausalLM"]
+    _assert_paged_logits_match_hf(save_random_hf(tmp_path, hf_config), tmp_path)
+    assert set(triton_layers) == {
+        "rms_norm",
+        "fused_add_rms_norm",
+        "qkv_rotary_embedding",
+        "gelu_tanh_and_mul",
     }
