@@ -33,6 +33,7 @@ from attnserve.engine.async_llm_engine import AsyncLLMEngine
 from attnserve.engine.warmup import warm_up
 from attnserve.entrypoints.openai.admission import Admission
 from attnserve.entrypoints.openai.body_parsing import OffLoopBodyRoute
+from attnserve.entrypoints.openai.chat_template import use_chat_template
 from attnserve.entrypoints.openai.cli_args import (
     DEFAULT_MAX_ENGINE_CORE_RESTARTS,
     DEFAULT_MAX_QUEUED_REQUESTS,
@@ -74,6 +75,7 @@ from attnserve.entrypoints.openai.protocol_tokenization import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from attnserve.entrypoints.openai.reasoning_parsers import reasoning_parser
 from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from attnserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from attnserve.entrypoints.openai.serving_engine import ClientDisconnected
@@ -125,6 +127,8 @@ class ServerOptions:
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     max_request_prompt_tokens_in_flight: int | None = None  # None: half the KV cache
     tokenizer_pool_size: int = DEFAULT_THREADS  # threads for bodies, templates, tokenizing
+    reasoning_parser: str | None = None  # --reasoning-parser (None: no thinking split)
+    trust_request_chat_template: bool = False  # --trust-request-chat-template
 
 
 def build_app(
@@ -154,6 +158,7 @@ def build_app(
     completion.request_timeout_s = chat.request_timeout_s = options.request_timeout_s
     completion.admission = chat.admission = _admission(engine, options, metrics)
     tokenization = OpenAIServingTokenization(engine, model_name, metrics, pool)
+    _set_chat_template_options(options, chat, tokenization)
     ready = asyncio.Event()
     if not warm:
         ready.set()
@@ -252,6 +257,16 @@ def build_app(
     return app, lifecycle
 
 
+def _set_chat_template_options(
+    options: ServerOptions, chat: OpenAIServingChat, tokenization: OpenAIServingTokenization
+) -> None:
+    """--reasoning-parser and --trust-request-chat-template on the endpoints that use them."""
+    if options.reasoning_parser is not None:
+        chat.reasoning_parser = reasoning_parser(options.reasoning_parser)
+    trusted = options.trust_request_chat_template
+    chat.trust_request_chat_template = tokenization.trust_request_chat_template = trusted
+
+
 def _admission(engine: AsyncLLMEngine, options: ServerOptions, metrics: ServerMetrics) -> Admission:
     prompt_tokens = options.max_request_prompt_tokens_in_flight
     admission = Admission(
@@ -297,8 +312,9 @@ def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args).with_server_defaults()
     api_key = resolve_api_key(args, dict(os.environ))
     engine = AsyncLLMEngine.from_engine_args(engine_args)
-    template = getattr(engine.tokenizer, "chat_template", None)
     try:
+        use_chat_template(engine.tokenizer, args.chat_template)
+        template = getattr(engine.tokenizer, "chat_template", None)
         tool_call_parser = auto_tool_call_parser(args, parser_for_chat_template(template))
     except ValueError:
         engine.shutdown()
@@ -317,6 +333,8 @@ def run_server(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_request_prompt_tokens_in_flight=args.max_request_prompt_tokens_in_flight,
         tokenizer_pool_size=args.tokenizer_pool_size,
+        reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     if options.api_key is None and not is_loopback(args.host):
         logger.warning("serving on %s without an API key (--allow-no-api-key)", args.host)

@@ -11,6 +11,7 @@ import argparse
 import ipaddress
 
 from attnserve.entrypoints.openai.preprocess import DEFAULT_THREADS as PREPROCESS_THREADS
+from attnserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")  # tool_parsers.TOOL_CALL_PARSERS' keys
 
@@ -106,6 +107,28 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "calls for, if any",
     )
     _add_admission_args(parser)
+    _add_chat_template_args(parser)
+
+
+def _add_chat_template_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split chat replies' <think>...</think> into reasoning_content (streamed as "
+        "reasoning_content deltas): qwen3 or deepseek_r1 (default: no split)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template to use in place of the model's: a file, or the template itself",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a request's own chat_template (default: refused with a 400; a template "
+        "is code the server runs)",
+    )
 
 
 def _add_admission_args(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, Strict, field_validator
 
+from attnserve.entrypoints.openai.protocol_chat_template import ChatTemplateFields
 from attnserve.entrypoints.openai.protocol_structured import (
     DeltaToolCall,
     StructuredOutputsFields,
@@ -124,6 +125,7 @@ class ChatMessage(RequestBody):
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool message: the call it answers
+    reasoning_content: Text | None = None  # an assistant's earlier thinking (for the template)
 
     @property
     def has_content(self) -> bool:
@@ -136,7 +138,7 @@ class ChatMessage(RequestBody):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingRequest, ToolFields):
+class ChatCompletionRequest(SamplingRequest, ToolFields, ChatTemplateFields):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1, description="overrides max_tokens")
@@ -194,6 +196,7 @@ class ChatLogProbs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # the thinking (--reasoning-parser)
     tool_calls: list[ToolCall] | None = None
 
 
@@ -216,6 +219,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -3,8 +3,9 @@ vLLM's names, fields and defaults), as pydantic models.
 
 `TokenizeRequest` is either body, told apart by its `messages` field: a completion-style one
 (`TokenizeCompletionRequest`: a `prompt` string) or a chat-style one (`TokenizeChatRequest`:
-`messages`, and `tools`, as `/v1/chat/completions` takes them). Requests are `RequestBody`s (strict
-types, undeclared fields kept for `request_fields` to judge), like every request here.
+`messages`, `tools` and the chat-template fields, as `/v1/chat/completions` takes them).
+Requests are `RequestBody`s (strict types, undeclared fields kept for `request_fields` to
+judge), like every request here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Discriminator, Field, Tag
 
 from attnserve.entrypoints.openai.protocol import ChatMessage, TokenId
+from attnserve.entrypoints.openai.protocol_chat_template import ChatTemplateFields
 from attnserve.entrypoints.openai.protocol_structured import ChatCompletionTool
 from attnserve.entrypoints.openai.request_body import RequestBody, Text
 
@@ -25,14 +27,10 @@ class TokenizeCompletionRequest(RequestBody):
     return_token_strs: bool | None = Field(False, description="also each token's string")
 
 
-class TokenizeChatRequest(RequestBody):
+class TokenizeChatRequest(ChatTemplateFields):
     model: Text | None = Field(None, description="the served model name (default: it)")
     messages: list[ChatMessage]
-    add_generation_prompt: bool = Field(True, description="the assistant's header at the end")
     return_token_strs: bool | None = Field(False, description="also each token's string")
-    continue_final_message: bool = Field(
-        False, description="the last message left open (needs add_generation_prompt: false)"
-    )
     add_special_tokens: bool = Field(
         False, description="special tokens (BOS) on top of the chat template's own"
     )

@@ -1,18 +1,20 @@
 """`POST /v1/chat/completions`: the conversation rendered with the tokenizer's chat template
 (with the request's tools, the assistant's earlier tool calls and the tools' answers), n replies,
 whole or streamed as `chat.completion.chunk` events (a role delta first), each read for tool
-calls as the request's `ToolPlan` says."""
+calls as the request's `ToolPlan` says. With a `--reasoning-parser`, each reply's thinking is split
+from it first (`reasoning_content`); the chat-template fields shape the prompt (`chat_template`)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
+from attnserve.entrypoints.openai.chat_template import TemplateOptions, template_options
 from attnserve.entrypoints.openai.chunk_renderer import ChunkRenderer, usage
 from attnserve.entrypoints.openai.errors import ApiError
 from attnserve.entrypoints.openai.metrics import ServerMetrics
@@ -30,18 +32,20 @@ from attnserve.entrypoints.openai.protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
+from attnserve.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningStream
 from attnserve.entrypoints.openai.serving_engine import (
     Choice,
     Delta,
     OpenAIServing,
     finite,
     new_id,
+    top_k,
 )
 from attnserve.entrypoints.openai.structured import constraint_field
 from attnserve.entrypoints.openai.tool_choice import ToolPlan, tool_plan
 from attnserve.entrypoints.openai.tool_parsers import ToolCallStream, merged_calls
+from attnserve.outputs import SampleLogprobs
 from attnserve.sampling_params import SamplingParams
-from attnserve.step_types import TokenLogprobs
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
@@ -56,6 +60,8 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
         entry["tool_call_id"] = message.tool_call_id
     if message.name is not None and message.role == "tool":
         entry["name"] = message.name
+    if message.reasoning_content is not None:
+        entry["reasoning_content"] = message.reasoning_content
     return entry
 
 
@@ -63,26 +69,33 @@ def render_messages(
     tokenizer: Any,
     messages: list[ChatMessage],
     tools: list[dict[str, Any]] | None,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
+    options: TemplateOptions | None = None,
 ) -> str:
-    """The conversation (and the tools) through the chat template, as prompt text (also what
-    /tokenize counts); 400 for a message without content or what the template refuses."""
+    """The conversation (and the tools) through the chat template (the request's own, if
+    `options` has one), as prompt text (also what /tokenize counts); 400 for a message without
+    content or what the template refuses."""
     for i, m in enumerate(messages):
         if not m.has_content:
             problem = f"messages.{i} has no content (a message needs content or tool_calls)"
             raise ApiError(400, problem, f"messages.{i}.content")
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template: use /v1/completions")
+    options = options or TemplateOptions()
     conversation = [_template_message(m) for m in messages]
     try:
         text = tokenizer.apply_chat_template(
             conversation,
             tools=tools,
+            documents=options.documents,
+            chat_template=options.chat_template,
             tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **options.kwargs,
         )
+    except TemplateSyntaxError as error:
+        param = "messages" if options.chat_template is None else "chat_template"
+        raise ApiError(400, f"the chat template does not compile: {error}", param) from error
     except (TemplateError, ValueError, TypeError) as error:
         message = f"the chat template refused the messages: {error}"
         raise ApiError(400, message, "messages") from error
@@ -90,6 +103,9 @@ def render_messages(
 
 
 class OpenAIServingChat(OpenAIServing):
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+    trust_request_chat_template = False  # --trust-request-chat-template
+
     def __init__(
         self,
         engine: AsyncLLMEngine,
@@ -111,31 +127,39 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         k = (request.top_logprobs or 0) if request.logprobs else None
-        plan, prompt, params = await self.off_loop(raw, self._prepare, request, k)
+        plan, prompt, params, thinking = await self.off_loop(raw, self._prepare, request, k)
         stream = self.generate([prompt], params, request_id, received, constraint_field(request))
         chunks = None
         if request.stream:
-            chunks = _ChunkRenderer(self, request, request_id, [prompt], plan)
+            chunks = _ChunkRenderer(self, request, request_id, [prompt], plan, thinking)
 
         def build(choices: list[Choice], tokens: int) -> ChatCompletionResponse:
             return ChatCompletionResponse(
                 id=request_id,
                 model=self.model_name,
-                choices=[self._choice(i, c, k, plan) for i, c in enumerate(choices)],
+                choices=[self._choice(i, c, k, plan, thinking) for i, c in enumerate(choices)],
                 usage=usage([prompt], tokens),
             )
 
         return await self.respond(raw, stream, chunks, request.n, build)
 
-    def _choice(self, index: int, choice: Choice, k: int | None, plan: ToolPlan) -> ChatChoice:
-        """A whole reply, its tool calls read out of it."""
+    def _choice(
+        self, index: int, choice: Choice, k: int | None, plan: ToolPlan, thinking: bool | None
+    ) -> ChatChoice:
+        """A whole reply, its thinking (`thinking`: None, no reasoning parser; else whether it
+        starts inside it) and its tool calls read out of it."""
+        reasoning = None if thinking is None else ReasoningStream(thinking)
+        thought, text = reasoning.feed(choice.text, final=True) if reasoning else ("", choice.text)
+        thought_out = thought if reasoning is not None and reasoning.thought else None
         reader = plan.new_stream()
-        content, deltas = reader.feed(choice.text, final=True)
+        content, deltas = reader.feed(text, final=True)
         calls = merged_calls(deltas)
         return ChatChoice(
             index=index,
             message=ChatResponseMessage(
-                content=(content or None) if calls else content, tool_calls=calls or None
+                content=(content or None) if calls or thought_out is not None else content,
+                reasoning_content=thought_out,
+                tool_calls=calls or None,
             ),
             logprobs=None if k is None else self.logprobs(choice.token_ids, choice.logprobs, k),
             finish_reason=plan.finish_reason(reader, choice.finish_reason),
@@ -143,29 +167,29 @@ class OpenAIServingChat(OpenAIServing):
 
     def _prepare(
         self, request: ChatCompletionRequest, k: int | None
-    ) -> tuple[ToolPlan, list[int], SamplingParams]:
-        """The request's tool plan, prompt token ids and sampling parameters (400 for what they
-        refuse): the request's CPU work, on the preprocessing pool."""
+    ) -> tuple[ToolPlan, list[int], SamplingParams, bool | None]:
+        """The request's tool plan, prompt token ids, sampling parameters (400 for what they
+        refuse) and whether its replies start inside their thinking (None: no reasoning
+        parser): the request's CPU work, on the preprocessing pool."""
         plan = tool_plan(request, self.tool_call_parser)
-        prompt = self._render(request.messages, plan.template_tools)
+        last_role = request.messages[-1].role if request.messages else None
+        options = template_options(request, last_role, self.trust_request_chat_template)
+        text = render_messages(self.tokenizer, request.messages, plan.template_tools, options)
+        prompt = self.encode(text, "messages")
+        self.check_prompt(prompt, "messages")
         max_tokens = request.max_completion_tokens or request.max_tokens
         params = self.sampling_params(
             request, len(prompt), max_tokens, k, tool_constraint=plan.constraint
         )
-        return plan, prompt, params
+        parser = self.reasoning_parser
+        return plan, prompt, params, None if parser is None else parser.thinks_first(text)
 
-    def _render(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> list[int]:
-        """The conversation (and the tools) through the chat template, as prompt token ids."""
-        ids = self.encode(render_messages(self.tokenizer, messages, tools), "messages")
-        self.check_prompt(ids, "messages")
-        return ids
-
-    def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs], k: int) -> ChatLogProbs:
+    def logprobs(self, token_ids: list[int], logprobs: SampleLogprobs, k: int) -> ChatLogProbs:
         entries = []
         for token_id, candidates in zip(token_ids, logprobs, strict=True):
-            best = sorted(candidates.items(), key=lambda item: -item[1])[:k]
-            chosen = self._logprob(token_id, candidates.get(token_id))
-            top = [self._logprob(t, lp) for t, lp in best]
+            drawn = candidates.get(token_id)
+            chosen = self._logprob(token_id, drawn and drawn.logprob)
+            top = [self._logprob(t, lp) for t, lp in top_k(candidates, k)]
             entries.append(ChatLogProbEntry(**chosen.model_dump(), top_logprobs=top))
         return ChatLogProbs(content=entries)
 
@@ -175,7 +199,8 @@ class OpenAIServingChat(OpenAIServing):
 
 
 class _ChunkRenderer(ChunkRenderer[ChatCompletionChunk]):
-    """Streamed chunks of one request: a role delta before each choice's first content."""
+    """Streamed chunks of one request: a role delta before each choice's first content; with a
+    reasoning parser, each choice's thinking as `reasoning_content` deltas, then its content."""
 
     chunk_type = ChatCompletionChunk
 
@@ -186,12 +211,16 @@ class _ChunkRenderer(ChunkRenderer[ChatCompletionChunk]):
         request_id: str,
         prompts: list[list[int]],
         plan: ToolPlan,
+        thinking: bool | None,
     ) -> None:
+        """`thinking`: None without a reasoning parser; else whether replies start inside it."""
         super().__init__(serving.model_name, request_id, prompts, request)
         self.serving = serving
         self.request = request
         self.plan = plan
+        self.thinking = thinking
         self.readers: dict[int, ToolCallStream] = {}  # per choice, from its first delta
+        self.reasoning: dict[int, ReasoningStream] = {}  # per choice, with a reasoning parser
 
     def render(self, deltas: list[Delta]) -> list[str]:
         chunks = []
@@ -203,15 +232,20 @@ class _ChunkRenderer(ChunkRenderer[ChatCompletionChunk]):
                     index=delta.index, delta=DeltaMessage(role="assistant", content="")
                 )
                 chunks.append(self.choice_chunk(role, delta.index, 0))
-            content, calls = reader.feed(delta.text, final=delta.finish_reason is not None)
+                if self.thinking is not None:
+                    self.reasoning[delta.index] = ReasoningStream(self.thinking)
+            final = delta.finish_reason is not None
+            thought, text = self._split(delta.index, delta.text, final)
+            content, calls = reader.feed(text, final=final)
             logprobs = None
             if self.request.logprobs and delta.logprobs is not None:
                 k = self.request.top_logprobs or 0
                 logprobs = self.serving.logprobs(delta.token_ids, delta.logprobs, k)
-            if not (content or calls or logprobs or delta.finish_reason):
+            if not (thought or content or calls or logprobs or delta.finish_reason):
                 self.count_tokens(delta.index, len(delta.token_ids))
-                continue  # held back (a tool call's text), or nothing shown yet
-            message = DeltaMessage(content=content if content or not calls else None)
+                continue  # held back (a tool call's text, a tag), or nothing shown yet
+            message = DeltaMessage(content=content if content or not (calls or thought) else None)
+            message.reasoning_content = thought or None
             message.tool_calls = calls or None
             choice = ChatStreamChoice(
                 index=delta.index,
@@ -221,3 +255,8 @@ class _ChunkRenderer(ChunkRenderer[ChatCompletionChunk]):
             )
             chunks.append(self.choice_chunk(choice, delta.index, len(delta.token_ids)))
         return chunks
+
+    def _split(self, index: int, text: str, final: bool) -> tuple[str, str]:
+        """(thinking, the rest) of choice `index`'s new text (no thinking without a parser)."""
+        reasoning = self.reasoning.get(index)
+        return reasoning.feed(text, final) if reasoning is not None else ("", text)

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from attnserve.entrypoints.openai.chat_template import template_options
 from attnserve.entrypoints.openai.errors import ApiError
 from attnserve.entrypoints.openai.protocol_tokenization import (
     DetokenizeRequest,
@@ -27,13 +28,10 @@ from attnserve.entrypoints.openai.serving_engine import OpenAIServing
 
 R = TypeVar("R", bound=BaseModel)
 
-NOT_BOTH = (
-    "continue_final_message and add_generation_prompt cannot both be true "
-    "(add_generation_prompt defaults to true: send false with continue_final_message)"
-)
-
 
 class OpenAIServingTokenization(OpenAIServing):
+    trust_request_chat_template = False  # --trust-request-chat-template
+
     async def create_tokenize(
         self, request: TokenizeCompletionRequest | TokenizeChatRequest, raw: Request
     ) -> Response:
@@ -76,18 +74,12 @@ class OpenAIServingTokenization(OpenAIServing):
         return self.tokenizer
 
     def _tokenize_chat(self, tokenizer: Any, request: TokenizeChatRequest) -> list[int]:
-        if request.continue_final_message and request.add_generation_prompt:
-            raise ApiError(400, NOT_BOTH, "continue_final_message")
+        last_role = request.messages[-1].role if request.messages else None
+        options = template_options(request, last_role, self.trust_request_chat_template)
         tools = None
         if request.tools is not None:  # as /v1/chat/completions passes them (tool_plan)
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
-        text = render_messages(
-            tokenizer,
-            request.messages,
-            tools,
-            request.add_generation_prompt,
-            request.continue_final_message,
-        )
+        text = render_messages(tokenizer, request.messages, tools, options)
         ids: list[int] = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
         return ids
 
