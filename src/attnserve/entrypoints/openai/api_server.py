@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP server: `build_app` (the FastAPI app over an `AsyncLLMEngine`) and
 `run_server` (`attnserve serve`: load the engine, then serve it with uvicorn).
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or server-sent events with
-`stream: true`), `GET /v1/models` and `GET /v1/models/{id}`, vLLM's `POST /tokenize` and
-`POST /detokenize`, `GET /health` (503 while the warm-up runs, while draining and once the engine
-has failed) and `GET /metrics` (Prometheus text). Errors are OpenAI-style objects (see `errors`).
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses` (JSON, or
+server-sent events with `stream: true`), `GET /v1/models` and `GET /v1/models/{id}`, vLLM's
+`POST /tokenize` and `POST /detokenize`, `GET /health` (503 while the warm-up runs, while
+draining and once the engine has failed) and `GET /metrics` (Prometheus text). Errors are
+OpenAI-style objects (see `errors`).
 
 The engine core runs in a process of its own by default (`--engine-core-process`); this process
 does HTTP, JSON, tokenizing, detokenizing, stop strings and SSE. On start-up the app warms the
@@ -69,6 +70,7 @@ from attnserve.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from attnserve.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from attnserve.entrypoints.openai.protocol_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -79,6 +81,7 @@ from attnserve.entrypoints.openai.reasoning_parsers import reasoning_parser
 from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from attnserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from attnserve.entrypoints.openai.serving_engine import ClientDisconnected
+from attnserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from attnserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from attnserve.entrypoints.openai.tool_parsers import parser_for_chat_template
 from attnserve.version import __version__
@@ -235,6 +238,12 @@ def build_app(
     )
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await chat.create_chat_completion(body, raw)
+
+    responses = OpenAIServingResponses(chat)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses={**_STREAM, **_ERRORS})
+    async def create_response(body: ResponsesRequest, raw: Request) -> Any:
+        return await responses.create_response(body, raw)
 
     no_engine_errors: dict[int | str, dict[str, Any]] = {
         status: _ERRORS[status] for status in (400, 401, 404, 413)

@@ -10,7 +10,7 @@ token ids are checked against the model's vocabulary here too (`token_ids_out_of
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,11 +62,13 @@ FIELD_RULES: dict[str, FieldRule] = {
 }
 
 
-def unsupported_field(request: BaseModel) -> tuple[str, str] | None:
-    """The first undeclared field of `request` that is refused, with the error message; None
-    when every field is served or accepted."""
+def unsupported_field(
+    request: BaseModel, rules: Mapping[str, FieldRule] = FIELD_RULES
+) -> tuple[str, str] | None:
+    """The first undeclared field of `request` that is refused by `rules` (an endpoint's own),
+    with the error message; None when every field is served or accepted."""
     for name, value in (request.model_extra or {}).items():
-        rule = FIELD_RULES.get(name)
+        rule = rules.get(name)
         if rule is None:
             return name, f"unknown field {name!r}: this server does not implement it"
         if not rule.accepts(value):

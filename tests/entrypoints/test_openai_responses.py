@@ -1,0 +1,151 @@
+"""`POST /v1/responses` through the official `openai` client's `responses.create` against a real
+`attnserve serve` (the default model's shared server: CPU, hermes tool calling).
+
+A response is the chat reply it stands for (same text and token counts, greedy); its streamed
+events come in the order the SDK reads, numbered, and add up to the whole; a reply cut at
+max_output_tokens is "incomplete"; a function tool's call is a `function_call` item whose output
+goes back as input; fields the server cannot serve are 400s naming them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+
+from tests.conftest import HANG_GUARD_S
+from tests.entrypoints.openai_server import API_KEY, ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+INSTRUCTIONS = "You are a terse assistant."
+QUESTION = "Name a primary colour."
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+    },
+}
+GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_output_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def client(default_model_server: ServerProcess) -> openai.OpenAI:
+    """The official client on the default model's shared server; no retries."""
+    return openai.OpenAI(
+        base_url=default_model_server.url + "/v1",
+        api_key=API_KEY,
+        max_retries=0,
+        timeout=HANG_GUARD_S,
+    )
+
+
+def test_a_response_is_the_chat_reply_it_stands_for(client: openai.OpenAI) -> None:
+    response = client.responses.create(input=QUESTION, instructions=INSTRUCTIONS, **GREEDY)
+    messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_completion_tokens=24,  # type: ignore[arg-type]
+    )
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.status == (
+        "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
+    )
+    (message,) = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert response.output_text == chat.choices[0].message.content and response.output_text
+    assert response.usage is not None and chat.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.total_tokens == chat.usage.total_tokens
+    # the same conversation as items (a developer message, input_text parts)
+    items: Any = [
+        {"role": "developer", "content": INSTRUCTIONS},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+    ]
+    assert client.responses.create(input=items, **GREEDY).output_text == response.output_text
+
+
+def test_streamed_events_add_up_to_the_response(client: openai.OpenAI) -> None:
+    whole = client.responses.create(input=QUESTION, **GREEDY)
+    events = list(client.responses.create(input=QUESTION, stream=True, **GREEDY))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    head = ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[:4] == [*head, "response.content_part.added"]
+    closing = ["response.output_text.done", "response.content_part.done"]
+    last = "response.incomplete" if whole.status == "incomplete" else "response.completed"
+    assert kinds[-4:] == [*closing, "response.output_item.done", last]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-4].text == whole.output_text  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == text and final.usage == whole.usage
+
+
+def test_a_reply_cut_at_max_output_tokens_is_incomplete(client: openai.OpenAI) -> None:
+    cut: dict[str, Any] = {**GREEDY, "max_output_tokens": 2}
+    response = client.responses.create(input="Tell me a long story.", **cut)
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage is not None and response.usage.output_tokens == 2
+    assert response.output[0].status == "incomplete"  # type: ignore[union-attr]
+    events = list(client.responses.create(input="Tell me a long story.", stream=True, **cut))
+    assert events[-1].type == "response.incomplete"
+
+
+def test_a_function_call_and_its_output_round_trip(client: openai.OpenAI) -> None:
+    named: Any = {"type": "function", "name": "get_weather"}
+    question = "What is the weather in Paris?"
+    kwargs: dict[str, Any] = {"tools": [WEATHER], "tool_choice": named, **GREEDY}
+    kwargs["max_output_tokens"] = 40
+    response = client.responses.create(input=question, **kwargs)
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert (
+        call.call_id.startswith("call_")
+        and json.loads(call.arguments)["city"]
+        in WEATHER["parameters"]["properties"]["city"]["enum"]
+    )
+    events = list(client.responses.create(input=question, stream=True, **kwargs))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == call.arguments
+    assert events[-1].response.output[0].arguments == call.arguments  # type: ignore[union-attr]
+    answered: Any = [
+        {"role": "user", "content": question},
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
+    ]
+    follow_up = client.responses.create(input=answered, tools=[WEATHER], **GREEDY)
+    assert follow_up.status in ("completed", "incomplete") and follow_up.output
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"store": True}, "store"),
+        ({"background": True}, "background"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+    ],
+)
+def test_unsupported_fields_are_refused_by_name(
+    client: openai.OpenAI, extra: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input=QUESTION, extra_body=extra)
+    body: Any = caught.value.body
+    assert body["param"] == param and param.split(".")[0] in body["message"]
