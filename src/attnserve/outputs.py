@@ -1,4 +1,5 @@
-"""What generation returns: `RequestOutput`, one `CompletionOutput` per sample (vLLM names).
+"""What generation returns: `RequestOutput`, one `CompletionOutput` per sample (vLLM names),
+with log-probabilities as `Logprob` objects (vLLM's `SampleLogprobs` / `PromptLogprobs`).
 
 `RequestOutput.merged` joins successive DELTA outputs of one request into one (what a streaming
 consumer that fell behind receives). `StepTimings` say when the step behind an output passed each
@@ -10,17 +11,33 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from attnserve.step_types import TokenLogprobs
+
+@dataclass
+class Logprob:
+    """One token's log-probability, its rank in the vocabulary (1: the likeliest; None where not
+    known: a drawn token outside the top k asked for) and its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]  # per output token: the drawn token's, then the top k
+PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; None for the first
 
 
 @dataclass
 class CompletionOutput:
+    """`stop_reason`: the stop string or stop token id that ended it (None: EOS, length, or
+    not finished)."""
+
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:
@@ -40,6 +57,7 @@ class CompletionOutput:
             cumulative_logprob=last.cumulative_logprob,
             logprobs=logprobs,
             finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
         )
 
 
@@ -62,7 +80,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     # the stages of the step that drew this output's (first) new tokens; None where not known
     step_timings: StepTimings | None = None
     submitted: float = 0.0  # time.monotonic() when the front end handed the request to the core

@@ -52,7 +52,7 @@ def assert_logprobs_close(got: Any, want: Any) -> None:
             continue
         assert got_row.keys() == want_row.keys()
         for token, value in want_row.items():
-            assert got_row[token] == pytest.approx(value, abs=1e-4)
+            assert got_row[token].logprob == pytest.approx(value.logprob, abs=1e-4)
 
 
 def test_tp2_matches_tp1_on_a_dummy_model() -> None:

@@ -31,7 +31,7 @@ def _summary(llm: LLM, prompts: list[list[int]]) -> tuple[list[Any], list[float]
         value
         for c in completions
         for entry in c.logprobs or []
-        for _, value in sorted(entry.items())
+        for _, value in sorted((t, lp.logprob) for t, lp in entry.items())
     ]
     return [(c.token_ids, c.finish_reason) for c in completions], logprobs
 

@@ -102,10 +102,11 @@ def test_logprobs_and_prompt_logits_match_hf(reference: tuple[LLM, Any, list[lis
     for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
         assert entry is not None
         for token, value in entry.items():
-            assert value == pytest.approx(float(hf_logprobs[position - 1, token]), abs=1e-4)
+            want = float(hf_logprobs[position - 1, token])
+            assert value.logprob == pytest.approx(want, abs=1e-4)
         assert set(hf_logprobs[position - 1].topk(3).indices.tolist()) <= set(entry)
     assert out.outputs[0].logprobs is not None
     for step, entry in enumerate(out.outputs[0].logprobs):
         row = hf_logprobs[len(prompt) - 1 + step]
         for token, value in entry.items():
-            assert value == pytest.approx(float(row[token]), abs=1e-4)
+            assert value.logprob == pytest.approx(float(row[token]), abs=1e-4)

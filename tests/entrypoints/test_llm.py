@@ -104,12 +104,13 @@ def test_logprobs_and_prompt_logprobs(tiny_llama_dir: Path, prompts: list[list[i
     completion = out.outputs[0]
     assert completion.logprobs is not None and len(completion.logprobs) == 3
     for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
-        assert entry[token] == max(entry.values())  # greedy picks the most likely
-        assert len(entry) <= 3
+        assert next(iter(entry)) == token and entry[token].rank == 1  # greedy: the likeliest
+        assert sorted(lp.rank for lp in entry.values()) == [1, 2]  # vLLM's Logprob objects
+        assert all(lp.decoded_token is None for lp in entry.values())  # no tokenizer
     assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(prompts[1])  # across chunks of 8
     for token, entry in zip(prompts[1][1:], out.prompt_logprobs[1:], strict=True):
-        assert entry is not None and token in entry and all(v <= 0 for v in entry.values())
+        assert entry is not None and token in entry and all(v.logprob <= 0 for v in entry.values())
 
 
 def test_cumulative_logprob_is_filled_whether_logprobs_are_asked_or_not(
@@ -133,7 +134,7 @@ def test_cumulative_logprob_is_filled_whether_logprobs_are_asked_or_not(
         assert completion.cumulative_logprob == pytest.approx(float(sum(drawn)), abs=1e-4)
     top = outputs[2].outputs[0]
     assert top.logprobs is not None and outputs[0].outputs[0].logprobs is None
-    chosen = sum(entry[t] for t, entry in zip(top.token_ids, top.logprobs, strict=True))
+    chosen = sum(entry[t].logprob for t, entry in zip(top.token_ids, top.logprobs, strict=True))
     assert top.cumulative_logprob == pytest.approx(chosen, abs=1e-6)
 
 

@@ -316,7 +316,7 @@ def test_fp8_over_two_gpus_scores_like_one() -> None:
         del llm
         torch.cuda.empty_cache()
         rows = zip(output.prompt_logprobs[1:], prompt[1:], strict=True)
-        scores.append(torch.tensor([row[token] for row, token in rows]))
+        scores.append(torch.tensor([row[token].logprob for row, token in rows]))
     gap = (scores[0] - scores[1]).abs()
     print(f"fp8 TP=2 vs TP=1 prompt log-probs: mean |gap| {gap.mean():.4f}, max {gap.max():.4f}")
     assert gap.max() < 1.0

@@ -189,7 +189,7 @@ def test_an_fp8_checkpoint_runs_over_two_ranks(fp8_checkpoint: tuple[Path, str])
         finally:
             llm.shutdown()
         rows = zip(output.prompt_logprobs[1:], prompt[1:], strict=True)
-        scores.append(torch.tensor([row[token] for row, token in rows]))
+        scores.append(torch.tensor([row[token].logprob for row, token in rows]))
     assert (scores[0] - scores[1]).abs().max() < 1.0, scores
 
 
@@ -197,7 +197,7 @@ def _prompt_scores(llm: LLM, prompt: list[int]) -> torch.Tensor:
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     (output,) = llm.generate([prompt], params, use_tqdm=False)
     rows = zip(output.prompt_logprobs[1:], prompt[1:], strict=True)
-    return torch.tensor([row[token] for row, token in rows])
+    return torch.tensor([row[token].logprob for row, token in rows])
 
 
 def test_float_weights_are_quantized_on_load(tiny_llama_dir: Path) -> None:

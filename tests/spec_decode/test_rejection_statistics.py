@@ -280,4 +280,5 @@ def test_seeded_requests_draw_the_same_tokens_with_speculation(
             ):
                 assert entries_b.keys() == entries_a.keys(), position
                 for token, logprob in entries_a.items():
-                    assert entries_b[token] == pytest.approx(logprob, abs=1e-4), position
+                    want = logprob.logprob
+                    assert entries_b[token].logprob == pytest.approx(want, abs=1e-4), position

@@ -48,7 +48,7 @@ def _decode(llm: LLM) -> list[tuple[list[int], list[float]]]:
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     outputs = [o.outputs[0] for o in llm.chat(chats, params, use_tqdm=False)]
     return [
-        (list(o.token_ids), [lp[t] for t, lp in zip(o.token_ids, o.logprobs, strict=True)])
+        (list(o.token_ids), [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)])
         for o in outputs
     ]
 

@@ -69,7 +69,7 @@ def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[dict[int, float
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     rows = []
     for output in llm.generate(prompts, params, use_tqdm=False):
-        rows += [{k: float(v) for k, v in row.items()} for row in output.prompt_logprobs[1:]]
+        rows += [{k: v.logprob for k, v in row.items()} for row in output.prompt_logprobs[1:]]
     return rows
 
 

@@ -22,6 +22,7 @@ from attnserve.bench.common import check_output_files, print_scalars, progress, 
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.entrypoints.llm import LLM
 from attnserve.model.quantization.resolve import QUANTIZATION_METHODS
+from attnserve.outputs import Logprob
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import TokenLogprobs
 
@@ -74,7 +75,12 @@ def _scores(llm: LLM, texts: list[list[int]]) -> list[list[TokenLogprobs]]:
     """Each text's per-position log-probabilities (the next token's and the top one's)."""
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     outputs = llm.generate(texts, params, use_tqdm=False)
-    return [[row or {} for row in (o.prompt_logprobs or [])[1:]] for o in outputs]
+    return [[values(row or {}) for row in (o.prompt_logprobs or [])[1:]] for o in outputs]
+
+
+def values(entry: dict[int, Logprob]) -> TokenLogprobs:
+    """One position's log-probabilities as plain floats."""
+    return {token: logprob.logprob for token, logprob in entry.items()}
 
 
 def _parting(quantized: Any, reference: Any) -> dict[str, Any]:
@@ -83,7 +89,7 @@ def _parting(quantized: Any, reference: Any) -> dict[str, Any]:
     step = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
     if step is None:
         return {"equal": True}
-    top = reference.logprobs[step]
+    top = values(reference.logprobs[step])
     own = top[theirs[step]]
     gap = own - top[ours[step]] if ours[step] in top else own - min(top.values())
     return {

@@ -5,7 +5,9 @@ Each `RequestState` keeps, per completion, its tokens, log-probabilities and inc
 detokenized text. A stop string ends the completion: its text is cut there (before the stop
 string, or after it with `include_stop_str_in_output`), later tokens are dropped, and the
 sequence is handed back (`ProcessedOutputs.stopped`) for the core to finish. The text of the
-EOS or stop token that ended a completion is left out too (kept with that flag), as in vLLM.
+EOS or stop token that ended a completion is left out too (kept with that flag), as in vLLM;
+the stop string or stop token id is its `stop_reason`. Log-probabilities become `Logprob`
+dicts (`engine/logprobs.py`) as they arrive.
 Until a completion ends, the last characters that could begin a stop string are held back, so
 streamed text never has to be taken back. A request that outputs only once it is finished and
 has no stop string to watch for is decoded once, then.
@@ -20,9 +22,15 @@ from transformers import PreTrainedTokenizerBase
 
 from attnserve.engine.core.messages import EngineCoreOutput, EngineCoreOutputs
 from attnserve.engine.detokenizer import IncrementalDetokenizer
-from attnserve.outputs import CompletionOutput, RequestOutput, StepTimings
+from attnserve.engine.logprobs import LogprobsBuilder
+from attnserve.outputs import (
+    CompletionOutput,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+    StepTimings,
+)
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
-from attnserve.step_types import TokenLogprobs
 
 
 class _Completion:
@@ -32,9 +40,10 @@ class _Completion:
         self.index = index
         self.token_ids = list(prompt_token_ids)  # prompt, then output
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.logprobs: list[TokenLogprobs] = []
+        self.logprobs: SampleLogprobs = []
         self.cumulative_logprob: float | None = None
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self.ended_by_stop_token = False  # the core ended it on EOS or a stop token id
         self.detokenizer: IncrementalDetokenizer | None = None
         self.text = ""
@@ -66,7 +75,8 @@ class RequestState:
         self.tokenizer = tokenizer
         self.completions: dict[int, _Completion] = {}
         self.num_finished = 0  # completions with a finish reason
-        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.logprobs_builder = LogprobsBuilder(tokenizer)
         self.ended_by_core = False
         self.stop_strings = params.stop_strings
         self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
@@ -89,19 +99,19 @@ class RequestState:
         elif completion.finished:  # already ended here; the core ran on for a step
             return False
         completion.token_ids += out.new_token_ids
-        if out.new_logprobs is not None:
-            completion.logprobs += out.new_logprobs
+        self._take_logprobs(completion, out)
         if out.cumulative_logprob is not None:
             completion.cumulative_logprob = out.cumulative_logprob
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
         if out.scheduled_at is not None:
             self.scheduled = out.scheduled_at
         if out.queued_steps is not None:
             self.queued_steps = out.queued_steps
         if out.finish_reason is not None:
             self._finish(completion, out.finish_reason)
-            completion.ended_by_stop_token = out.finish_reason == "stop" and bool(out.new_token_ids)
+            ended_by_token = out.finish_reason == "stop" and bool(out.new_token_ids)
+            completion.ended_by_stop_token = ended_by_token
+            if ended_by_token and out.new_token_ids[-1] in self.params.stop_token_ids:
+                completion.stop_reason = out.new_token_ids[-1]
         if self.tokenizer is None or self.text_at_end:
             return False
         stopped = self._detokenize(completion, self.tokenizer)
@@ -109,6 +119,15 @@ class RequestState:
             self._finish(completion, "stop")
             return True
         return False
+
+    def _take_logprobs(self, completion: _Completion, out: EngineCoreOutput) -> None:
+        builder, params = self.logprobs_builder, self.params
+        if out.new_logprobs is not None and params.logprobs is not None:
+            rows = builder.sample(out.new_logprobs, out.new_token_ids, params.logprobs)
+            completion.logprobs += rows
+        if out.prompt_logprobs is not None and params.prompt_logprobs is not None:
+            ids = self.prompt_token_ids
+            self.prompt_logprobs = builder.prompt(out.prompt_logprobs, ids, params.prompt_logprobs)
 
     def _finish(self, completion: _Completion, reason: str) -> None:
         completion.finish_reason = reason
@@ -139,6 +158,7 @@ class RequestState:
             completion.text = text
             return False
         start, length = min(hits)
+        completion.stop_reason = text[start : start + length]
         completion.text = text[: start + length if include_stop else start]
         return True
 
@@ -163,6 +183,7 @@ class RequestState:
             cumulative_logprob=completion.cumulative_logprob,
             logprobs=list(logprobs) if self.params.logprobs is not None else None,
             finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
         )
 
     def output(self) -> RequestOutput | None:
@@ -184,13 +205,17 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
             finished=finished,
-            prompt_logprobs=[None, *self.prompt_logprobs]
-            if self.params.prompt_logprobs is not None
-            else None,
+            prompt_logprobs=self._prompt_logprobs(),
             submitted=self.submitted,
             scheduled=self.scheduled,
             queued_steps=self.queued_steps,
         )
+
+    def _prompt_logprobs(self) -> PromptLogprobs | None:
+        """vLLM's shape: None for the first prompt token (a one-token prompt: just that)."""
+        if self.params.prompt_logprobs is None:
+            return None
+        return self.prompt_logprobs or [None]
 
 
 @dataclass

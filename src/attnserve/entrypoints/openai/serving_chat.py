@@ -188,7 +188,7 @@ class OpenAIServingChat(OpenAIServing):
         entries = []
         for token_id, candidates in zip(token_ids, logprobs, strict=True):
             drawn = candidates.get(token_id)
-            chosen = self._logprob(token_id, drawn and drawn.logprob)
+            chosen = self._logprob(token_id, None if drawn is None else drawn.logprob)
             top = [self._logprob(t, lp) for t, lp in top_k(candidates, k)]
             entries.append(ChatLogProbEntry(**chosen.model_dump(), top_logprobs=top))
         return ChatLogProbs(content=entries)

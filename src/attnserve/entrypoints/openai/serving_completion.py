@@ -23,13 +23,13 @@ from attnserve.entrypoints.openai.serving_engine import (
     Choice,
     Delta,
     OpenAIServing,
-    PromptLogprobs,
     finite,
     new_id,
+    top_k,
 )
 from attnserve.entrypoints.openai.structured import constraint_field
+from attnserve.outputs import Logprob, PromptLogprobs
 from attnserve.sampling_params import SamplingParams
-from attnserve.step_types import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def logprobs(
         self,
         token_ids: list[int],
-        logprobs: Sequence[TokenLogprobs | None],
+        logprobs: Sequence[dict[int, Logprob] | None],
         k: int,
         offset: int,
     ) -> CompletionLogProbs:
@@ -144,8 +144,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
                 continue
-            best = sorted(candidates.items(), key=lambda item: -item[1])[:k]
-            result.token_logprobs.append(finite(candidates.get(token_id)))
+            chosen = candidates.get(token_id)
+            result.token_logprobs.append(finite(None if chosen is None else chosen.logprob))
+            best = top_k(candidates, k)
             result.top_logprobs.append({self.token_text(t): finite(lp) for t, lp in best})
         return result
 

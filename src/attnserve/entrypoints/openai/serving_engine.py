@@ -38,9 +38,8 @@ from attnserve.entrypoints.openai.prompt_bound import prompt_bound
 from attnserve.entrypoints.openai.protocol import SamplingRequest
 from attnserve.entrypoints.openai.request_fields import token_ids_out_of_range, unsupported_field
 from attnserve.entrypoints.openai.structured import structured_outputs
-from attnserve.outputs import RequestOutput
+from attnserve.outputs import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from attnserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from attnserve.step_types import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +59,10 @@ class Delta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None
+    logprobs: SampleLogprobs | None
     finish_reason: str | None
     prompt_logprobs: PromptLogprobs | None = None  # its prompt's, when asked for
     delivered: float = 0.0  # when its output reached the call (time.monotonic())
-
-
-PromptLogprobs = list[TokenLogprobs | None]  # per prompt token; None for the first
 
 
 @dataclass
@@ -75,7 +71,7 @@ class Choice:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: SampleLogprobs = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
 
@@ -95,6 +91,12 @@ def finite(logprob: float | None) -> float:
     if logprob is None or not math.isfinite(logprob):
         return LOGPROB_FLOOR
     return logprob
+
+
+def top_k(candidates: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
+    """The `k` likeliest of one position's entries, likeliest first."""
+    best = sorted(candidates.items(), key=lambda item: -item[1].logprob)[:k]
+    return [(token, entry.logprob) for token, entry in best]
 
 
 def new_id(prefix: str) -> str:
