@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from attnserve import LLM, SamplingParams
 from attnserve.cli import build_parser
 from attnserve.entrypoints.openai.chat_template import load_chat_template
 from attnserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningStream
@@ -210,3 +211,19 @@ def test_the_chat_template_flag_takes_a_file_or_the_template(tmp_path: Path) -> 
     assert load_chat_template("{{ messages }}\\n") == "{{ messages }}\n"
     with pytest.raises(ValueError, match="looks like a file path"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_offline_chat_takes_a_template_and_continues_the_last_message(
+    tiny_chat_model_dir: Path,
+) -> None:
+    llm = LLM(str(tiny_chat_model_dir), device="cpu")
+    draft = [*QUESTION, {"role": "assistant", "content": "because"}]
+    own = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    params = SamplingParams(max_tokens=1)
+    (out,) = llm.chat(draft, params, use_tqdm=False, chat_template=own)
+    assert out.prompt == "user: why\nassistant: because\n"
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    (out,) = llm.chat(draft, params, use_tqdm=False, chat_template=own, **continued)
+    assert out.prompt == "user: why\nassistant: because"
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        llm.chat(draft, params, use_tqdm=False, continue_final_message=True)

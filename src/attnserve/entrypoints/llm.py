@@ -106,17 +106,27 @@ class LLM:
         sampling_params: ParamsArg = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the chat template (`chat_template`, else the tokenizer's) to each conversation,
+        then generate; `continue_final_message` leaves the last message (the assistant's) open
+        to be continued, and needs `add_generation_prompt=False` (vLLM's arguments)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         tokenizer = self.get_tokenizer()
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise ValueError("this model has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations or any(not conversation for conversation in conversations):
             raise ValueError("chat needs at least one message in every conversation")
         prompts = [
             tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+                conversation,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
             )
             for conversation in conversations
         ]
