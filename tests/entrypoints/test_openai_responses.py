@@ -8,12 +8,16 @@ goes back as input; fields the server cannot serve are 400s naming them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
 import pytest
 
+from attnserve.entrypoints.openai.protocol_responses import ResponseObject
+from attnserve.entrypoints.openai.responses_events import ResponseEvents
 from tests.conftest import HANG_GUARD_S
 from tests.entrypoints.openai_server import API_KEY, ServerProcess
 
@@ -80,8 +84,7 @@ def test_streamed_events_add_up_to_the_response(client: openai.OpenAI) -> None:
     head = ["response.created", "response.in_progress", "response.output_item.added"]
     assert kinds[:4] == [*head, "response.content_part.added"]
     closing = ["response.output_text.done", "response.content_part.done"]
-    last = "response.incomplete" if whole.status == "incomplete" else "response.completed"
-    assert kinds[-4:] == [*closing, "response.output_item.done", last]
+    assert kinds[-4:] == [*closing, "response.output_item.done", "response.completed"]
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == events[-4].text == whole.output_text  # type: ignore[union-attr]
@@ -97,8 +100,9 @@ def test_a_reply_cut_at_max_output_tokens_is_incomplete(client: openai.OpenAI) -
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.usage is not None and response.usage.output_tokens == 2
     assert response.output[0].status == "incomplete"  # type: ignore[union-attr]
-    events = list(client.responses.create(input="Tell me a long story.", stream=True, **cut))
-    assert events[-1].type == "response.incomplete"
+    with client.responses.stream(input="Tell me a long story.", **cut) as stream:
+        streamed = stream.get_final_response()  # (as vLLM: response.completed, incomplete)
+    assert streamed.status == "incomplete" and streamed.output_text == response.output_text
 
 
 def test_a_function_call_and_its_output_round_trip(client: openai.OpenAI) -> None:
@@ -140,6 +144,7 @@ def test_a_function_call_and_its_output_round_trip(client: openai.OpenAI) -> Non
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
     ],
 )
 def test_unsupported_fields_are_refused_by_name(
@@ -149,3 +154,59 @@ def test_unsupported_fields_are_refused_by_name(
         client.responses.create(model=MODEL, input=QUESTION, extra_body=extra)
     body: Any = caught.value.body
     assert body["param"] == param and param.split(".")[0] in body["message"]
+
+
+def _chat_sse(*chunks: dict[str, Any]) -> AsyncIterator[str]:
+    """A chat reply's server-sent events, as the chat endpoint writes them."""
+
+    async def events() -> AsyncIterator[str]:
+        for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return events()
+
+
+def _translated(*chunks: dict[str, Any]) -> list[dict[str, Any]]:
+    async def collect() -> list[str]:
+        events = ResponseEvents(ResponseObject(model=MODEL)).translate(_chat_sse(*chunks))
+        return [block async for block in events]
+
+    blocks = "".join(asyncio.run(collect()))
+    return [
+        json.loads(line[len("data: ") :]) for line in blocks.splitlines() if line[:5] == "data:"
+    ]
+
+
+def _delta(**delta: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta}]}
+
+
+def test_thinking_text_and_calls_stream_as_items_in_order() -> None:
+    """A reply's thinking (--reasoning-parser), its text and calls whose arguments come in
+    pieces: one item each, in order, each closed before the next opens."""
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}
+    events = _translated(
+        _delta(role="assistant", content=""),
+        _delta(reasoning_content="hm"),
+        _delta(content="Hi"),
+        _delta(tool_calls=[{**call, "function": {"name": "f", "arguments": '{"a"'}}]),
+        _delta(tool_calls=[{"index": 0, "function": {"arguments": ": 1}"}}]),
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}},
+    )
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [item["type"] for item in done] == ["reasoning", "message", "function_call"]
+    assert done[0]["content"] == [{"type": "reasoning_text", "text": "hm"}]
+    assert done[2]["arguments"] == '{"a": 1}' and done[2]["call_id"] == "call_1"
+    final = events[-1]
+    assert final["type"] == "response.completed" and final["response"]["output"] == done
+    assert final["response"]["usage"]["output_tokens"] == 7
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_an_engine_failure_mid_stream_is_the_last_event() -> None:
+    failure = {"error": {"message": "the engine has failed", "type": "x", "param": None}}
+    events = _translated(_delta(content="Hi"), failure)
+    assert events[-1]["type"] == "error" and events[-1]["message"] == "the engine has failed"
+    assert "response.completed" not in [e["type"] for e in events]

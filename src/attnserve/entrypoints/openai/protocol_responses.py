@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
-from attnserve.entrypoints.openai.protocol import UsageInfo
+from attnserve.entrypoints.openai.protocol import ChatResponseMessage, UsageInfo
 from attnserve.entrypoints.openai.protocol_structured import FUNCTION_NAME
 from attnserve.entrypoints.openai.request_body import RequestBody, Text
 from attnserve.entrypoints.openai.request_fields import FieldRule
@@ -64,6 +64,16 @@ class MessageItem(RequestBody):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: Text | list[InputText]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """An image, a file or audio refused by its type (the served models read text)."""
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text"):
+                raise ValueError(f"content part type {kind!r} is not supported: text only")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -251,3 +261,22 @@ class ResponseObject(BaseModel):
             return "incomplete"
         self.status = "completed"
         return "completed"
+
+
+def output_items(message: ChatResponseMessage, status: ItemStatus) -> list[OutputItem]:
+    """A reply's output items: its thinking, its text (also when empty, unless it calls a
+    tool), then its function calls."""
+    items: list[OutputItem] = []
+    if message.reasoning_content:
+        thought = [ReasoningText(text=message.reasoning_content)]
+        items.append(OutputReasoning(status=status, content=thought))
+    if message.content or not message.tool_calls:
+        text = [OutputText(text=message.content or "")]
+        items.append(OutputMessage(status=status, content=text))
+    items += [
+        OutputFunctionCall(
+            call_id=call.id, name=call.function.name, arguments=call.function.arguments
+        )
+        for call in message.tool_calls or []
+    ]
+    return items

@@ -3,10 +3,12 @@ API's server-sent events, in the order the openai SDK's `responses.create(stream
 `response.created`, `response.in_progress`; for each output item `response.output_item.added`,
 then for a message (or a reasoning item) `response.content_part.added`, its
 `response.output_text.delta`s (`response.reasoning_text.delta`s), `response.output_text.done`,
-`response.content_part.done`, or for a function call its `response.function_call_arguments.delta`s
-and `.done`; `response.output_item.done`; last `response.completed` (`response.incomplete` when
-cut at max_output_tokens) with the whole response and its usage. Every event's data carries its
-`type` and `sequence_number`; an engine failure mid-stream is an `error` event, the last one.
+`response.content_part.done`, or for a function call its
+`response.function_call_arguments.delta`s and `.done`; `response.output_item.done`; last
+`response.completed` with the whole response and its usage (as vLLM, also for a reply cut at
+max_output_tokens: its status says "incomplete", and the SDK's
+`responses.stream(...).get_final_response()` has it). Every event's data carries its `type` and
+`sequence_number`; an engine failure mid-stream is an `error` event, the last one.
 """
 
 from __future__ import annotations
@@ -184,6 +186,5 @@ class ResponseEvents:
             events, _ = self._start(OutputMessage(status="in_progress"))
         status = self.response.finish(self.finish_reason, self.usage)
         events += self._close(status)
-        kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        events.append(self.event(kind, response=self.response.model_dump()))
+        events.append(self.event("response.completed", response=self.response.model_dump()))
         return events

@@ -20,24 +20,17 @@ from attnserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
-    ChatResponseMessage,
     StreamOptions,
 )
 from attnserve.entrypoints.openai.protocol_responses import (
     RESPONSES_FIELD_RULES,
     FunctionCallItem,
     InputItem,
-    ItemStatus,
     MessageItem,
     NamedFunctionChoice,
-    OutputFunctionCall,
-    OutputItem,
-    OutputMessage,
-    OutputReasoning,
-    OutputText,
-    ReasoningText,
     ResponseObject,
     ResponsesRequest,
+    output_items,
 )
 from attnserve.entrypoints.openai.protocol_structured import (
     ChatCompletionTool,
@@ -175,22 +168,3 @@ def finished(shell: ResponseObject, answer: ChatCompletionResponse) -> ResponseO
     status = shell.finish(choice.finish_reason, answer.usage)
     shell.output = output_items(choice.message, status)
     return shell
-
-
-def output_items(message: ChatResponseMessage, status: ItemStatus) -> list[OutputItem]:
-    """A reply's output items: its thinking, its text (also when empty, unless it calls a
-    tool), then its function calls."""
-    items: list[OutputItem] = []
-    if message.reasoning_content:
-        thought = [ReasoningText(text=message.reasoning_content)]
-        items.append(OutputReasoning(status=status, content=thought))
-    if message.content or not message.tool_calls:
-        text = [OutputText(text=message.content or "")]
-        items.append(OutputMessage(status=status, content=text))
-    items += [
-        OutputFunctionCall(
-            call_id=call.id, name=call.function.name, arguments=call.function.arguments
-        )
-        for call in message.tool_calls or []
-    ]
-    return items
