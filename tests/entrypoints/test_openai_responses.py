@@ -136,6 +136,14 @@ def test_a_function_call_and_its_output_round_trip(client: openai.OpenAI) -> Non
     assert follow_up.status in ("completed", "incomplete") and follow_up.output
 
 
+def test_a_json_schema_text_format_constrains_the_output(client: openai.OpenAI) -> None:
+    city = WEATHER["parameters"]
+    text: Any = {"format": {"type": "json_schema", "name": "city", "schema": city}}
+    response = client.responses.create(input="Pick a city.", text=text, **GREEDY)
+    assert json.loads(response.output_text)["city"] in city["properties"]["city"]["enum"]
+    assert response.text is not None and response.text.format.type == "json_schema"
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -145,6 +153,7 @@ def test_a_function_call_and_its_output_round_trip(client: openai.OpenAI) -> Non
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
+        ({"text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
     ],
 )
 def test_unsupported_fields_are_refused_by_name(

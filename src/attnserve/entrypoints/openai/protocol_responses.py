@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from attnserve.entrypoints.openai.protocol import ChatResponseMessage, UsageInfo
 from attnserve.entrypoints.openai.protocol_structured import FUNCTION_NAME
@@ -46,10 +46,6 @@ RESPONSES_FIELD_RULES: dict[str, FieldRule] = {
     "top_logprobs": FieldRule(lambda v: not v, "logprobs in responses are not implemented"),
     "truncation": FieldRule(
         lambda v: v in (None, "disabled"), "the input is never truncated: send 'disabled'"
-    ),
-    "text": FieldRule(
-        lambda v: v is None or v == {"format": {"type": "text"}},
-        "structured text formats are not implemented here: use /v1/chat/completions",
     ),
     "metadata": FieldRule(_any, "echoed, not stored"),
 }
@@ -124,6 +120,22 @@ class NamedFunctionChoice(RequestBody):
     name: Text
 
 
+class TextFormat(RequestBody):
+    """The output's format: text, any JSON object, or JSON following `schema_`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = Field("output", pattern=FUNCTION_NAME)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: Text | None = None
+    strict: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class TextConfig(RequestBody):
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(RequestBody):
     model: Text | None = Field(None, description="the served model name (default: it)")
     input: Text | Annotated[list[InputItem], Field(min_length=1)]
@@ -137,6 +149,7 @@ class ResponsesRequest(RequestBody):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
+    text: TextConfig | None = Field(None, description="format: text, json_object or json_schema")
     user: Text | None = Field(None, description="an end-user id: logged, nothing else")
 
     @field_validator("tools", mode="before")

@@ -30,14 +30,17 @@ from attnserve.entrypoints.openai.protocol_responses import (
     NamedFunctionChoice,
     ResponseObject,
     ResponsesRequest,
+    TextFormat,
     output_items,
 )
 from attnserve.entrypoints.openai.protocol_structured import (
     ChatCompletionTool,
     FunctionCall,
     FunctionDefinition,
+    JsonSchemaFormat,
     NamedFunction,
     NamedToolChoice,
+    ResponseFormat,
     ToolCall,
 )
 from attnserve.entrypoints.openai.request_fields import FIELD_RULES, unsupported_field
@@ -46,9 +49,10 @@ from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
 
 _RULES = {**FIELD_RULES, **RESPONSES_FIELD_RULES}
 _CHAT_PARAMS = {  # a chat field named in an error -> the Responses field it came from
-    "messages": "input",
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "response_format.json_schema.schema": "text.format.schema",
 }
 
 
@@ -68,7 +72,7 @@ class OpenAIServingResponses:
         try:
             answer = await self.chat.create_chat_completion(chat_request(request), raw)
         except ApiError as error:
-            error.param = _responses_param(error.param)
+            error.param = _responses_param(error.param, request)
             raise
         if isinstance(answer, StreamingResponse):
             events = ResponseEvents(shell).translate(answer.body_iterator)
@@ -81,7 +85,7 @@ def _shell(request: ResponsesRequest, model_name: str) -> ResponseObject:
     tool_choice: Any = request.tool_choice or ("auto" if request.tools else "none")
     if isinstance(tool_choice, NamedFunctionChoice):
         tool_choice = tool_choice.model_dump()
-    return ResponseObject(
+    shell = ResponseObject(
         model=model_name,
         instructions=request.instructions,
         max_output_tokens=request.max_output_tokens,
@@ -93,15 +97,19 @@ def _shell(request: ResponsesRequest, model_name: str) -> ResponseObject:
         metadata=(request.model_extra or {}).get("metadata"),
         user=request.user,
     )
+    if request.text is not None:
+        shell.text = request.text.model_dump(exclude_none=True, by_alias=True)
+    return shell
 
 
-def _responses_param(param: str | None) -> str | None:
-    if param is None:
-        return None
-    head, dot, rest = param.partition(".")
-    if head == "messages":
-        return "input"
-    return _CHAT_PARAMS.get(head, head) + dot + rest
+def _responses_param(param: str | None, request: ResponsesRequest) -> str | None:
+    """The Responses field a chat field named in an error came from ("auto" tool choice, the
+    default with tools, is `tools` when the request did not ask for it)."""
+    if param is None or param.startswith("messages"):
+        return None if param is None else "input"
+    if param == "tool_choice" and request.tool_choice is None:
+        return "tools"
+    return _CHAT_PARAMS.get(param, param)
 
 
 def chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
@@ -129,12 +137,27 @@ def chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
             )
             for t in request.tools
         ]
+    text_format = request.text.format if request.text else None
+    if text_format is not None:
+        fields["response_format"] = _response_format(text_format)
     choice = request.tool_choice
     if isinstance(choice, NamedFunctionChoice):
         fields["tool_choice"] = NamedToolChoice(function=NamedFunction(name=choice.name))
     elif choice is not None:
         fields["tool_choice"] = choice
     return ChatCompletionRequest(**fields)
+
+
+def _response_format(text_format: TextFormat) -> ResponseFormat:
+    """The chat request's `response_format` for a Responses `text.format`."""
+    if text_format.type != "json_schema":
+        return ResponseFormat(type=text_format.type)
+    if text_format.schema_ is None:
+        raise ApiError(400, "text.format json_schema needs its schema", "text.format.schema")
+    schema = JsonSchemaFormat(
+        name=text_format.name, schema=text_format.schema_, strict=text_format.strict
+    )
+    return ResponseFormat(type="json_schema", json_schema=schema)
 
 
 def chat_messages(instructions: str | None, items: str | list[InputItem]) -> list[ChatMessage]:
