@@ -30,7 +30,7 @@ from attnserve.config import (
     SpeculativeConfig,
 )
 from attnserve.engine_config import EngineConfig
-from attnserve.model.config import LOAD_FORMATS, ModelConfig
+from attnserve.model.config import LOAD_FORMATS, HubOptions, ModelConfig
 from attnserve.model.default_model import default_model_dir
 from attnserve.model.quantization.resolve import check_quantization
 from attnserve.structured_outputs import StructuredOutputsConfig
@@ -51,9 +51,28 @@ def _arg(default: Any, help_text: str) -> Any:
 @dataclass(frozen=True)
 class EngineArgs:
     model: str | None = _arg(
-        None, "HF model directory, .gguf file or dummy preset (default: the embedded model)"
+        None,
+        "HF model directory, hub id (org/name, fetched to the hub cache), .gguf file or dummy "
+        "preset (default: the embedded model)",
     )
-    tokenizer: str | None = _arg(None, "tokenizer directory or .gguf file (default: the model's)")
+    tokenizer: str | None = _arg(
+        None, "tokenizer directory, hub id or .gguf file (default: the model's)"
+    )
+    revision: str | None = _arg(None, "the hub model's branch, tag or commit (default: main)")
+    tokenizer_revision: str | None = _arg(
+        None, "the hub tokenizer's branch, tag or commit (default: main)"
+    )
+    download_dir: str | None = _arg(
+        None, "where hub models are kept (default: HF_HUB_CACHE, else $HF_HOME/hub)"
+    )
+    trust_remote_code: bool = _arg(
+        False, "let transformers run the model's own code (its config and tokenizer classes)"
+    )
+    generation_config: str = _arg(
+        "auto",
+        "request defaults: auto (the sampling fields of the model's generation_config.json), "
+        "vllm (none: the engine's) or a folder holding a generation_config.json",
+    )
     dtype: str = _arg(
         "auto", "auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16 or float16"
     )
@@ -222,6 +241,8 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             device=device.type,
             quantization=self.quantization,
+            hub=self.hub_options(),
+            generation_config=self.generation_config,
         )
         model_config.verify_with_parallel_config(parallel_config.tensor_parallel_size)
         scheduler_config = SchedulerConfig(
@@ -260,6 +281,11 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig.from_dict(
                 self.structured_outputs_config
             ),
+        )
+
+    def hub_options(self) -> HubOptions:
+        return HubOptions(
+            self.revision, self.tokenizer_revision, self.download_dir, self.trust_remote_code
         )
 
     def create_parallel_config(self, device: torch.device) -> ParallelConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -75,6 +75,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling_params: the sampling fields of the
+        model's generation_config.json (`generation_config`, as vLLM), else SamplingParams()."""
+        return SamplingParams(**self.llm_engine.model_config.get_diff_sampling_param())
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -87,7 +92,7 @@ class LLM:
         final_only = RequestOutputKind.FINAL_ONLY  # offline: no intermediate outputs to build
         params = [
             dataclasses.replace(p, output_kind=final_only)
-            for p in _broadcast(sampling_params, len(prompt_list))
+            for p in _broadcast(sampling_params, len(prompt_list), self.get_default_sampling_params)
         ]
         ids = []
         try:
@@ -163,11 +168,13 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompt_list
 
 
-def _broadcast(params: ParamsArg, count: int) -> list[SamplingParams]:
+def _broadcast(
+    params: ParamsArg, count: int, default: Callable[[], SamplingParams]
+) -> list[SamplingParams]:
     """One SamplingParams per prompt: a SamplingParams (or a dict of its fields, as vLLM takes)
-    for all, or one each."""
+    for all, or one each; `default()` for all when None."""
     if params is None:
-        return [SamplingParams()] * count
+        return [default()] * count
     if isinstance(params, Mapping):
         params = _from_mapping(params)
     if isinstance(params, SamplingParams):

@@ -1,16 +1,17 @@
 """`ModelConfig`: what model to serve, resolved and validated up front.
 
-`ModelConfig.resolve` accepts a local HF directory, a `.gguf` file or a dummy preset name (the
-embedded default model is resolved to its files where the engine's configs are made, in
-`EngineArgs`). Every problem (missing path, unknown preset, unsupported architecture or rope
-type, bad dtype, too long `max_model_len`, a quantization the checkpoint or device cannot run) is
-a ValueError raised here, before any weight is read.
+`ModelConfig.resolve` accepts a local HF directory, a `.gguf` file, a dummy preset name or a
+Hugging Face hub id (`org/name`, fetched to the hub cache: `model.hub`; `model` is then the
+snapshot's folder) (the embedded default model is resolved to its files where the engine's
+configs are made, in `EngineArgs`). Every problem (missing path, unknown preset or hub id,
+unsupported architecture or rope type, bad dtype, too long `max_model_len`, a quantization the
+checkpoint or device cannot run, a bad generation config) is a ValueError raised here, before
+any weight is read.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 
+from attnserve.model.generation_config import default_sampling_fields, read_generation_config
+from attnserve.model.hub import is_hub_id, resolve_model_path
 from attnserve.model.layers.rotary_embedding import SUPPORTED_ROPE_TYPES
 from attnserve.model.presets import DUMMY_PRESETS, preset_hf_config
 from attnserve.model.quantization.fp8_checkpoint import fp8_checkpoint_scheme
@@ -107,6 +110,8 @@ class ModelConfig:
     load_format: str
     weights_path: str | None
     quantization: str | None = None  # "gguf", "fp8" or None (see model.quantization.resolve)
+    trust_remote_code: bool = False  # passed to transformers' AutoConfig and AutoTokenizer
+    generation_config: str = "auto"  # "auto", "vllm" or a folder (model.generation_config)
 
     @property
     def architecture(self) -> str:
@@ -173,6 +178,12 @@ class ModelConfig:
         ids += [i for i in _as_id_list(generation.get("eos_token_id")) if i not in ids]
         return ids
 
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """The SamplingParams fields `generation_config` gives requests that do not set them
+        (vLLM's name; see model.generation_config)."""
+        model_dir = self.model if Path(self.model).is_dir() else None
+        return default_sampling_fields(self.generation_config, model_dir)
+
     @classmethod
     def resolve(
         cls,
@@ -183,24 +194,50 @@ class ModelConfig:
         max_model_len: int | None = None,
         device: str = "cpu",
         quantization: str | None = None,
+        hub: HubOptions | None = None,
+        generation_config: str = "auto",
     ) -> ModelConfig:
-        """Validate the request and build the config (see the module docstring)."""
+        """Validate the request and build the config (see the module docstring); `hub`: how
+        hub ids (model and tokenizer) are fetched and trusted."""
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {load_format!r}; use one of {LOAD_FORMATS}")
+        hub = hub or HubOptions()
         torch_dtype = resolve_dtype(dtype, device)
-        hf_config, default_tokenizer, load_format, weights_path = _describe(model, load_format)
+        model = hub.fetch(model, "model")
+        described = _describe(model, load_format, hub.trust_remote_code)
+        hf_config, default_tokenizer, load_format, weights_path = described
         _validate_hf_config(hf_config)
         checkpoint = _checkpoint_quantization(hf_config, load_format, weights_path)
-        return cls(
+        config = cls(
             model=model,
             hf_config=hf_config,
-            tokenizer=_resolve_tokenizer(tokenizer, default_tokenizer),
+            tokenizer=_resolve_tokenizer(tokenizer, default_tokenizer, hub),
             dtype=torch_dtype,
             max_model_len=_resolve_max_model_len(hf_config, max_model_len),
             load_format=load_format,
             weights_path=weights_path,
             quantization=resolve_quantization(quantization, checkpoint, device, torch_dtype),
+            trust_remote_code=hub.trust_remote_code,
+            generation_config=generation_config,
         )
+        config.get_diff_sampling_param()  # a bad generation config fails here
+        return config
+
+
+@dataclass(frozen=True)
+class HubOptions:
+    """How hub ids are fetched (vLLM's `--revision`, `--tokenizer-revision`, `--download-dir`)
+    and whether transformers may run the model's own code (`--trust-remote-code`)."""
+
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    trust_remote_code: bool = False
+
+    def fetch(self, name: str, what: str) -> str:
+        """`name`, or its hub snapshot's folder when it is a hub id (`what`: model/tokenizer)."""
+        revision = self.tokenizer_revision if what == "tokenizer" else self.revision
+        return resolve_model_path(name, revision, self.download_dir, self.trust_remote_code, what)
 
 
 def _checkpoint_quantization(
@@ -218,7 +255,9 @@ def _checkpoint_quantization(
     return "fp8" if fp8_checkpoint_scheme(hf_config, weights_path) is not None else None
 
 
-def _describe(model: str, load_format: str) -> tuple[Any, str | None, str, str | None]:
+def _describe(
+    model: str, load_format: str, trust_remote_code: bool
+) -> tuple[Any, str | None, str, str | None]:
     """(hf_config, default tokenizer, concrete load format, weights path) for `model`."""
     if model in DUMMY_PRESETS:
         if load_format not in ("auto", "dummy"):
@@ -226,7 +265,7 @@ def _describe(model: str, load_format: str) -> tuple[Any, str | None, str, str |
         return preset_hf_config(model), None, "dummy", None
     path = Path(model)
     if path.is_dir():
-        return _describe_hf_dir(path, load_format)
+        return _describe_hf_dir(path, load_format, trust_remote_code)
     if path.is_file() and path.suffix == ".gguf":
         if load_format not in ("auto", "gguf", "dummy"):
             raise ValueError(f"{model} is a GGUF file: load_format must be 'gguf' or 'dummy'")
@@ -236,19 +275,24 @@ def _describe(model: str, load_format: str) -> tuple[Any, str | None, str, str |
         tokenizer = str(path) if gguf_has_tokenizer(path) else None
         return gguf_hf_config(path), tokenizer, concrete, str(path)
     raise ValueError(
-        f"model {model!r} is neither an existing HF directory, a .gguf file, nor a dummy "
-        f"preset (known presets: {sorted(DUMMY_PRESETS)})"
+        f"model {model!r} is neither an existing HF directory, a .gguf file, a hub id "
+        f"(org/name), nor a dummy preset (known presets: {sorted(DUMMY_PRESETS)})"
     )
 
 
-def _describe_hf_dir(path: Path, load_format: str) -> tuple[Any, str | None, str, str | None]:
+def _describe_hf_dir(
+    path: Path, load_format: str, trust_remote_code: bool
+) -> tuple[Any, str | None, str, str | None]:
     from transformers import AutoConfig
 
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {path} has no config.json")
     if load_format == "gguf":
         raise ValueError(f"{path} is a directory: load_format 'gguf' needs a .gguf file")
-    hf_config = _text_model_config(AutoConfig.from_pretrained(str(path), local_files_only=True))
+    loaded = AutoConfig.from_pretrained(
+        str(path), local_files_only=True, trust_remote_code=trust_remote_code
+    )
+    hf_config = _text_model_config(loaded)
     _validate_hf_config(hf_config)
     has_tokenizer = any((path / name).is_file() for name in _TOKENIZER_FILES)
     tokenizer = str(path) if has_tokenizer else None
@@ -297,9 +341,11 @@ def _validate_experts(hf_config: Any) -> None:
         raise ValueError(f"num_experts_per_tok {top_k} must be in 1..{experts} (the experts)")
 
 
-def _resolve_tokenizer(tokenizer: str | None, default: str | None) -> str | None:
+def _resolve_tokenizer(tokenizer: str | None, default: str | None, hub: HubOptions) -> str | None:
     if tokenizer is None:
         return default
+    if is_hub_id(tokenizer):
+        return hub.fetch(tokenizer, "tokenizer")
     if not os.path.exists(tokenizer):
         raise ValueError(f"tokenizer path {tokenizer!r} does not exist")
     return tokenizer
@@ -323,11 +369,3 @@ def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
-
-
-def read_generation_config(model: str) -> dict[str, Any]:
-    path = Path(model) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    loaded: dict[str, Any] = json.loads(path.read_text())
-    return loaded

@@ -37,7 +37,9 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
     if config.tokenizer.endswith(".gguf"):
         tokenizer = load_gguf_tokenizer(config.tokenizer)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            config.tokenizer, local_files_only=True, trust_remote_code=config.trust_remote_code
+        )
     if len(tokenizer) > config.vocab_size:
         raise ValueError(
             f"tokenizer {config.tokenizer!r} has {len(tokenizer)} tokens, more than the "
