@@ -204,6 +204,7 @@ def test_schema_documents_every_route(server: ServerProcess) -> None:
         "/v1/models/{model_id}",
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/responses",
         "/tokenize",
         "/detokenize",
     }
