@@ -19,9 +19,9 @@ to a workspace [S, M, N], and a second launch adds the S slices in order and, fo
 scales, scales the sum, so the epilogue is the unsplit one's (and the result deterministic). At
 decode sizes a weight of 4096 rows makes too few tiles to keep the 132 SMs reading it; split-K
 multiplies the programs. (Partial sums added by float32 atomics into a zeroed buffer, then
-scaled, were slower on every shape measured: docs/benchmarks.md.) `fp8.fp8_matmul` runs it with
-the tile `pick_config` picks for M, N and K (where it is the faster GEMM); other callers may
-pass a tile or take the default: `group_config` for group-wise scales, else `default_config`.
+scaled, were slower on every shape measured: docs/benchmarks-archive.md.) `fp8.fp8_matmul` runs
+it with the tile `pick_config` picks for M, N and K (where it is the faster GEMM); other callers
+may pass a tile or take the default: `group_config` for group-wise scales, else `default_config`.
 """
 
 from __future__ import annotations
@@ -175,8 +175,9 @@ def _one_wave(config: GemmConfig, per_sm: int, m: int, n: int, k: int) -> GemmCo
 
 def group_config(m: int, n: int, k: int, group: int) -> GemmConfig:
     """The tile for a group-wise product (`group` columns a scale): `pick_config`'s, its K blocks
-    no wider than a group (the H200 probe of block-wise 128 x 128 layers, docs/benchmarks.md:
-    up to 16 rows within 1-1.1x of the fastest tile timed), else `default_config`'s."""
+    no wider than a group (the H200 probe of block-wise 128 x 128 layers,
+    docs/benchmarks-archive.md: up to 16 rows within 1-1.1x of the fastest tile timed), else
+    `default_config`'s."""
     block_k = min(128, group & -group)  # a power of two dividing the group
     picked = pick_config(m, n, k)
     if picked is None:

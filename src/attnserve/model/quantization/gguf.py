@@ -33,7 +33,7 @@ from attnserve.model.quantization.weight_utils import LoadedWeight, full_weight,
 
 # activation rows up to which each native kernel set multiplies from the blocks; above,
 # dequantized chunks through the BLAS are faster (crossovers on the embedded model's prefill:
-# AVX2 16-32 rows, AVX-512 VNNI 512-768; docs/benchmarks.md)
+# AVX2 16-32 rows, AVX-512 VNNI 512-768; docs/benchmarks-archive.md)
 NATIVE_MAX_ROWS = {"avx2": 16, "avx512": 512}
 CHUNK_FLOATS = 1 << 20  # weight floats dequantized at a time for the BLAS path
 
