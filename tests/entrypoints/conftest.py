@@ -1,5 +1,6 @@
 """Servers that several server test modules share, each started once and stopped after the last
-test of this package: the default model (with an API key and hermes tool calling) and a tiny
+test of this package: the default model (with an API key; no tool flags: tools in the server's
+own format) and a tiny
 random Llama that carries the default model's tokenizer."""
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ from tests.entrypoints.openai_server import (
 @pytest.fixture(scope="package")
 def default_model_server() -> Iterator[ServerProcess]:
     """`attnserve serve` on the default model (CPU, max_model_len 512), API_KEY required on
-    /v1, auto tool choice through the hermes parser."""
+    /v1; no tool flags, as the README starts it (its template shows no tool-call format: tools
+    go in the server's own format, `generic_tools`)."""
     args = ["--device", "cpu", "--max-model-len", "512"]
-    process = ServerProcess(
-        [*args, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], api_key=API_KEY
-    )
+    process = ServerProcess(args, api_key=API_KEY)
     yield process
     process.stop()
 

@@ -151,6 +151,5 @@ def test_auto_tool_choice_takes_the_flag_then_the_template() -> None:
     assert auto_tool_call_parser(_serve_args("--tool-call-parser", "llama3_json"), "hermes") == (
         "llama3_json"
     )
-    assert auto_tool_call_parser(_serve_args(), None) is None  # "auto" then refused, by name
-    with pytest.raises(ValueError, match="needs --tool-call-parser"):
-        auto_tool_call_parser(_serve_args("--enable-auto-tool-choice"), None)
+    assert auto_tool_call_parser(_serve_args(), None) is None  # the server's own format
+    assert auto_tool_call_parser(_serve_args("--enable-auto-tool-choice"), None) is None

@@ -121,7 +121,7 @@ class ServerOptions:
 
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    tool_call_parser: str | None = None  # reads "auto" tool choice replies (None: refused)
+    tool_call_parser: str | None = None  # reads "auto" replies (None: the server's own format)
     shutdown_timeout_s: float = 30.0
     request_timeout_s: float | None = None
     request_read_timeout_s: float = 30.0
@@ -330,6 +330,8 @@ def run_server(args: argparse.Namespace) -> int:
         raise
     if tool_call_parser is not None:
         logger.info('"auto" tool choice on: replies read by the %s parser', tool_call_parser)
+    else:
+        logger.info("tools in the server's own format: listed in the prompt, calls constrained")
     options = ServerOptions(
         api_key=api_key,
         max_request_bytes=args.max_request_bytes,

@@ -95,8 +95,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
-        help='serve tool_choice "auto" (vLLM\'s switch: on whenever a tool-call parser is given '
-        "or the model's chat template calls for one)",
+        help='serve tool_choice "auto" (vLLM\'s switch, accepted: "auto" is always on, through '
+        "the tool-call parser, else the server's own tool-call format)",
     )
     parser.add_argument(
         "--tool-call-parser",
@@ -104,7 +104,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         choices=TOOL_CALL_PARSER_NAMES,
         help="how tool calls are read from a free reply: hermes (<tool_call> blocks, Hermes / "
         "Qwen) or llama3_json (Llama 3's JSON); default: the one the model's chat template "
-        "calls for, if any",
+        "calls for, else the server's own format (tools in the prompt, calls constrained)",
     )
     _add_admission_args(parser)
     _add_chat_template_args(parser)
@@ -150,14 +150,9 @@ def _add_admission_args(parser: argparse.ArgumentParser) -> None:
 
 def auto_tool_call_parser(args: argparse.Namespace, detected: str | None) -> str | None:
     """The parser for "auto" tool choice: --tool-call-parser, else the one the model's chat
-    template calls for (`detected`); None when there is none (then "auto" is refused, saying
-    which parser to pass). --enable-auto-tool-choice is vLLM's switch, kept: a parser turns
-    "auto" on here."""
-    if args.enable_auto_tool_choice and args.tool_call_parser is None and detected is None:
-        raise ValueError(
-            "--enable-auto-tool-choice needs --tool-call-parser: this model's chat template "
-            f"shows no tool-call format the server knows ({', '.join(TOOL_CALL_PARSER_NAMES)})"
-        )
+    template calls for (`detected`); None when there is none: then the server's own tool-call
+    format serves every model (`generic_tools`). --enable-auto-tool-choice is vLLM's switch,
+    accepted: "auto" is always on here."""
     return args.tool_call_parser or detected
 
 

@@ -114,7 +114,8 @@ class OpenAIServingChat(OpenAIServing):
         tool_call_parser: str | None = None,
         pool: PreprocessPool | None = None,
     ) -> None:
-        """`tool_call_parser`: the server's parser for "auto" tool choice (None: refused)."""
+        """`tool_call_parser`: the server's parser for "auto" tool choice (None: the server's
+        own tool-call format, `generic_tools`)."""
         super().__init__(engine, model_name, metrics, pool)
         self.tool_call_parser = tool_call_parser
 
@@ -171,10 +172,12 @@ class OpenAIServingChat(OpenAIServing):
         """The request's tool plan, prompt token ids, sampling parameters (400 for what they
         refuse) and whether its replies start inside their thinking (None: no reasoning
         parser): the request's CPU work, on the preprocessing pool."""
-        plan = tool_plan(request, self.tool_call_parser)
         last_role = request.messages[-1].role if request.messages else None
         options = template_options(request, last_role, self.trust_request_chat_template)
-        text = render_messages(self.tokenizer, request.messages, plan.template_tools, options)
+        template = options.chat_template or getattr(self.tokenizer, "chat_template", None)
+        plan = tool_plan(request, self.tool_call_parser, str(template or ""))
+        messages = plan.messages(request.messages)
+        text = render_messages(self.tokenizer, messages, plan.template_tools, options)
         prompt = self.encode(text, "messages")
         self.check_prompt(prompt, "messages")
         max_tokens = request.max_completion_tokens or request.max_tokens

@@ -160,8 +160,8 @@ def constraint_field(request: StructuredOutputsFields) -> str | None:
 def _tool_field(request: StructuredOutputsFields) -> str | None:
     choice = getattr(request, "tool_choice", None)
     tools: list[ChatCompletionTool] = getattr(request, "tools", None) or []
-    if choice == "required":
-        return "tools"
+    if choice == "required" or (tools and choice in (None, "auto")):
+        return "tools"  # "auto": the server's own format constrains the calls
     if not isinstance(choice, NamedToolChoice):
         return None
     names = [tool.function.name for tool in tools]
