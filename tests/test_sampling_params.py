@@ -44,7 +44,7 @@ BAD_FIELDS: list[tuple[dict[str, object], str]] = [
     ({"n": 3, "best_of": 2}, "best_of must be >= n"),
     ({"logit_bias": {5: 100.5}}, "logit_bias values must be in -100..100"),
     ({"logit_bias": {-1: 1.0}}, "logit_bias token ids must be >= 0"),
-    ({"logprobs": 21}, "logprobs must be in 0..20"),
+    ({"logprobs": -1}, "logprobs must be >= 0"),
 ]
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's: arrival order, or (priority, arrival)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
@@ -57,6 +58,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
     preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
     async_scheduling: bool = True
     long_prefill_token_threshold: int = 0  # 0: 4% of max_model_len (vLLM's value)
     max_long_partial_prefills: int = 1
@@ -73,6 +75,11 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -18,7 +18,7 @@ from typing import Any
 
 from attnserve.structured_outputs import StructuredOutputsParams
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the engine's default --max-logprobs (vLLM's); the engine checks its own
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100..100
 
 
@@ -65,6 +65,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # (vLLM's; tokenizers without a fast backend)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -116,13 +117,10 @@ class SamplingParams:
                 all(abs(b) <= MAX_LOGIT_BIAS for b in (self.logit_bias or {}).values()),
                 f"logit_bias values must be in -{MAX_LOGIT_BIAS:g}..{MAX_LOGIT_BIAS:g}",
             ),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
             (
-                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-                f"logprobs must be in 0..{MAX_LOGPROBS}",
-            ),
-            (
-                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-                f"prompt_logprobs must be in 0..{MAX_LOGPROBS}",
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "prompt_logprobs must be >= 0",
             ),
             (
                 self.structured_outputs is None or self.min_tokens == 0,

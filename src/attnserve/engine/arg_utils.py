@@ -24,6 +24,7 @@ from attnserve.config import (
     DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
     CacheConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -33,6 +34,7 @@ from attnserve.engine_config import EngineConfig
 from attnserve.model.config import LOAD_FORMATS, HubOptions, ModelConfig
 from attnserve.model.default_model import default_model_dir
 from attnserve.model.quantization.resolve import check_quantization
+from attnserve.sampling_params import MAX_LOGPROBS
 from attnserve.structured_outputs import StructuredOutputsConfig
 
 DEFAULT_MAX_NUM_SEQS = 256
@@ -137,6 +139,16 @@ class EngineArgs:
         "recompute",
         f"how a full KV cache makes room: one of {', '.join(PREEMPTION_MODES)}",
     )
+    scheduling_policy: str = _arg(
+        "fcfs",
+        f"the order waiting requests start in: one of {', '.join(SCHEDULING_POLICIES)} "
+        "(priority: by each request's priority, lower first, then arrival; preemption takes "
+        "the lowest priority first)",
+    )
+    max_logprobs: int = _arg(
+        MAX_LOGPROBS,
+        "most log-probabilities a request may ask for per token, more is refused (-1: no cap)",
+    )
     swap_space_bytes: int = _arg(1 << 30, "host memory for swapped-out KV blocks (swap mode)")
     seed: int = _arg(0, "random seed (draws of unseeded requests, dummy weights)")
     enforce_eager: bool = _arg(False, "run every step eagerly: capture no CUDA graphs")
@@ -222,6 +234,8 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         check_quantization(self.quantization)
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= -1 (-1: no cap), got {self.max_logprobs}")
         device = self.resolved_device()
         parallel_config = self.create_parallel_config(device)
         cache_config = CacheConfig(
@@ -252,6 +266,7 @@ class EngineArgs:
             ),
             max_model_len=model_config.max_model_len,
             preemption_mode=self.preemption_mode,
+            scheduling_policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_long_partial_prefills=self.max_long_partial_prefills,

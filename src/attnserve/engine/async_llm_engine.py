@@ -262,8 +262,10 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams,
         request_id: str,
         data_parallel_rank: int | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they are produced; ValueError for a bad request."""
+        """Outputs of one request as they are produced; ValueError for a bad request.
+        `priority`: see `LLMEngine.add_request`."""
         if self.errored and self._error is not None:
             raise self._error
         if sampling_params.structured_outputs is not None:  # compiled off the event loop
@@ -276,7 +278,9 @@ class AsyncLLMEngine:
             self._sinks[request_id] = (loop, mailbox)
         self._process_loop = loop
         try:
-            self.engine.add_request(request_id, prompt, sampling_params, data_parallel_rank)
+            self.engine.add_request(
+                request_id, prompt, sampling_params, data_parallel_rank, priority
+            )
         except BaseException:
             with self._lock:
                 self._sinks.pop(request_id, None)

@@ -96,6 +96,7 @@ class LLMEngine:
             self.tokenizer,
             ready.kv_cache_tokens,
             self.config.structured_outputs_config,
+            args.max_logprobs,
         )
         self.output_processor = OutputProcessor()
         self.step_stats = StepStats()
@@ -139,12 +140,17 @@ class LLMEngine:
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         data_parallel_rank: int | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request; ValueError for a bad one. `data_parallel_rank` picks its engine
-        core (default: the balancer's choice)."""
+        core (default: the balancer's choice); `priority`: lower runs earlier under the
+        "priority" scheduling policy (any but 0 is refused under "fcfs", as vLLM)."""
         params = sampling_params or SamplingParams()
+        policy = self.config.scheduler_config.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise ValueError(f"priority {priority} needs --scheduling-policy priority")
         text, token_ids = self.processor.tokenize(prompt)
-        request = self.processor.process(request_id, token_ids, params)
+        request = self.processor.process(request_id, token_ids, params, priority)
         state = RequestState(request_id, text, token_ids, params, self.tokenizer)
         with self._lock:
             if request_id in self.output_processor:

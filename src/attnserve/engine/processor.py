@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from attnserve.engine.core.grammar import grammar_cache
 from attnserve.engine.core.messages import EngineCoreRequest
 from attnserve.model.config import ModelConfig
-from attnserve.sampling_params import SamplingParams
+from attnserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from attnserve.structured_outputs import StructuredOutputsConfig
 
 
@@ -29,11 +29,15 @@ class Processor:
         tokenizer: PreTrainedTokenizerBase | None,
         kv_cache_tokens: int,
         structured_outputs_config: StructuredOutputsConfig | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
+        """`max_logprobs`: the most log-probabilities a request may ask for per token (-1: no
+        cap, as vLLM's --max-logprobs)."""
         self.model_config = model_config
         self.structured_outputs_config = structured_outputs_config
         self.tokenizer = tokenizer
         self.kv_cache_tokens = kv_cache_tokens
+        self.max_logprobs = max_logprobs
         self._counter = itertools.count()
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -61,10 +65,22 @@ class Processor:
             )
 
     def check_params(self, params: SamplingParams) -> None:
-        """What `SamplingParams` cannot check alone: token ids against the vocabulary."""
+        """What `SamplingParams` cannot check alone: token ids against the vocabulary, the
+        log-probabilities asked for against `max_logprobs`."""
+        for name in ("logprobs", "prompt_logprobs"):
+            problem = self.too_many_logprobs(name, getattr(params, name))
+            if problem is not None:
+                raise ValueError(problem)
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token ids must be in 0..{vocab - 1}")
+
+    def too_many_logprobs(self, name: str, asked: int | None) -> str | None:
+        """Why `asked` log-probabilities per token are refused (vLLM's wording); None: served."""
+        cap = self.max_logprobs
+        if asked is None or cap < 0 or asked <= cap:
+            return None
+        return f"Requested {name} of {asked}, which is greater than max allowed: {cap}"
 
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the request's structured-output grammar, if it has one (a cache hit for a
@@ -76,10 +92,11 @@ class Processor:
             cache.check(params.structured_outputs)
 
     def process(
-        self, request_id: str, token_ids: list[int], params: SamplingParams
+        self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> EngineCoreRequest:
         """The checked request, under a fresh core id."""
         self.check_prompt(token_ids)
         self.check_params(params)
         self.compile_grammar(params)
-        return EngineCoreRequest(f"{request_id}#{next(self._counter)}", token_ids, params)
+        core_id = f"{request_id}#{next(self._counter)}"
+        return EngineCoreRequest(core_id, token_ids, params, priority)

@@ -146,7 +146,11 @@ class EngineCore:
         """Queue a request the front end has checked (ids unique, prompt in range)."""
         block_table = BlockTable(self.allocator, self.block_size, self.kv_cache_windows)
         seq = Sequence(
-            request.request_id, request.prompt_token_ids, request.sampling_params, block_table
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            block_table,
+            priority=request.priority,
         )
         self.requests[request.request_id] = {0: seq}
         self.num_requests_added += 1

@@ -39,11 +39,13 @@ Command = tuple[CoreCommand, Any]
 
 @dataclass
 class EngineCoreRequest:
-    """A checked request: `request_id` is the core's own id (unique per `add_request`)."""
+    """A checked request: `request_id` is the core's own id (unique per `add_request`);
+    `priority`: lower runs earlier under the "priority" scheduling policy (vLLM's)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    priority: int = 0
 
 
 @dataclass

@@ -23,6 +23,10 @@ long ones, and the prompts already running leave them the tokens they need this 
 `max_long_partial_prefills` long prompts are left mid-prefill by a step, the others wait their
 turn. So a long prompt, or a request of many, holds a short one back a step, not for its whole
 prefill; a lone prompt takes the whole budget.
+With the "priority" scheduling policy (vLLM's) the waiting queue is kept in (priority, arrival)
+order, lower priority values first, so the steps above take the waiting ones in that order (short
+before long within a priority), and preemption takes the running sequence of the lowest priority
+(the latest arrival among equals) first.
 A step that had to preempt admits nothing new (no thrashing). Writes into a block shared with a
 parallel-sampling sibling copy it first (copy-on-write).
 """
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 
 from attnserve.config import SchedulerConfig
 from attnserve.engine.core.block_allocator import BlockAllocator, OutOfBlocksError
+from attnserve.engine.core.priority import enqueue_by_priority, priority_order
 from attnserve.engine.core.sequence import Sequence, SequenceStatus
 from attnserve.engine.core.speculator import SpecDecodeStats
 from attnserve.step_types import BlockPairs, SampleOutput, TokenLogprobs, is_prefill
@@ -102,9 +107,16 @@ class Scheduler:
         self.num_lookahead_tokens = 0  # positions a draft model writes past a step
         self.num_steps = 0  # `schedule` calls so far
 
+    @property
+    def by_priority(self) -> bool:
+        return self.config.scheduling_policy == "priority"
+
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.num_steps
-        self.waiting.append(seq)
+        if self.by_priority:
+            enqueue_by_priority(self.waiting, seq)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         """Sequences running, waiting or swapped out."""
@@ -252,7 +264,10 @@ class Scheduler:
         policy in the module docstring); a long one only while fewer than
         `max_long_partial_prefills` long prompts would be left mid-prefill after this step."""
         long_slots = self.config.max_long_partial_prefills - self._long_prefills(out)
-        for seq in sorted(self.waiting, key=self._is_long):
+        by_priority = self.by_priority
+        for seq in sorted(
+            self.waiting, key=lambda s: (by_priority and s.priority, self._is_long(s))
+        ):
             long = self._is_long(seq)
             if not self._room_left(out, budget) or (long and long_slots <= 0):
                 return
@@ -301,13 +316,15 @@ class Scheduler:
                     return False
 
     def _victim(self, seq: Sequence, out: SchedulerOutput) -> Sequence | None:
-        """The newest running sequence without tokens this step; else `seq` itself if it
-        decodes (or nothing else runs this step), else None."""
+        """The newest running sequence without tokens this step (by priority: the lowest one,
+        `seq` included if it decodes); else `seq` itself if it decodes (or nothing else runs
+        this step), else None."""
         scheduled = {id(item.seq) for item in out.scheduled}
-        for candidate in reversed(self.running):
-            if candidate is not seq and id(candidate) not in scheduled:
-                return candidate
-        return seq if seq.num_uncomputed_tokens == 1 or not scheduled else None
+        itself = seq.num_uncomputed_tokens == 1 or not scheduled
+        others = [c for c in self.running if c is not seq and id(c) not in scheduled]
+        if self.by_priority:
+            return max([*others, seq] if itself else others, key=priority_order, default=None)
+        return others[-1] if others else seq if itself else None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -326,7 +343,10 @@ class Scheduler:
             self.swapped.append(seq)
             return
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            enqueue_by_priority(self.waiting, seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def update(
         self, out: SchedulerOutput, results: list[SampleOutput | None], eos_token_ids: list[int]

@@ -41,8 +41,11 @@ class Sequence:
         sampling_params: SamplingParams,
         block_table: BlockTable,
         index: int = 0,
+        priority: int = 0,
     ) -> None:
         self.seq_id = next(_seq_ids)
+        self.priority = priority  # lower runs earlier (the "priority" scheduling policy)
+        self.arrival_order = self.seq_id  # its request's arrival among all (forks keep it)
         self.request_id = request_id
         self.index = index
         self.prompt_token_ids = list(prompt_token_ids)
@@ -124,7 +127,9 @@ class Sequence:
             self.sampling_params,
             self.block_table.fork(),
             index,
+            self.priority,
         )
+        child.arrival_order = self.arrival_order
         child.num_forks_pending = 0
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         child.num_computed_tokens = self.num_computed_tokens
