@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -31,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
+from attnserve.engine.startup_gc import freeze_startup_objects
 from attnserve.engine.warmup import warm_up
 from attnserve.entrypoints.openai.admission import Admission
 from attnserve.entrypoints.openai.body_parsing import OffLoopBodyRoute
@@ -351,7 +351,7 @@ def run_server(args: argparse.Namespace) -> int:
         logger.warning("serving on %s without an API key (--allow-no-api-key)", args.host)
     name = args.served_model_name or served_model_name(engine_args)
     app, lifecycle = build_app(engine, name, options)
-    gc.freeze()  # the modules and engine state built so far stay: keep them out of collections
+    freeze_startup_objects()  # the modules and engine state built so far stay
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
     protocol = server_protocol(args.request_read_timeout)
     config = uvicorn.Config(
