@@ -37,6 +37,11 @@ from attnserve.entrypoints.openai.preprocess import LARGE_JOB_BYTES, PreprocessP
 from attnserve.entrypoints.openai.prompt_bound import prompt_bound
 from attnserve.entrypoints.openai.protocol import SamplingRequest
 from attnserve.entrypoints.openai.request_fields import token_ids_out_of_range, unsupported_field
+from attnserve.entrypoints.openai.sampling_defaults import (
+    max_tokens_or_default,
+    model_sampling_defaults,
+    sampling_fields,
+)
 from attnserve.entrypoints.openai.structured import structured_outputs
 from attnserve.outputs import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from attnserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -131,6 +136,7 @@ class OpenAIServing:
         self.max_model_len = config.max_model_len
         self.vocab_size = config.vocab_size
         self.prompt_bound = prompt_bound(self.tokenizer)
+        self.default_sampling = model_sampling_defaults(config)  # --generation-config
 
     @property
     def tokenizer(self) -> Any:
@@ -218,6 +224,7 @@ class OpenAIServing:
         """The request's `SamplingParams` (400 for what they refuse); `max_tokens` None: the
         rest of the context; `tool_constraint`: the output's, from its tool_choice."""
         room = self.max_model_len - prompt_len
+        max_tokens = max_tokens_or_default(request, self.default_sampling, max_tokens, room)
         if max_tokens is not None and max_tokens > room:
             raise ApiError(
                 400,
@@ -237,13 +244,9 @@ class OpenAIServing:
             return SamplingParams(
                 n=request.n,
                 best_of=best_of,
-                temperature=request.temperature,
-                top_p=request.top_p,
-                top_k=request.top_k,
-                min_p=request.min_p,
+                **sampling_fields(request, self.default_sampling),
                 presence_penalty=request.presence_penalty,
                 frequency_penalty=request.frequency_penalty,
-                repetition_penalty=request.repetition_penalty,
                 logit_bias=request.logit_bias,
                 seed=request.seed,
                 max_tokens=room if max_tokens is None else max_tokens,
