@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from attnserve.engine.arg_utils import EngineArgs
 from attnserve.entrypoints.llm import LLM
 from attnserve.model.config import HubOptions, ModelConfig
 from attnserve.sampling_params import SamplingParams
@@ -98,3 +101,40 @@ def test_llm_on_a_hub_id_generates_like_the_directory(offline: Path, tiny_llama_
     assert by_dir.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids == ids
     by_dir.shutdown()
     assert len(ids) == 4
+
+
+def test_trust_remote_code_reaches_transformers(
+    monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path
+) -> None:
+    from transformers import AutoConfig
+
+    seen: list[object] = []
+    load = AutoConfig.from_pretrained
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("trust_remote_code"))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", recording)
+    config = ModelConfig.resolve(str(tiny_llama_dir), hub=HubOptions(trust_remote_code=True))
+    assert config.trust_remote_code and seen == [True]
+    ModelConfig.resolve(str(tiny_llama_dir))
+    assert seen == [True, False]
+
+
+def test_the_flags_have_vllms_names() -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser, positional_model=True)
+    flags = ["org/name", "--revision", "v1", "--tokenizer-revision", "v2", "--download-dir", "/d"]
+    args = EngineArgs.from_cli_args(
+        parser.parse_args([*flags, "--trust-remote-code", "--generation-config", "vllm"])
+    )
+    assert (args.model, args.revision, args.tokenizer_revision, args.download_dir) == (
+        "org/name",
+        "v1",
+        "v2",
+        "/d",
+    )
+    assert args.trust_remote_code and args.generation_config == "vllm"
+    defaults = EngineArgs()
+    assert not defaults.trust_remote_code and defaults.generation_config == "auto"

@@ -7,6 +7,7 @@ get_diff_sampling_param`), else the API's default — as vLLM applies them.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -20,11 +21,16 @@ MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
 def model_sampling_defaults(config: ModelConfig) -> dict[str, Any]:
-    """The model's defaults, logged once when there are any."""
+    """The model's defaults, logged (once, for all the endpoints) when there are any."""
     defaults = config.get_diff_sampling_param()
     if defaults:
-        logger.info("default sampling params from the model's generation config: %s", defaults)
+        _log_once(repr(defaults))
     return defaults
+
+
+@functools.cache
+def _log_once(defaults: str) -> None:
+    logger.info("default sampling params from the model's generation config: %s", defaults)
 
 
 def sampling_fields(request: SamplingRequest, defaults: dict[str, Any]) -> dict[str, Any]:
