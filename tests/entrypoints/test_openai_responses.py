@@ -219,3 +219,22 @@ def test_an_engine_failure_mid_stream_is_the_last_event() -> None:
     events = _translated(_delta(content="Hi"), failure)
     assert events[-1]["type"] == "error" and events[-1]["message"] == "the engine has failed"
     assert "response.completed" not in [e["type"] for e in events]
+
+
+def _finished(server: ServerProcess) -> float:
+    """Requests finished so far (any reason): an aborted one is not among them."""
+    metrics = server.wait_idle()
+    return sum(v for k, v in metrics.items() if k.startswith("attnserve:request_success_total"))
+
+
+def test_a_dropped_stream_aborts_its_request(
+    client: openai.OpenAI, default_model_server: ServerProcess
+) -> None:
+    before = _finished(default_model_server)
+    essay = "Write a very long essay about the history of Rome."  # greedy: runs to 400 tokens
+    long: dict[str, Any] = {**GREEDY, "max_output_tokens": 400}
+    with client.responses.create(input=essay, stream=True, **long) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                break  # the connection closes here, mid-generation
+    assert _finished(default_model_server) == before  # aborted, not run on to its end
