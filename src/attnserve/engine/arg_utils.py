@@ -11,10 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
-import types
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +27,7 @@ from attnserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from attnserve.engine.cli_types import ModelOnce, cli_type
 from attnserve.engine_config import EngineConfig
 from attnserve.model.config import LOAD_FORMATS, HubOptions, ModelConfig
 from attnserve.model.default_model import default_model_dir
@@ -276,7 +274,7 @@ class EngineArgs:
             if self.speculative_config is None
             else SpeculativeConfig.from_dict(self.speculative_config)
         )
-        draft = _draft_model_config(speculative_config, model_config, device)
+        draft = _draft_model_config(speculative_config, model_config, device, self.hub_options())
         if draft is not None:
             try:
                 draft.verify_with_parallel_config(parallel_config.tensor_parallel_size)
@@ -343,13 +341,13 @@ class EngineArgs:
                         "model",
                         nargs="?",
                         default=argparse.SUPPRESS,  # absent: keeps --model's value
-                        action=_ModelOnce,
+                        action=ModelOnce,
                         metavar="MODEL",
                         help=f"{help_text}; or --model",
                     )
-                parser.add_argument(flag, default=None, action=_ModelOnce, help=help_text)
+                parser.add_argument(flag, default=None, action=ModelOnce, help=help_text)
                 continue
-            kind = _cli_type(hints[f.name])
+            kind = cli_type(hints[f.name])
             if kind is bool:
                 parser.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
@@ -362,27 +360,12 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
-class _ModelOnce(argparse.Action):
-    """Stores the model, given as MODEL or as --model; an error if given twice, differently."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        given = getattr(namespace, self.dest, None)
-        if given is not None and given != values:
-            parser.error(f"the model is given twice: {given!r} and {values!r}")
-        setattr(namespace, self.dest, values)
-
-
 def _draft_model_config(
-    spec: SpeculativeConfig | None, target: ModelConfig, device: torch.device
+    spec: SpeculativeConfig | None, target: ModelConfig, device: torch.device, hub: HubOptions
 ) -> ModelConfig | None:
     """The draft model's config (speculative_config.model), in the target's dtype and load
-    format, for its max_model_len; a ValueError naming the field where it cannot serve."""
+    format, for its max_model_len; a ValueError naming the field where it cannot serve. A hub
+    id is fetched as the target's (its download dir and trust), at its main revision."""
     if spec is None or spec.model is None:
         return None
     try:
@@ -392,6 +375,7 @@ def _draft_model_config(
             load_format="dummy" if target.load_format == "dummy" else "auto",
             max_model_len=target.max_model_len,
             device=device.type,
+            hub=HubOptions(download_dir=hub.download_dir, trust_remote_code=hub.trust_remote_code),
         )
     except ValueError as error:
         raise ValueError(f"speculative_config.model {spec.model!r}: {error}") from None
@@ -421,26 +405,3 @@ def _check_cuda_device(device: torch.device) -> None:
         raise ValueError(
             f"device {str(device)!r}: this host has {count} GPU(s), cuda:0..{count - 1}"
         )
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    """A flag's JSON object (`--speculative-config '{"method": "ngram", ...}'`)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
-    return value
-
-
-def _cli_type(hint: Any) -> Callable[[str], Any]:
-    """What a flag's text parses to: the field's type, or T for an optional `T | None`; a
-    dict field takes a JSON object."""
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    kinds = [t for t in options if t is not type(None)]
-    if len(kinds) == 1 and typing.get_origin(kinds[0]) is dict:
-        return _json_object
-    if len(kinds) != 1 or not isinstance(kinds[0], type):
-        raise ValueError(f"an engine flag needs a plain or optional type, got {hint!r}")
-    return kinds[0]
