@@ -124,12 +124,8 @@ def test_a_function_call_and_its_output_round_trip(client: openai.OpenAI) -> Non
     assert events[-1].response.output[0].arguments == call.arguments  # type: ignore[union-attr]
     answered: Any = [
         {"role": "user", "content": question},
-        {
-            "type": "function_call",
-            "call_id": call.call_id,
-            "name": call.name,
-            "arguments": call.arguments,
-        },
+        {"type": "reasoning", "id": "rs_1", "summary": []},  # (dropped)
+        *response.output,  # as an agent loop sends it back
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
     ]
     follow_up = client.responses.create(input=answered, tools=[WEATHER], **GREEDY)

@@ -94,6 +94,13 @@ class FunctionCallOutputItem(RequestBody):
     output: Text
 
 
+class ReasoningItem(RequestBody):
+    """An earlier reply's thinking, sent back with its output (`input += response.output`):
+    dropped, as chat templates drop earlier turns' thinking."""
+
+    type: Literal["reasoning"]
+
+
 def _item_type(item: Any) -> str:
     kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "")
     return str(kind)
@@ -102,7 +109,8 @@ def _item_type(item: Any) -> str:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
 

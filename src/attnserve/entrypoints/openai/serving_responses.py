@@ -25,6 +25,7 @@ from attnserve.entrypoints.openai.protocol import (
 from attnserve.entrypoints.openai.protocol_responses import (
     RESPONSES_FIELD_RULES,
     FunctionCallItem,
+    FunctionCallOutputItem,
     InputItem,
     MessageItem,
     NamedFunctionChoice,
@@ -162,7 +163,8 @@ def _response_format(text_format: TextFormat) -> ResponseFormat:
 
 def chat_messages(instructions: str | None, items: str | list[InputItem]) -> list[ChatMessage]:
     """The conversation: the instructions as a system message, then the input items (a string
-    is one user message; consecutive function calls are one assistant message's tool calls)."""
+    is one user message; consecutive function calls are one assistant message's tool calls;
+    earlier reasoning items are dropped)."""
     messages = [] if instructions is None else [ChatMessage(role="system", content=instructions)]
     if isinstance(items, str):
         items = [MessageItem(role="user", content=items)]
@@ -178,10 +180,9 @@ def chat_messages(instructions: str | None, items: str | list[InputItem]) -> lis
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
                 messages.append(ChatMessage(role="assistant", tool_calls=[call]))
-        else:
-            messages.append(
-                ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id)
-            )
+        elif isinstance(item, FunctionCallOutputItem):
+            answer = ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id)
+            messages.append(answer)
     return messages
 
 
