@@ -64,7 +64,10 @@ def test_a_missing_id_offline_is_named(offline: Path) -> None:
         ModelConfig.resolve(REPO, hub=HubOptions(revision="c" * 40))
 
 
-def test_a_missing_tokenizer_id_is_named(offline: Path) -> None:
+def test_a_tokenizer_id_resolves_the_same_way(offline: Path, tiny_llama_dir: Path) -> None:
+    hub = HubOptions(revision=COMMIT_A, tokenizer_revision="short")
+    config = ModelConfig.resolve(str(tiny_llama_dir), tokenizer=REPO, hub=hub)
+    assert config.tokenizer is not None and Path(config.tokenizer).name == COMMIT_B
     with pytest.raises(ValueError, match="tokenizer 'test-org/no-tokenizer'"):
         ModelConfig.resolve(REPO, tokenizer="test-org/no-tokenizer")
 
