@@ -1,11 +1,21 @@
 """attnserve: a fast, compact LLM inference and serving engine with pluggable attention."""
 
-from attnserve.outputs import CompletionOutput, RequestOutput
+from attnserve.inputs import TextPrompt, TokensPrompt
+from attnserve.outputs import CompletionOutput, Logprob, RequestOutput
 from attnserve.sampling_params import SamplingParams
 from attnserve.structured_outputs import StructuredOutputsParams
 from attnserve.version import __version__ as __version__
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
+]
 
 
 def __getattr__(name: str) -> object:

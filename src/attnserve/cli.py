@@ -39,8 +39,13 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def _add_sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens per answer")
+def _add_sampling_args(
+    parser: argparse.ArgumentParser, temperature: float, max_tokens: int | None = 128
+) -> None:
+    limit = "default %(default)s" if max_tokens else "default: up to the model's context limit"
+    parser.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help=f"most tokens per answer ({limit})"
+    )
     parser.add_argument(
         "--temperature", type=float, default=temperature, help="0 is greedy (default %(default)s)"
     )
@@ -243,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(handler=_generate)
     chat = _engine_parser(commands, "chat", "chat with a model in the terminal")
     chat.add_argument("--system", default=None, help="system prompt")
-    _add_sampling_args(chat, temperature=0.7)
+    _add_sampling_args(chat, temperature=0.7, max_tokens=None)
     chat.set_defaults(handler=_chat)
     from attnserve.entrypoints.openai.cli_args import add_server_args
 

@@ -201,7 +201,7 @@ def test_sampling_params_as_a_dict_as_vllm_takes_them(tiny_llama_dir: Path) -> N
 @pytest.mark.parametrize(
     ("prompts", "params", "message"),
     [
-        (None, None, "prompts must be a string, a list of token ids or a list of those"),
+        (None, None, "prompts must be a string, a list of token ids, a prompt dict or a list"),
         (3, None, "got int"),
         ([[3, 4]], {"max_tokenz": 3}, "max_tokenz"),
         ([[3, 4]], "greedy", "sampling_params must be a SamplingParams, a dict"),

@@ -8,6 +8,10 @@ line, the chat going on. Ctrl-C during a reply stops it (the request is aborted 
 steps, nothing more is shown, and what was shown stays in the conversation) and returns to the
 prompt. Ctrl-C on an empty line (or at any prompt when stdin is not a terminal), a second Ctrl-C
 before a reply has stopped, Ctrl-D on an empty line or `/quit` leave, on a new line.
+
+Replies run up to the model's context limit unless `--max-tokens` says less (as vLLM's chat); a
+reply cut by either ends with a mark saying so and how to go further (`cut_mark`), never
+silently mid-sentence.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from types import FrameType
 from typing import TextIO
 
 from attnserve.engine.llm_engine import LLMEngine
+from attnserve.outputs import CompletionOutput
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
 
 HISTORY_LENGTH = 1000
@@ -46,10 +51,12 @@ def stream_reply(
     out: TextIO,
     stop: threading.Event | None = None,
 ) -> str:
-    """Generate one reply, writing text to `out` as it arrives; return the text written. When
-    `stop` is set, the request is aborted after the step in progress."""
+    """Generate one reply, writing text to `out` as it arrives (and a `cut_mark` when a limit
+    cut it); return the text written. When `stop` is set, the request is aborted after the step
+    in progress."""
     engine.add_request(request_id, prompt, params)
     text = ""
+    last: CompletionOutput | None = None
     try:
         while engine.has_unfinished_requests() and not (stop is not None and stop.is_set()):
             outputs = engine.step()
@@ -57,14 +64,23 @@ def stream_reply(
                 break
             for output in outputs:
                 if output.request_id == request_id:
-                    new = output.outputs[0].text
-                    out.write(new[len(text) :])
+                    last = output.outputs[0]
+                    out.write(last.text[len(text) :])
                     out.flush()
-                    text = new
+                    text = last.text
     finally:
         engine.abort_request(request_id)  # a no-op once the request has finished
+        if last is not None and last.finish_reason == "length":
+            out.write(cut_mark(len(last.token_ids), params.max_tokens))
         out.write("\n")
     return text
+
+
+def cut_mark(num_tokens: int, max_tokens: int | None) -> str:
+    """What ends a reply a limit cut: `--max-tokens` (when it was reached), else the context."""
+    if max_tokens is not None and num_tokens >= max_tokens:
+        return f" [cut at {num_tokens} tokens: --max-tokens to raise]"
+    return f" [cut at {num_tokens} tokens: the conversation fills the context; /reset]"
 
 
 @contextlib.contextmanager

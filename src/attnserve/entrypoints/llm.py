@@ -1,4 +1,5 @@
-"""`LLM`: the offline Python API, as in vLLM — `generate` and `chat` over one engine."""
+"""`LLM`: the offline Python API, as in vLLM — `generate` and `chat` over one engine. Prompts
+are strings, token id lists, or vLLM's `TextPrompt` / `TokensPrompt` dicts (`attnserve.inputs`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from tqdm.auto import tqdm
 
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.llm_engine import LLMEngine
+from attnserve.inputs import PromptType
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int]  # what the engine takes
 ParamsArg = SamplingParams | Mapping[str, Any] | Sequence[SamplingParams] | None
-Message = dict[str, str]
+Message = dict[str, Any]
+PROMPT_KEYS = {"prompt": str, "prompt_token_ids": list}
 
 
 class LLM:
@@ -82,12 +85,13 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: ParamsArg = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in input order. A dict of
-        SamplingParams fields is taken as vLLM takes it."""
+        """Generate for every prompt (text, token ids, or a `TextPrompt` / `TokensPrompt`
+        dict); outputs in input order. A dict of SamplingParams fields is taken as vLLM takes
+        it."""
         prompt_list = _as_prompt_list(prompts)
         final_only = RequestOutputKind.FINAL_ONLY  # offline: no intermediate outputs to build
         params = [
@@ -113,10 +117,14 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template (`chat_template`, else the tokenizer's) to each conversation,
         then generate; `continue_final_message` leaves the last message (the assistant's) open
-        to be continued, and needs `add_generation_prompt=False` (vLLM's arguments)."""
+        to be continued, and needs `add_generation_prompt=False`; `tools` (OpenAI-style tool
+        dicts) go to the template's `tools`, `chat_template_kwargs` (Qwen3's
+        `enable_thinking`, ...) to it as variables (vLLM's arguments)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         tokenizer = self.get_tokenizer()
@@ -125,15 +133,16 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not conversations or any(not conversation for conversation in conversations):
             raise ValueError("chat needs at least one message in every conversation")
-        prompts = [
-            tokenizer.apply_chat_template(
-                conversation,
-                chat_template=chat_template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-            )
-            for conversation in conversations
+        options = {
+            **(chat_template_kwargs or {}),
+            "chat_template": chat_template,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "tokenize": False,
+        }
+        prompts: list[PromptType] = [
+            tokenizer.apply_chat_template(conversation, **options) for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -149,23 +158,39 @@ class LLM:
         return [finished[request_id] for request_id in request_ids]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[Prompt]:
+    if isinstance(prompts, str | Mapping):
+        return [_as_prompt(prompts)]
     if not isinstance(prompts, Sequence):
         raise ValueError(
-            f"prompts must be a string, a list of token ids or a list of those, got "
-            f"{type(prompts).__name__}"
+            f"prompts must be a string, a list of token ids, a prompt dict or a list of those, "
+            f"got {type(prompts).__name__}"
         )
     items: list[object] = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [[int(t) for t in items]]  # type: ignore[call-overload]
-    prompt_list: list[Prompt] = []
-    for item in items:
-        if not (isinstance(item, str) or (isinstance(item, list) and item)):
-            raise ValueError(f"a prompt is a string or a non-empty list of token ids, got {item!r}")
-        prompt_list.append(item)
-    return prompt_list
+    return [_as_prompt(item) for item in items]
+
+
+def _as_prompt(item: object) -> Prompt:
+    """One prompt as the engine takes it; a `TextPrompt` / `TokensPrompt` dict unwrapped."""
+    if isinstance(item, Mapping):
+        unknown = sorted(set(item) - PROMPT_KEYS.keys())
+        if unknown or len(item) != 1:
+            problem = f"unsupported fields {unknown}" if unknown else f"fields {sorted(item)}"
+            raise ValueError(
+                f"a prompt dict has one field, 'prompt' (TextPrompt) or 'prompt_token_ids' "
+                f"(TokensPrompt); got {problem}"
+            )
+        ((key, value),) = item.items()
+        if not isinstance(value, PROMPT_KEYS[key]):
+            raise ValueError(f"{key} must be a {PROMPT_KEYS[key].__name__}, got {value!r}")
+        item = value
+    if isinstance(item, str):
+        return item
+    if isinstance(item, list) and item:
+        return item
+    raise ValueError(f"a prompt is a string or a non-empty list of token ids, got {item!r}")
 
 
 def _broadcast(
