@@ -71,7 +71,8 @@ class OpenAIServingResponses:
             raise ApiError(400, refused[1], refused[0], "unsupported_parameter")
         shell = _shell(request, self.chat.model_name)
         try:
-            answer = await self.chat.create_chat_completion(chat_request(request), raw)
+            chat = await self.chat.off_loop(raw, chat_request, request)  # as large as the body
+            answer = await self.chat.create_chat_completion(chat, raw)
         except ApiError as error:
             error.param = _responses_param(error.param, request)
             raise
