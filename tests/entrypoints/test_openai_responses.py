@@ -16,8 +16,15 @@ from typing import Any
 import openai
 import pytest
 
+from attnserve.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    UsageInfo,
+)
 from attnserve.entrypoints.openai.protocol_responses import ResponseObject
 from attnserve.entrypoints.openai.responses_events import ResponseEvents
+from attnserve.entrypoints.openai.serving_responses import finished
 from tests.conftest import HANG_GUARD_S
 from tests.entrypoints.openai_server import API_KEY, ServerProcess
 
@@ -208,6 +215,24 @@ def test_thinking_text_and_calls_stream_as_items_in_order() -> None:
     assert final["type"] == "response.completed" and final["response"]["output"] == done
     assert final["response"]["usage"]["output_tokens"] == 7
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_a_whole_reply_with_thinking_cut_short() -> None:
+    """A reply split by --reasoning-parser and cut at max_output_tokens: a reasoning item, then
+    the message, both incomplete; the usage under the Responses API's names."""
+    message = ChatResponseMessage(content="Hi", reasoning_content="hm")
+    choice = ChatChoice(index=0, message=message, finish_reason="length")
+    counts = UsageInfo(prompt_tokens=5, completion_tokens=7, total_tokens=12)
+    chat = ChatCompletionResponse(id="chatcmpl-1", model=MODEL, choices=[choice], usage=counts)
+    response = finished(ResponseObject(model=MODEL), chat).model_dump()
+    assert [(item["type"], item["status"]) for item in response["output"]] == [
+        ("reasoning", "incomplete"),
+        ("message", "incomplete"),
+    ]
+    assert response["output"][1]["content"][0]["text"] == "Hi"
+    assert response["status"] == "incomplete"
+    assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert response["usage"]["input_tokens"] == 5 and response["usage"]["total_tokens"] == 12
 
 
 def test_an_engine_failure_mid_stream_is_the_last_event() -> None:
