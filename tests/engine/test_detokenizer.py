@@ -6,7 +6,7 @@ characters split over tokens, special tokens skipped or kept."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from transformers import PreTrainedTokenizerBase
@@ -79,3 +79,30 @@ def test_an_unfinished_character_at_the_end_is_replaced(backend: bool) -> None:
     detokenizer = IncrementalDetokenizer(used, [], skip_special_tokens=True)
     assert detokenizer.step(ids[:1]) == ""
     assert detokenizer.step([], final=True) == tokenizer.decode(ids[:1])
+
+
+class _SpacedSpecials:
+    """A tokenizer without a `tokenizers` backend that, like HF's slow tokenizers, puts spaces
+    around special tokens only with `spaces_between_special_tokens`."""
+
+    PIECES: ClassVar[dict[int, str]] = {1: "<s>", 2: "a", 3: "b"}
+
+    def decode(
+        self,
+        token_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        pieces = [self.PIECES[t] for t in token_ids]
+        if not spaces_between_special_tokens:
+            return "".join(pieces)
+        return "".join(f" {p} " if p.startswith("<") else p for p in pieces)
+
+
+@pytest.mark.parametrize(("spaces", "text"), [(True, "a <s> b"), (False, "a<s>b")])
+def test_spaces_between_special_tokens_reach_the_window_decodes(spaces: bool, text: str) -> None:
+    detokenizer = IncrementalDetokenizer(
+        _SpacedSpecials(), [], skip_special_tokens=False, spaces_between_special_tokens=spaces
+    )
+    detokenizer.step([2, 1, 3], final=True)
+    assert detokenizer.text == text

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from attnserve.config import SchedulerConfig
+from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.core.block_allocator import BlockAllocator
 from attnserve.engine.core.block_table import BlockTable
 from attnserve.engine.core.scheduler import Scheduler
 from attnserve.engine.core.sequence import Sequence, SequenceStatus
+from attnserve.engine.llm_engine import LLMEngine
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import SampleOutput
 
@@ -74,3 +79,30 @@ def test_a_full_cache_preempts_the_lowest_priority_first(policy: str, preempted:
     assert seqs[preempted].status is SequenceStatus.WAITING
     kept = "low" if preempted == "high" else "high"
     assert seqs[kept].status is SequenceStatus.RUNNING
+
+
+def test_an_engine_runs_requests_by_priority_through_the_core(tiny_llama_dir: Path) -> None:
+    """End to end (front end, `EngineCoreRequest`, core): one sequence at a time under
+    "priority", the later request of priority 0 is done before the earlier one of priority 5
+    starts; under "fcfs" a non-zero priority is refused."""
+    args = EngineArgs(
+        str(tiny_llama_dir),
+        device="cpu",
+        engine_core_process=False,
+        max_num_seqs=1,
+        scheduling_policy="priority",
+    )
+    engine = LLMEngine(args)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("late-urgent", [5, 6, 7], params, priority=0)
+    engine.add_request("early-lax", [5, 6, 7], params, priority=5)
+    engine.add_request("later-urgent", [5, 6, 7], params, priority=0)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [out.request_id for out in engine.step() if out.finished]
+    assert done == ["late-urgent", "later-urgent", "early-lax"]
+    engine.shutdown()
+    fcfs = LLMEngine(dataclasses.replace(args, scheduling_policy="fcfs"))
+    with pytest.raises(ValueError, match="needs --scheduling-policy priority"):
+        fcfs.add_request("urgent", [5, 6, 7], params, priority=-1)
+    fcfs.shutdown()

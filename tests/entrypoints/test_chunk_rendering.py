@@ -1,6 +1,7 @@
 """Streamed chunks are written once per call's shared fields and once per choice: the JSON
-must be exactly what pydantic's own encoding of the whole chunk model gives (the reference),
-for both endpoints' chunk types, with and without usage, with text that needs escaping."""
+must decode to what pydantic's own encoding of the whole chunk model gives (the reference), with
+each choice's `logprobs` and `finish_reason` null where it has none (as OpenAI sends them), for
+both endpoints' chunk types, with and without usage, with text that needs escaping."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from attnserve.entrypoints.openai.chunk_renderer import ChunkRenderer
+from attnserve.entrypoints.openai.chunk_renderer import NULL_CHOICE_FIELDS, ChunkRenderer
 from attnserve.entrypoints.openai.protocol import (
     ChatCompletionChunk,
     ChatStreamChoice,
@@ -33,12 +34,18 @@ def _renderer(chunk_type: type[BaseModel], **stream_options: Any) -> ChunkRender
     return kind("model/é", "cmpl-123", [[1, 2, 3]], request)  # type: ignore[no-any-return]
 
 
-def _reference(renderer: ChunkRenderer[Any], choices: list[Any], usage: Any = None) -> str:
+def _reference(
+    renderer: ChunkRenderer[Any], choices: list[Any], usage: Any = None
+) -> dict[str, Any]:
     created = json.loads(renderer.chunk([]))["created"]
     model = renderer.chunk_type(
         id="cmpl-123", model="model/é", choices=choices, usage=usage, created=created
     )
-    return model.model_dump_json(exclude_none=True)
+    reference: dict[str, Any] = json.loads(model.model_dump_json(exclude_none=True))
+    for choice in reference["choices"]:
+        for name in NULL_CHOICE_FIELDS:
+            choice.setdefault(name, None)
+    return reference
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -56,10 +63,10 @@ def test_completion_chunks_match_the_models_encoding(text: str) -> None:
         ),
     ]
     for choice in choices:
-        assert renderer.chunk([choice]) == _reference(renderer, [choice])
+        assert json.loads(renderer.chunk([choice])) == _reference(renderer, [choice])
     usage = UsageInfo(prompt_tokens=3, completion_tokens=4, total_tokens=7)
-    assert renderer.chunk(choices, usage) == _reference(renderer, choices, usage)
-    assert renderer.chunk([], usage) == _reference(renderer, [], usage)
+    assert json.loads(renderer.chunk(choices, usage)) == _reference(renderer, choices, usage)
+    assert json.loads(renderer.chunk([], usage)) == _reference(renderer, [], usage)
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -68,7 +75,7 @@ def test_chat_chunks_match_the_models_encoding(text: str) -> None:
     role = ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))
     content = ChatStreamChoice(index=1, delta=DeltaMessage(content=text), finish_reason="length")
     for choice in (role, content):
-        assert renderer.chunk([choice]) == _reference(renderer, [choice])
+        assert json.loads(renderer.chunk([choice])) == _reference(renderer, [choice])
     assert json.loads(renderer.chunk([content]))["object"] == "chat.completion.chunk"
 
 

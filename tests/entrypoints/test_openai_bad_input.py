@@ -199,6 +199,8 @@ def test_schema_documents_every_route(server: ServerProcess) -> None:
     paths = httpx.get(server.url + "/openapi.json", timeout=HANG_GUARD_S).json()["paths"]
     assert set(paths) == {
         "/health",
+        "/ping",
+        "/version",
         "/metrics",
         "/v1/models",
         "/v1/models/{model_id}",

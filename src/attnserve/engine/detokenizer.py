@@ -8,7 +8,9 @@ piece that ends inside a UTF-8 character until the next token completes it. Othe
 decode a short window twice per step: text from `prefix_offset`, of which only what lies past
 `read_offset` is new, held back while it ends in U+FFFD. Either way what is streamed
 concatenates exactly to the final text; a sequence that ends inside a character gets U+FFFD for
-it, as a whole decode would.
+it, as a whole decode would. `spaces_between_special_tokens` (vLLM's) is passed to the decodes
+of the window path: tokenizers without a `tokenizers` backend put spaces around special tokens
+by it; a `DecodeStream` has no such option (as in vLLM, where only slow tokenizers heed it).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ class IncrementalDetokenizer:
         tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.text = ""
         context = prompt_token_ids[-_CONTEXT_TOKENS:]
         backend = getattr(tokenizer, "_tokenizer", None)
@@ -80,4 +84,9 @@ class IncrementalDetokenizer:
         return full[len(prefix) :]
 
     def _decode(self, token_ids: list[int]) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens))
+        text = self.tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
+        return str(text)

@@ -138,8 +138,12 @@ class RequestState:
         before it, or after it with `include_stop_str_in_output`). A stop token's own text is
         left out unless `include_stop_str_in_output`."""
         if completion.detokenizer is None:
+            params = self.params
             completion.detokenizer = IncrementalDetokenizer(
-                tokenizer, self.prompt_token_ids, self.params.skip_special_tokens
+                tokenizer,
+                self.prompt_token_ids,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
             )
         detokenizer = completion.detokenizer
         include_stop = self.params.include_stop_str_in_output

@@ -4,7 +4,8 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses` (JSON, or
 server-sent events with `stream: true`), `GET /v1/models` and `GET /v1/models/{id}`, vLLM's
 `POST /tokenize` and `POST /detokenize`, `GET /health` (503 while the warm-up runs, while
-draining and once the engine has failed) and `GET /metrics` (Prometheus text). Errors are
+draining and once the engine has failed; vLLM's `/ping`, GET or POST, answers the same),
+`GET /version` and `GET /metrics` (Prometheus text). Errors are
 OpenAI-style objects (see `errors`).
 
 The engine core runs in a process of its own by default (`--engine-core-process`); this process
@@ -69,6 +70,7 @@ from attnserve.entrypoints.openai.protocol import (
     HealthResponse,
     ModelCard,
     ModelList,
+    VersionResponse,
 )
 from attnserve.entrypoints.openai.protocol_responses import ResponseObject, ResponsesRequest
 from attnserve.entrypoints.openai.protocol_tokenization import (
@@ -132,6 +134,7 @@ class ServerOptions:
     tokenizer_pool_size: int = DEFAULT_THREADS  # threads for bodies, templates, tokenizing
     reasoning_parser: str | None = None  # --reasoning-parser (None: no thinking split)
     trust_request_chat_template: bool = False  # --trust-request-chat-template
+    disable_log_requests: bool = False  # --disable-log-requests
 
 
 def build_app(
@@ -162,6 +165,7 @@ def build_app(
     completion.admission = chat.admission = _admission(engine, options, metrics)
     tokenization = OpenAIServingTokenization(engine, model_name, metrics, pool)
     _set_chat_template_options(options, chat, tokenization)
+    completion.log_requests = chat.log_requests = not options.disable_log_requests
     ready = asyncio.Event()
     if not warm:
         ready.set()
@@ -202,6 +206,14 @@ def build_app(
         if not ready.is_set():
             raise ApiError(503, "the engine is warming up", code="warming_up")
         return HealthResponse()
+
+    @app.api_route("/ping", methods=["GET", "POST"], response_model=HealthResponse)
+    async def ping() -> HealthResponse:
+        return await health()
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
@@ -346,6 +358,7 @@ def run_server(args: argparse.Namespace) -> int:
         tokenizer_pool_size=args.tokenizer_pool_size,
         reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
+        disable_log_requests=args.disable_log_requests,
     )
     if options.api_key is None and not is_loopback(args.host):
         logger.warning("serving on %s without an API key (--allow-no-api-key)", args.host)

@@ -20,7 +20,8 @@ class ChunkRenderer(Generic[ChunkT]):
     (of its choice: its prompt's tokens and the tokens it has generated). The fields every chunk
     of the call shares (`id`, `object`, `created`, `model`) are written once; each chunk then
     encodes only its choices (the JSON `chunk_type(...).model_dump_json(exclude_none=True)`
-    would give, at a third of the cost)."""
+    would give, at a third of the cost), each with `"logprobs": null` and `"finish_reason": null`
+    where it has none, as OpenAI sends them (`NULL_CHOICE_FIELDS`)."""
 
     chunk_type: type[ChunkT]
 
@@ -37,7 +38,7 @@ class ChunkRenderer(Generic[ChunkT]):
 
     def chunk(self, choices: list[BaseModel], usage_info: UsageInfo | None = None) -> str:
         """One chunk's JSON."""
-        parts = [self._head, ",".join(c.model_dump_json(exclude_none=True) for c in choices)]
+        parts = [self._head, ",".join(_choice_json(c) for c in choices)]
         if usage_info is not None:
             parts.append(f'],"usage":{usage_info.model_dump_json()}}}')
         else:
@@ -60,6 +61,20 @@ class ChunkRenderer(Generic[ChunkT]):
 
     def render(self, deltas: list[Delta]) -> list[str]:
         raise NotImplementedError
+
+
+NULL_CHOICE_FIELDS = ("logprobs", "finish_reason")  # a streamed choice's, written even when null
+
+
+def _choice_json(choice: BaseModel) -> str:
+    """A streamed choice's JSON: its fields that are set, and `NULL_CHOICE_FIELDS` always."""
+    text = choice.model_dump_json(exclude_none=True)
+    nulls = "".join(f',"{name}":null' for name in NULL_CHOICE_FIELDS if _is_null(choice, name))
+    return f"{text[:-1]}{nulls}}}" if nulls else text
+
+
+def _is_null(choice: BaseModel, name: str) -> bool:
+    return name in type(choice).model_fields and getattr(choice, name) is None
 
 
 def usage(prompts: list[list[int]], completion_tokens: int) -> UsageInfo:

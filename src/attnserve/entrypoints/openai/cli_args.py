@@ -93,6 +93,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="uvicorn's log level",
     )
     parser.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="no per-request log lines (vLLM's flag; here: the line naming a request's user)",
+    )
+    parser.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='serve tool_choice "auto" (vLLM\'s switch, accepted: "auto" is always on, through '

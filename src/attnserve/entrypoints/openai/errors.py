@@ -66,12 +66,14 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 EXPECTED_CODES = ("warming_up", "shutting_down")  # 503s that are part of normal operation
 
 
-def error_response(error: ApiError) -> JSONResponse:
+def error_response(error: ApiError, request: Request | None = None) -> JSONResponse:
+    """The error as a JSON response, logged (with the method and path of `request`)."""
     if error.code in EXPECTED_CODES:
         log = logger.info
     else:
         log = logger.warning if error.status < 500 else logger.error
-    log("%d %s", error.status, error.message)
+    where = "" if request is None else f" ({request.method} {request.url.path})"
+    log("%d %s%s", error.status, error.message, where)
     body = error_body(error.status, error.message, error.param, error.code)
     return JSONResponse(json.loads(body), status_code=error.status, headers=error.headers)
 
@@ -101,14 +103,14 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
     errors = exc.errors() if isinstance(exc, RequestValidationError) else []
     message, param = _describe(list(errors))
     if any(e.get("type") == "json_invalid" for e in errors):
-        return error_response(ApiError(400, f"the body is not valid JSON ({message})"))
-    return error_response(ApiError(400, message, param))
+        return error_response(ApiError(400, f"the body is not valid JSON ({message})"), request)
+    return error_response(ApiError(400, message, param), request)
 
 
 async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     if not isinstance(exc, ApiError):
         raise exc
-    return error_response(exc)
+    return error_response(exc, request)
 
 
 _UNPARSED_BODY = "There was an error parsing the body"  # FastAPI's, for a body it could not read
@@ -130,12 +132,13 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     message = str(exc.detail)
     if exc.status_code == 400 and message == _UNPARSED_BODY:
         message = _unread_body(exc.__cause__)
-    return error_response(ApiError(exc.status_code, message, headers=dict(exc.headers or {})))
+    error = ApiError(exc.status_code, message, headers=dict(exc.headers or {}))
+    return error_response(error, request)
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unexpected error on %s", request.url.path)
-    return error_response(ApiError(500, f"internal error: {type(exc).__name__}"))
+    return error_response(ApiError(500, f"internal error: {type(exc).__name__}"), request)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -23,7 +23,7 @@ from attnserve.entrypoints.openai.protocol_structured import (
     ToolFields,
 )
 from attnserve.entrypoints.openai.request_body import RequestBody, Text
-from attnserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from attnserve.sampling_params import MAX_LOGIT_BIAS
 
 MAX_N = 16  # completions per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -78,6 +78,12 @@ class SamplingRequest(StructuredOutputsFields):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, description="per prompt token (not streamed)")
+    truncate_prompt_tokens: int | None = Field(None, description="keep the prompt's last k tokens")
+    priority: int = Field(0, description="lower runs earlier (--scheduling-policy priority)")
+    request_id: Text | None = Field(None, description="the response id's suffix; unique in flight")
+    return_tokens_as_token_ids: bool = Field(False, description='logprob tokens as "token_id:N"')
 
     @property
     def include_usage(self) -> bool:
@@ -98,7 +104,7 @@ class CompletionRequest(SamplingRequest):
         | (Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
     )
     max_tokens: int | None = Field(16, ge=1, description="default 16")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, description="at most --max-logprobs")
     echo: bool = Field(False, description="the prompt (and its logprobs) before each completion")
     best_of: int | None = Field(
         None, ge=1, le=MAX_N, description="candidates drawn; the n best by cumulative logprob"
@@ -143,7 +149,7 @@ class ChatCompletionRequest(SamplingRequest, ToolFields, ChatTemplateFields):
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1, description="overrides max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, description="at most --max-logprobs")
 
 
 class UsageInfo(BaseModel):
@@ -159,11 +165,23 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One prompt position's entry for one token (vLLM's `Logprob`)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsJson = list[dict[int, PromptLogprob] | None]  # per prompt token; None first
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobsJson | None = None  # vLLM's
 
 
 def _created() -> int:
@@ -214,6 +232,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsJson | None = None  # vLLM's: the one prompt's
 
 
 class DeltaMessage(BaseModel):
@@ -254,3 +273,7 @@ class ModelList(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
+
+
+class VersionResponse(BaseModel):
+    version: str  # attnserve's

@@ -31,6 +31,7 @@ from attnserve.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    PromptLogprobsJson,
 )
 from attnserve.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningStream
 from attnserve.entrypoints.openai.serving_engine import (
@@ -44,6 +45,13 @@ from attnserve.entrypoints.openai.serving_engine import (
 from attnserve.entrypoints.openai.structured import constraint_field
 from attnserve.entrypoints.openai.tool_choice import ToolPlan, tool_plan
 from attnserve.entrypoints.openai.tool_parsers import ToolCallStream, merged_calls
+from attnserve.entrypoints.openai.vllm_fields import (
+    check_vllm_fields,
+    prompt_logprobs_json,
+    response_id,
+    shown_token,
+    truncated,
+)
 from attnserve.outputs import SampleLogprobs
 from attnserve.sampling_params import SamplingParams
 
@@ -123,13 +131,15 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw: Request
     ) -> ChatCompletionResponse | StreamingResponse:
         received = time.monotonic()
-        request_id = new_id("chatcmpl")
+        request_id = response_id("chatcmpl", request, new_id("chatcmpl"))
         self.check_request(request, request_id)
+        check_vllm_fields(request, self.max_model_len, self.max_logprobs, self.scheduling_policy)
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         k = (request.top_logprobs or 0) if request.logprobs else None
         plan, prompt, params, thinking = await self.off_loop(raw, self._prepare, request, k)
-        stream = self.generate([prompt], params, request_id, received, constraint_field(request))
+        constraint = constraint_field(request)
+        stream = self.generate([prompt], params, request_id, received, constraint, request.priority)
         chunks = None
         if request.stream:
             chunks = _ChunkRenderer(self, request, request_id, [prompt], plan, thinking)
@@ -138,14 +148,33 @@ class OpenAIServingChat(OpenAIServing):
             return ChatCompletionResponse(
                 id=request_id,
                 model=self.model_name,
-                choices=[self._choice(i, c, k, plan, thinking) for i, c in enumerate(choices)],
+                choices=[
+                    self._choice(i, c, k, plan, thinking, request.return_tokens_as_token_ids)
+                    for i, c in enumerate(choices)
+                ],
                 usage=usage([prompt], tokens),
+                prompt_logprobs=self._prompt_logprobs(request, choices),
             )
 
         return await self.respond(raw, stream, chunks, request.n, build)
 
+    def _prompt_logprobs(
+        self, request: ChatCompletionRequest, choices: list[Choice]
+    ) -> PromptLogprobsJson | None:
+        """The prompt's log-probabilities, when asked for (vLLM's, on the response)."""
+        if request.prompt_logprobs is None:
+            return None
+        entries = next((c.prompt_logprobs for c in choices if c.prompt_logprobs), None)
+        return prompt_logprobs_json(entries, self.token_text)
+
     def _choice(
-        self, index: int, choice: Choice, k: int | None, plan: ToolPlan, thinking: bool | None
+        self,
+        index: int,
+        choice: Choice,
+        k: int | None,
+        plan: ToolPlan,
+        thinking: bool | None,
+        as_ids: bool,
     ) -> ChatChoice:
         """A whole reply, its thinking (`thinking`: None, no reasoning parser; else whether it
         starts inside it) and its tool calls read out of it."""
@@ -162,7 +191,9 @@ class OpenAIServingChat(OpenAIServing):
                 reasoning_content=thought_out,
                 tool_calls=calls or None,
             ),
-            logprobs=None if k is None else self.logprobs(choice.token_ids, choice.logprobs, k),
+            logprobs=(
+                None if k is None else self.logprobs(choice.token_ids, choice.logprobs, k, as_ids)
+            ),
             finish_reason=plan.finish_reason(reader, choice.finish_reason),
         )
 
@@ -178,26 +209,35 @@ class OpenAIServingChat(OpenAIServing):
         plan = tool_plan(request, self.tool_call_parser, str(template or ""))
         messages = plan.messages(request.messages)
         text = render_messages(self.tokenizer, messages, plan.template_tools, options)
-        prompt = self.encode(text, "messages")
+        prompt = self.encode(text, "messages", request.truncate_prompt_tokens is not None)
+        prompt = truncated(prompt, request)
         self.check_prompt(prompt, "messages")
         max_tokens = request.max_completion_tokens or request.max_tokens
         params = self.sampling_params(
-            request, len(prompt), max_tokens, k, tool_constraint=plan.constraint
+            request,
+            len(prompt),
+            max_tokens,
+            k,
+            prompt_logprobs=request.prompt_logprobs,
+            tool_constraint=plan.constraint,
         )
         parser = self.reasoning_parser
         return plan, prompt, params, None if parser is None else parser.thinks_first(text)
 
-    def logprobs(self, token_ids: list[int], logprobs: SampleLogprobs, k: int) -> ChatLogProbs:
+    def logprobs(
+        self, token_ids: list[int], logprobs: SampleLogprobs, k: int, as_ids: bool
+    ) -> ChatLogProbs:
+        """`as_ids`: tokens named "token_id:N" (`return_tokens_as_token_ids`)."""
         entries = []
         for token_id, candidates in zip(token_ids, logprobs, strict=True):
             drawn = candidates.get(token_id)
-            chosen = self._logprob(token_id, None if drawn is None else drawn.logprob)
-            top = [self._logprob(t, lp) for t, lp in top_k(candidates, k)]
+            chosen = self._logprob(token_id, None if drawn is None else drawn.logprob, as_ids)
+            top = [self._logprob(t, lp, as_ids) for t, lp in top_k(candidates, k)]
             entries.append(ChatLogProbEntry(**chosen.model_dump(), top_logprobs=top))
         return ChatLogProbs(content=entries)
 
-    def _logprob(self, token_id: int, logprob: float | None) -> ChatLogProb:
-        text = self.token_text(token_id)
+    def _logprob(self, token_id: int, logprob: float | None, as_ids: bool) -> ChatLogProb:
+        text = shown_token(token_id, self.token_text(token_id), as_ids)
         return ChatLogProb(token=text, logprob=finite(logprob), bytes=list(text.encode()))
 
 
@@ -243,7 +283,8 @@ class _ChunkRenderer(ChunkRenderer[ChatCompletionChunk]):
             logprobs = None
             if self.request.logprobs and delta.logprobs is not None:
                 k = self.request.top_logprobs or 0
-                logprobs = self.serving.logprobs(delta.token_ids, delta.logprobs, k)
+                as_ids = self.request.return_tokens_as_token_ids
+                logprobs = self.serving.logprobs(delta.token_ids, delta.logprobs, k, as_ids)
             if not (thought or content or calls or logprobs or delta.finish_reason):
                 self.count_tokens(delta.index, len(delta.token_ids))
                 continue  # held back (a tool call's text, a tag), or nothing shown yet

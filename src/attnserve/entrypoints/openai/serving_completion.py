@@ -1,7 +1,9 @@
 """`POST /v1/completions`: one or more prompts (text or token ids), n completions each (the n
 best of `best_of`), whole or streamed as server-sent events, with OpenAI's legacy
 log-probability format; with `echo`, each completion is preceded by its prompt (and, with
-`logprobs`, the prompt tokens' log-probabilities, the first one null)."""
+`logprobs`, the prompt tokens' log-probabilities, the first one null). vLLM's extras
+(`vllm_fields`): `prompt_logprobs` on each choice, `truncate_prompt_tokens`, `priority`,
+`request_id`, `return_tokens_as_token_ids`."""
 
 from __future__ import annotations
 
@@ -28,6 +30,13 @@ from attnserve.entrypoints.openai.serving_engine import (
     top_k,
 )
 from attnserve.entrypoints.openai.structured import constraint_field
+from attnserve.entrypoints.openai.vllm_fields import (
+    check_vllm_fields,
+    prompt_logprobs_json,
+    response_id,
+    shown_token,
+    truncated,
+)
 from attnserve.outputs import Logprob, PromptLogprobs
 from attnserve.sampling_params import SamplingParams
 
@@ -46,15 +55,16 @@ class OpenAIServingCompletion(OpenAIServing):
         self, request: CompletionRequest, raw: Request
     ) -> CompletionResponse | StreamingResponse:
         received = time.monotonic()
-        request_id = new_id("cmpl")
+        request_id = response_id("cmpl", request, new_id("cmpl"))
         self.check_request(request, request_id)
+        check_vllm_fields(request, self.max_model_len, self.max_logprobs, self.scheduling_policy)
         given = _prompt_list(request.prompt)
         for prompt in given:
-            if isinstance(prompt, str):
+            if isinstance(prompt, str) and request.truncate_prompt_tokens is None:
                 self.check_length(prompt, "prompt")
         prompts, params, echo = await self.off_loop(raw, self._prepare, request, given)
-        k = request.logprobs
-        stream = self.generate(prompts, params, request_id, received, constraint_field(request))
+        constraint = constraint_field(request)
+        stream = self.generate(prompts, params, request_id, received, constraint, request.priority)
         chunks = None
         if request.stream:
             chunks = _ChunkRenderer(self, request, request_id, prompts, echo)
@@ -63,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return CompletionResponse(
                 id=request_id,
                 model=self.model_name,
-                choices=[self._choice(i, c, k, echo) for i, c in enumerate(choices)],
+                choices=[self._choice(i, c, request, echo) for i, c in enumerate(choices)],
                 usage=usage(prompts, tokens),
             )
 
@@ -74,15 +84,16 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> tuple[list[list[int]], SamplingParams, _Echo | None]:
         """The prompts' token ids, the sampling parameters and what `echo` shows (400 for what
         they refuse): the request's CPU work, on the preprocessing pool."""
-        prompts = [self._prompt_ids(p) for p in given]
+        prompts = [self._prompt_ids(p, request) for p in given]
         k = request.logprobs
+        asked = [n for n in (request.prompt_logprobs, k if request.echo else None) if n is not None]
         params = self.sampling_params(
             request,
             max(len(p) for p in prompts),
             request.max_tokens,
             k,
             best_of=request.best_of,
-            prompt_logprobs=k if request.echo else None,
+            prompt_logprobs=max(asked, default=None),
         )
         echo = None
         if request.echo:
@@ -90,8 +101,10 @@ class OpenAIServingCompletion(OpenAIServing):
             echo = _Echo(texts, prompts, request.n)
         return prompts, params, echo
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        ids = self.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
+    def _prompt_ids(self, prompt: str | list[int], request: CompletionRequest) -> list[int]:
+        truncating = request.truncate_prompt_tokens is not None
+        ids = self.encode(prompt, "prompt", truncating) if isinstance(prompt, str) else prompt
+        ids = truncated(ids, request)
         self.check_prompt(ids, "prompt")
         return ids
 
@@ -99,23 +112,31 @@ class OpenAIServingCompletion(OpenAIServing):
         return "" if self.tokenizer is None else str(self.tokenizer.decode(token_ids))
 
     def _choice(
-        self, index: int, choice: Choice, k: int | None, echo: _Echo | None
+        self, index: int, choice: Choice, request: CompletionRequest, echo: _Echo | None
     ) -> CompletionChoice:
         text, logprobs = "", None
+        k, as_ids = request.logprobs, request.return_tokens_as_token_ids
         if echo is not None:
-            text, logprobs = self.echoed(echo, index, choice.prompt_logprobs, k)
+            text, logprobs = self.echoed(echo, index, choice.prompt_logprobs, k, as_ids)
         if k is not None:
-            tail = self.logprobs(choice.token_ids, choice.logprobs, k, len(text))
+            tail = self.logprobs(choice.token_ids, choice.logprobs, k, len(text), as_ids)
             logprobs = _joined(logprobs, tail)
+        shown_prompt = choice.prompt_logprobs if request.prompt_logprobs is not None else None
         return CompletionChoice(
             index=index,
             text=text + choice.text,
             logprobs=logprobs,
             finish_reason=choice.finish_reason,
+            prompt_logprobs=prompt_logprobs_json(shown_prompt, self.token_text),
         )
 
     def echoed(
-        self, echo: _Echo, index: int, prompt_logprobs: PromptLogprobs | None, k: int | None
+        self,
+        echo: _Echo,
+        index: int,
+        prompt_logprobs: PromptLogprobs | None,
+        k: int | None,
+        as_ids: bool,
     ) -> tuple[str, CompletionLogProbs | None]:
         """The prompt before choice `index`: its text, and with `k` its tokens' logprobs."""
         prompt = index // echo.n
@@ -123,7 +144,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return echo.texts[prompt], None
         ids = echo.prompts[prompt]
         entries = prompt_logprobs or [None] * len(ids)
-        return echo.texts[prompt], self.logprobs(ids, entries, k, 0)
+        return echo.texts[prompt], self.logprobs(ids, entries, k, 0, as_ids)
 
     def logprobs(
         self,
@@ -131,13 +152,15 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs: Sequence[dict[int, Logprob] | None],
         k: int,
         offset: int,
+        as_ids: bool,
     ) -> CompletionLogProbs:
         """The legacy format; `offset` is where these tokens' text starts in the choice; a
-        token without log-probabilities (a prompt's first) gets nulls."""
+        token without log-probabilities (a prompt's first) gets nulls; `as_ids`: tokens named
+        "token_id:N" (`return_tokens_as_token_ids`)."""
         result = CompletionLogProbs()
         for token_id, candidates in zip(token_ids, logprobs, strict=True):
             text = self.token_text(token_id)
-            result.tokens.append(text)
+            result.tokens.append(shown_token(token_id, text, as_ids))
             result.text_offset.append(offset)
             offset += len(text)
             if candidates is None:
@@ -147,7 +170,9 @@ class OpenAIServingCompletion(OpenAIServing):
             chosen = candidates.get(token_id)
             result.token_logprobs.append(finite(None if chosen is None else chosen.logprob))
             best = top_k(candidates, k)
-            result.top_logprobs.append({self.token_text(t): finite(lp) for t, lp in best})
+            result.top_logprobs.append(
+                {shown_token(t, self.token_text(t), as_ids): finite(lp) for t, lp in best}
+            )
         return result
 
 
@@ -179,6 +204,7 @@ class _ChunkRenderer(ChunkRenderer[CompletionResponse]):
         super().__init__(serving.model_name, request_id, prompts, request)
         self.serving = serving
         self.k = request.logprobs
+        self.as_ids = request.return_tokens_as_token_ids
         self.echo = echo
         self.offsets: dict[int, int] = {}  # choice index -> its text so far
 
@@ -189,12 +215,14 @@ class _ChunkRenderer(ChunkRenderer[CompletionResponse]):
             if delta.index not in self.offsets:
                 if self.echo is not None:
                     text, logprobs = self.serving.echoed(
-                        self.echo, delta.index, delta.prompt_logprobs, self.k
+                        self.echo, delta.index, delta.prompt_logprobs, self.k, self.as_ids
                     )
                 self.offsets[delta.index] = len(text)
             if self.k is not None and delta.logprobs is not None:
                 offset = self.offsets[delta.index]
-                tail = self.serving.logprobs(delta.token_ids, delta.logprobs, self.k, offset)
+                tail = self.serving.logprobs(
+                    delta.token_ids, delta.logprobs, self.k, offset, self.as_ids
+                )
                 logprobs = _joined(logprobs, tail)
             self.offsets[delta.index] += len(delta.text)
             choice = CompletionChoice(

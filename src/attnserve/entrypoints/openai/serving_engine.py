@@ -118,6 +118,7 @@ class Chunks(Protocol):
 
 class OpenAIServing:
     request_timeout_s: float | None = None  # a request still running after this gets a 504
+    log_requests = True  # per-request log lines (off: --disable-log-requests)
 
     def __init__(
         self,
@@ -136,6 +137,8 @@ class OpenAIServing:
         self.max_model_len = config.max_model_len
         self.vocab_size = config.vocab_size
         self.prompt_bound = prompt_bound(self.tokenizer)
+        self.max_logprobs = engine.engine.processor.max_logprobs  # --max-logprobs
+        self.scheduling_policy = engine.engine.config.scheduler_config.scheduling_policy
         self.default_sampling = model_sampling_defaults(config)  # --generation-config
 
     @property
@@ -161,7 +164,7 @@ class OpenAIServing:
         if options is not None and options.continuous_usage_stats and not options.include_usage:
             message = "continuous_usage_stats needs include_usage: true"
             raise ApiError(400, message, "stream_options.continuous_usage_stats")
-        if request.user is not None:
+        if request.user is not None and self.log_requests:
             logger.info("%s for user %r", request_id, request.user)
 
     async def off_loop(
@@ -189,11 +192,13 @@ class OpenAIServing:
             "context_length_exceeded",
         )
 
-    def encode(self, text: str, param: str) -> list[int]:
-        """The text's token ids (a text that cannot fit the context is refused first)."""
+    def encode(self, text: str, param: str, truncating: bool = False) -> list[int]:
+        """The text's token ids (a text that cannot fit the context is refused first, unless
+        `truncating`: the caller keeps only its last tokens)."""
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send token ids", param)
-        self.check_length(text, param)
+        if not truncating:
+            self.check_length(text, param)
         ids: list[int] = self.tokenizer.encode(text)
         return ids
 
@@ -258,6 +263,7 @@ class OpenAIServing:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
                 output_kind=RequestOutputKind.DELTA,
                 structured_outputs=constraint or tool_constraint,
             )
@@ -277,12 +283,14 @@ class OpenAIServing:
         request_id: str,
         received: float,
         constraint: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[list[Delta], None]:
         """Each engine output of the call's prompts, as deltas; ApiError for a failure (a
         constraint the compiler refuses is named by `constraint`, the field it came from).
         `received`: when the call's handler started (time.monotonic()); the prompts are ready
-        now."""
-        return self._deltas(prompts, params, request_id, (received, time.monotonic()), constraint)
+        now. `priority`: the engine requests' (lower runs earlier)."""
+        times = (received, time.monotonic())
+        return self._deltas(prompts, params, request_id, times, constraint, priority)
 
     async def _deltas(
         self,
@@ -291,9 +299,10 @@ class OpenAIServing:
         request_id: str,
         times: tuple[float, float],
         constraint: str | None,
+        priority: int,
     ) -> AsyncGenerator[list[Delta], None]:
         ticket = self.admission.admit()
-        streams = self._streams(prompts, params, request_id)
+        streams = self._streams(prompts, params, request_id, priority)
         trackers = [self.metrics.tracker(*times) for _ in streams]
         merged = (
             merge_streams(streams, trackers)
@@ -336,11 +345,13 @@ class OpenAIServing:
             ticket.leave(started=False)
 
     def _streams(
-        self, prompts: list[list[int]], params: SamplingParams, request_id: str
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int
     ) -> list[AsyncIterator[RequestOutput]]:
         """Each prompt's engine stream, behind the request's prompt gate (`Admission`)."""
         streams = [
-            functools.partial(self.engine.generate, ids, params, f"{request_id}-{i}")
+            functools.partial(
+                self.engine.generate, ids, params, f"{request_id}-{i}", priority=priority
+            )
             for i, ids in enumerate(prompts)
         ]
         gate = self.admission.gate()
