@@ -33,7 +33,8 @@ def hub_server(hub_cache: Path) -> Iterator[ServerProcess]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HF_HUB_CACHE", str(hub_cache))
         patch.setenv("HF_HUB_OFFLINE", "1")
-        process = ServerProcess([REPO, "--device", "cpu", "--max-model-len", "64"])
+        args = ["--device", "cpu", "--max-model-len", "64", "--kv-cache-memory-bytes", "4194304"]
+        process = ServerProcess([REPO, *args])
     yield process
     process.stop()
 
