@@ -17,6 +17,8 @@ import openai
 import pytest
 
 import attnserve
+from attnserve.cli import build_parser
+from attnserve.engine.arg_utils import EngineArgs
 from tests.conftest import HANG_GUARD_S
 from tests.entrypoints.openai_server import TINY_MAX_MODEL_LEN, TINY_MODEL, ServerProcess
 
@@ -243,3 +245,14 @@ def test_the_404_log_line_names_the_path(server: ServerProcess) -> None:
     while "404 Not Found (GET /no/such/route)" not in server.log_text():
         assert time.monotonic() < deadline, "no 404 log line naming the path: a hang"
         time.sleep(0.05)
+
+
+def test_the_vllm_flags_parse() -> None:
+    """`attnserve serve`'s vLLM flags: the engine's (--scheduling-policy, --max-logprobs) reach
+    `EngineArgs`; --disable-log-requests and --enable-auto-tool-choice are accepted."""
+    flags = ["--scheduling-policy", "priority", "--max-logprobs", "5"]
+    flags += ["--disable-log-requests", "--enable-auto-tool-choice"]
+    args = build_parser().parse_args(["serve", *flags])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.scheduling_policy, engine_args.max_logprobs) == ("priority", 5)
+    assert args.disable_log_requests and args.enable_auto_tool_choice
