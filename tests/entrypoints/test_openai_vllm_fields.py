@@ -231,11 +231,15 @@ def test_streamed_choices_carry_null_logprobs_and_finish_reason(
 ) -> None:
     chunks = _stream_chunks(server, path, {**GREEDY, **body, **NO_EOS})
     choices = [choice for chunk in chunks for choice in json.loads(chunk)["choices"]]
-    assert len(choices) >= 4
-    for choice in choices[:-1]:
-        assert choice["finish_reason"] is None and choice["logprobs"] is None
+    # (how many tokens a chunk carries depends on the machine's pace; chat's first chunk, the
+    # role's, always comes alone)
+    assert len(choices) >= (2 if "messages" in body else 1)
+    for choice in choices:  # the keys are there even where null
+        assert "finish_reason" in choice and choice["logprobs"] is None
+    assert all(choice["finish_reason"] is None for choice in choices[:-1])
     assert choices[-1]["finish_reason"] == "length"
-    assert '"finish_reason":null' in chunks[0] and '"logprobs":null' in chunks[0]
+    if len(chunks) > 1:
+        assert '"finish_reason":null' in chunks[0] and '"logprobs":null' in chunks[0]
 
 
 def test_the_404_log_line_names_the_path(server: ServerProcess) -> None:
