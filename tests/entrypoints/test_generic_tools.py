@@ -31,17 +31,11 @@ from attnserve.entrypoints.openai.tool_parsers import HermesStream
 from attnserve.structured_outputs import build_grammar
 from tests.conftest import HANG_GUARD_S
 from tests.entrypoints.openai_server import API_KEY, ServerProcess
+from tests.entrypoints.test_openai_structured import WEATHER
 from tests.entrypoints.test_tool_parsers import every_split
 
 MODEL = "SmolLM2-135M-Instruct"
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "London", "Rome"]},
-        "unit": {"type": "string", "enum": ["C", "F"]},
-    },
-    "required": ["city", "unit"],
-}
+WEATHER_PARAMETERS = WEATHER["function"]["parameters"]
 TIME_PARAMETERS = {
     "type": "object",
     "properties": {"zone": {"$ref": "#/$defs/zone"}},
@@ -49,14 +43,6 @@ TIME_PARAMETERS = {
     "$defs": {"zone": {"type": "string", "enum": ["CET", "UTC"]}},
 }
 PARAMETERS = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": WEATHER_PARAMETERS,
-    },
-}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMETERS}}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 60}
