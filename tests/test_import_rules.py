@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("executor",),
     ("worker",),
     ("engine_config",),
+    ("lora",),
     ("model",),
     ("attention",),
     (

@@ -1,6 +1,7 @@
 """attnserve: a fast, compact LLM inference and serving engine with pluggable attention."""
 
 from attnserve.inputs import TextPrompt, TokensPrompt
+from attnserve.lora import LoRARequest
 from attnserve.outputs import CompletionOutput, Logprob, RequestOutput
 from attnserve.sampling_params import SamplingParams
 from attnserve.structured_outputs import StructuredOutputsParams
@@ -9,6 +10,7 @@ from attnserve.version import __version__ as __version__
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "SamplingParams",
