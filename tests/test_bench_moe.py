@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is decorated
 
 from attnserve.bench.moe import (
+    DECODE,
+    DECODE_MAX_PAIRS,
     OURS,
     SKIPPED,
     VLLM,
@@ -70,10 +72,12 @@ def test_ceiling_by_hand() -> None:
 
 def test_a_tiny_run_checks_every_implementation() -> None:
     tiles = [("16x16x16 w4 s1", MoEKernelConfig(16, 16, 16, num_stages=1))]
-    rows = bench_shape("tiny", TINY_SPEC, [1, 5], Ceilings(1e9, 1e9), CPU, tiles)
+    many = DECODE_MAX_PAIRS // TINY_SPEC.top_k + 1  # past the decode path's batches
+    rows = bench_shape("tiny", TINY_SPEC, [1, many], Ceilings(1e9, 1e9), CPU, tiles)
     assert [(r.batch, r.impl) for r in rows] == [
-        (batch, impl) for batch in (1, 5) for impl in (OURS, VLLM, tiles[0][0])
-    ]
+        (1, OURS), (1, DECODE), (1, VLLM), (1, tiles[0][0]),
+        (many, OURS), (many, VLLM), (many, tiles[0][0]),
+    ]  # fmt: skip
     for row in rows:
         if row.impl != VLLM:  # vLLM is not installed here (a row with its error if so)
             assert row.error is None and row.median_us is not None
@@ -88,13 +92,15 @@ def test_table_and_best_tile() -> None:
     rows = [
         MoeRow("qwen", 8, OURS, 60, 50.0, median_us=100.0, max_err=0.01),
         MoeRow("qwen", 8, VLLM, 60, 50.0, median_us=120.0, max_err=0.01),
+        MoeRow("qwen", 8, DECODE, 60, 50.0, median_us=70.0, max_err=0.01),
         MoeRow("qwen", 8, "a", 60, 50.0, median_us=90.0, max_err=0.0),
         MoeRow("qwen", 8, "b", 60, 50.0, median_us=80.0, max_err=0.0),
         MoeRow("qwen", 8, "c", 60, 50.0, error="failed: RuntimeError: x"),
     ]
     lines = format_table(rows).splitlines()
     assert "50%" in lines[1] and "1.20x" in lines[1]
-    assert lines[5].endswith("error: failed: RuntimeError: x")
+    assert "1.71x" in lines[3]
+    assert lines[6].endswith("error: failed: RuntimeError: x")
     assert best_tiles(rows) == {"qwen 8": "b (80.0 µs)"}
 
 

@@ -1,12 +1,12 @@
 """The layering rule, "arrows only down": cli / bench / entrypoints -> engine -> executor ->
-worker -> engine_config -> model -> attention -> the leaf modules (step_types, sampling_params,
-config, distributed, ...). A module may import its own layer and the layers below it, never one
+worker -> config -> model -> attention -> the leaf modules (step_types, sampling_params,
+distributed, ...). A module may import its own layer and the layers below it, never one
 above; the engine reaches the ranks only through the executor (it imports nothing from worker/);
 no modules import each other in a circle, and no folders do.
 
 Folders: the parts of a package are its `__init__` (its public face, free to re-export what lies
 below it), each subpackage with everything under it, and the package's own modules taken
-together; the root package's modules (cli, step_types, engine_config, ...) stand in different
+together; the root package's modules (cli, step_types, sampling_params, ...) stand in different
 layers, so each of them is a part of its own. An import from one part of a package to another is an
 arrow between the two (a subpackage's imports of its parent's modules or of its parent's
 `__init__` included), and in no package do these arrows go round in a circle. So, for instance,
@@ -40,16 +40,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine",),
     ("executor",),
     ("worker",),
-    ("engine_config",),
+    ("config",),
     ("lora",),
     ("model",),
     ("attention",),
     (
         "step_types",
         "sampling_params",
-        "structured_outputs",
+        "output_constraints",
         "outputs",
-        "config",
         "distributed",
         "host_copy",
         "profiling",
@@ -289,7 +288,7 @@ def test_the_checks_see_cycles_and_upward_imports(tmp_path: Path) -> None:
         f"{ROOT}.engine.step (layer engine) imports {ROOT}.cli (layer top), above it",
         f"{ROOT}.engine.step imports {ROOT}.worker.batch: it must go through the layer between",
         f"{ROOT}.model.loader (layer model) imports {ROOT}.worker.batch (layer worker), above it",
-        f"{ROOT}.step_types (layer step_types/sampling_params/structured_outputs/outputs/config/"
+        f"{ROOT}.step_types (layer step_types/sampling_params/output_constraints/outputs/"
         f"distributed/host_copy/profiling/native/spec_decode) imports {ROOT}.model.config "
         "(layer model), "
         "above it",

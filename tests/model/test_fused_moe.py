@@ -27,6 +27,7 @@ from attnserve.model.layers.fused_moe import (  # noqa: E402
     default_config,
     fused_experts,
 )
+from attnserve.model.layers.fused_moe_decode import DecodeMoEConfig, decode_experts  # noqa: E402
 from attnserve.model.layers.fused_moe_routing import (  # noqa: E402
     TRITON_ALIGN_MAX_PAIRS,
     AlignedRoutes,
@@ -156,6 +157,35 @@ def test_kernel_matches_reference(
     torch.testing.assert_close(out, moe_reference(x, w13, w2, weights, ids), **TOL[dtype])
     expected = _float64_moe(x, w13, w2, weights, ids)
     torch.testing.assert_close(out.double(), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "config"),
+    [
+        (1, 3, DecodeMoEConfig(32, 16, 32, num_warps=2)),  # masked column tails, several K tiles
+        (4, 2, DecodeMoEConfig(16, 64, 16)),
+        (8, 4, None),
+    ],
+)
+def test_decode_kernels_match_reference(
+    tokens: int, top_k: int, config: DecodeMoEConfig | None, weights_dtype: torch.dtype
+) -> None:
+    """The matrix-vector path for decode sizes against
+    the torch path and the float64 formula, with Qwen3-MoE's (model dtype) and Mixtral's (float32)
+    routing weights."""
+    x = _rand(tokens, HIDDEN, seed=1).half()
+    w13 = _rand(EXPERTS, 2 * INTER, HIDDEN, scale=0.15, seed=2).half()
+    w2 = _rand(EXPERTS, HIDDEN, INTER, scale=0.15, seed=4).half()
+    weights, ids = _routes(tokens, top_k, EXPERTS, seed=tokens + 7)
+    weights = weights.to(weights_dtype)
+    out = decode_experts(x, w13, w2, weights, ids, config)
+    assert out.dtype == torch.float16 and out.shape == x.shape
+    torch.testing.assert_close(out, moe_reference(x, w13, w2, weights, ids), **TOL[torch.float16])
+    expected = _float64_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out.double(), expected, **TOL[torch.float16])
+    with pytest.raises(ValueError, match="block_k must be a power of two"):
+        DecodeMoEConfig(block_k=48)
 
 
 def test_kernel_edge_cases() -> None:

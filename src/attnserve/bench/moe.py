@@ -10,6 +10,9 @@ its decode steps). The ceiling of a call is max(weight bytes of the experts it r
 copy rate, 2 · 3 · H · I FLOPs per routed pair / the bf16 matmul rate), both rates measured first
 (the copy rate counts bytes read + written, as `bench kernels` does); reported as the fraction of
 the ceiling reached. Outputs are checked against the torch reference path (max abs error).
+Up to DECODE_MAX_PAIRS routed pairs a second row, `attnserve-decode`, times the matrix-vector
+path (`fused_moe_decode.decode_experts`: two launches, no sort) beside the grouped GEMMs, to
+decide where the engine should switch to it.
 `--sweep` also times a grid of kernel tiles at each size (within `--budget-s`), to retune the
 tile table of `fused_moe.default_config`.
 """
@@ -42,7 +45,8 @@ Tiles = list[tuple[str, "MoEKernelConfig"]]
 
 SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b")
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-OURS, VLLM = "attnserve", "vllm"
+OURS, VLLM, DECODE = "attnserve", "vllm", "attnserve-decode"
+DECODE_MAX_PAIRS = 64
 SKIPPED = "skipped: time budget spent"
 
 
@@ -67,7 +71,7 @@ class Ceilings:
 class MoeRow:
     shape: str
     batch: int
-    impl: str  # attnserve, vllm, or a swept tile of attnserve's kernel
+    impl: str  # attnserve, attnserve-decode, vllm, or a swept tile of attnserve's kernel
     experts_read: int
     ceiling_us: float
     median_us: float | None = None
@@ -140,6 +144,13 @@ def _ours(inputs: Inputs, config: MoEKernelConfig | None = None) -> Callable[[],
     return partial(fused_experts, i.hidden, i.w13, i.w2, i.weights, i.ids, config)
 
 
+def _decode(inputs: Inputs) -> Callable[[], torch.Tensor]:
+    from attnserve.model.layers.fused_moe_decode import decode_experts
+
+    i = inputs
+    return partial(decode_experts, i.hidden, i.w13, i.w2, i.weights, i.ids)
+
+
 def _vllm(inputs: Inputs) -> Callable[[], torch.Tensor]:
     """vLLM's `fused_experts` on the same tensors (ImportError when vLLM is not installed)."""
     from vllm.model_executor.layers.fused_moe import fused_experts
@@ -185,8 +196,8 @@ def bench_shape(
     tiles: Tiles | None = None,
     deadline: float = float("inf"),
 ) -> list[MoeRow]:
-    """Every batch size of one shape: attnserve, vLLM, then each of `tiles` (those reached after
-    the monotonic `deadline` are skipped)."""
+    """Every batch size of one shape: attnserve, its decode path (up to DECODE_MAX_PAIRS pairs),
+    vLLM, then each of `tiles` (those reached after the monotonic `deadline` are skipped)."""
     weights = expert_weights(spec, setup)
     rows = []
     for batch in batches:
@@ -197,6 +208,11 @@ def bench_shape(
         rows[-1].median_us, rows[-1].max_err, rows[-1].error = measure(
             partial(_ours, inputs), expected, setup
         )
+        if inputs.ids.numel() <= DECODE_MAX_PAIRS:
+            rows.append(MoeRow(name, batch, DECODE, experts, ceiling_us))
+            rows[-1].median_us, rows[-1].max_err, rows[-1].error = measure(
+                partial(_decode, inputs), expected, setup
+            )
         with _vllm_context():
             timed = measure(partial(_vllm, inputs), expected, setup)
         rows.append(MoeRow(name, batch, VLLM, experts, ceiling_us, *timed))
@@ -250,7 +266,7 @@ def best_tiles(rows: list[MoeRow]) -> dict[str, str]:
     """'shape batch' -> the fastest swept tile and its time (rows of `--sweep`)."""
     best: dict[str, tuple[float, str]] = {}
     for row in rows:
-        if row.impl in (OURS, VLLM) or row.median_us is None:
+        if row.impl in (OURS, DECODE, VLLM) or row.median_us is None:
             continue
         key = f"{row.shape} {row.batch}"
         best[key] = min(best.get(key, (row.median_us, row.impl)), (row.median_us, row.impl))
