@@ -90,16 +90,10 @@ def _reader(path: str) -> Any:
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
-    """A scalar or string metadata value, or `default` when the key is absent."""
-    from gguf import GGUFValueType
-
+    """A metadata value (a number, a string, or a list for an array), or `default` when the
+    key is absent."""
     field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.parts[field.data[0]]
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(value).decode("utf-8")
-    return value.tolist()[0]
+    return default if field is None else field.contents()
 
 
 def _tensor(reader: Any, name: str) -> Any | None:

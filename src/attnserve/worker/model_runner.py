@@ -6,11 +6,9 @@ per spec), `profile_activation_memory` (on CUDA, a profile run of the largest po
 measures its activations), `initialize_kv_cache` (sized from what is left, bound to the layers),
 `calibrate_kv_scales` (an fp8 cache's scales, from a prefill of random tokens: `kv_calibration`),
 `warm_up` (on CUDA the longest prompts a step can hold run once: what their kernels compile on
-first use compiles at start-up) and `capture_graphs`. Graphs, when the backend supports them:
-decode-only steps replay whole-model graphs (`CUDAGraphRunner`, and on the CPU graphs of native
-kernel calls for steps of up to 8 sequences: `CPUGraphRunner`); on CUDA, steps that carry prompt
-tokens replay the piecewise graphs of their token count (`PiecewiseGraphRunner`: the model
-between its attention calls; attention runs eagerly) up to 2,048 tokens.
+first use compiles at start-up) and `capture_graphs` (`worker.graphs`: decode-only steps replay
+whole-model graphs, on CUDA and, up to 8 sequences, on the CPU; on CUDA steps that carry prompt
+tokens, up to 2,048, replay the piecewise graphs of their token count).
 
 Each step it applies the plan to its `InputBatch` (what changed since the last one), which gives
 the step's `StepLayout` (the model's positions come from it; the builders make the attention
@@ -51,12 +49,14 @@ from attnserve.host_copy import to_device
 from attnserve.model.loader import load_model
 from attnserve.step_types import StepPlan, StepResults
 from attnserve.worker.cache_engine import CacheEngine, gpu_kv_cache_budget, num_blocks_for_budget
-from attnserve.worker.cpu_graph import MAX_GRAPH_SEQS, CPUGraphRunner
-from attnserve.worker.cuda_graph import CUDAGraphRunner
-from attnserve.worker.graph_runner import GraphRunner
+from attnserve.worker.graphs import (
+    GraphRunner,
+    PiecewiseGraphRunner,
+    capture_decode_graphs,
+    capture_piecewise_graphs,
+)
 from attnserve.worker.input_batch import InputBatch, PreparedStep
 from attnserve.worker.kv_calibration import calibration_plan
-from attnserve.worker.piecewise_graph import PiecewiseGraphRunner
 from attnserve.worker.profile_run import profile_plan, warm_up_plans
 from attnserve.worker.sampler import Sampler
 from attnserve.worker.step_future import StepFuture
@@ -238,35 +238,20 @@ class ModelRunner:
         logger.info("warm-up of long prompts: %.1f s", time.perf_counter() - started)
 
     def capture_graphs(self) -> None:
-        """The decode graphs, then on CUDA the piecewise graphs of steps with prompts."""
-        self.graphs = self._capture_decode_graphs()
+        """The decode graphs, then on CUDA the piecewise graphs of steps with prompts
+        (`worker.graphs`)."""
+        self.graphs = capture_decode_graphs(
+            self.model,
+            self.backend,
+            self.builders,
+            self.max_num_seqs,
+            self.input_batch.max_blocks,
+            self.device,
+        )
         if self.graphs is not None and self.device.type == "cuda":
-            self.piecewise_graphs = self._capture_piecewise()
-
-    def _capture_decode_graphs(self) -> GraphRunner | None:
-        kind: type[GraphRunner] = CUDAGraphRunner
-        max_num_seqs = self.max_num_seqs
-        if self.device.type == "cpu":
-            kind, max_num_seqs = CPUGraphRunner, min(max_num_seqs, MAX_GRAPH_SEQS)
-        elif self.device.type != "cuda":
-            return None
-        if not self.backend.capabilities.graphs:
-            logger.info("no graphs: backend %s does not support them", self.backend.get_name())
-            return None
-        max_blocks = self.input_batch.max_blocks
-        runner = kind(self.model, self.builders, max_num_seqs, max_blocks, self.device)
-        runner.capture()
-        return runner
-
-    def _capture_piecewise(self) -> PiecewiseGraphRunner | None:
-        runner = PiecewiseGraphRunner(self.model, self.max_num_batched_tokens, self.device)
-        try:
-            runner.capture()
-        except RuntimeError as error:  # a model whose forward cannot be captured: run eagerly
-            torch.cuda.synchronize(self.device)
-            logger.warning("no piecewise CUDA graphs (steps with prompts run eagerly): %s", error)
-            return None
-        return runner
+            self.piecewise_graphs = capture_piecewise_graphs(
+                self.model, self.max_num_batched_tokens, self.device
+            )
 
     def run_once(self, plan: StepPlan) -> StepResults:
         """Run a plan of new sequences only (start-up runs, benchmarks), then drop them."""
