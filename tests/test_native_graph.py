@@ -1,6 +1,6 @@
-"""CPU graphs (`attnserve.native.graph`): a capture records the native calls it makes and a
-replay repeats them on whatever the captured buffers hold then; any torch op that computes is
-refused by name, since a replay would not repeat it."""
+"""CPU graphs (`NativeGraph`, `attnserve.worker.graphs.cpu`): a capture records the native calls
+it makes and a replay repeats them on whatever the captured buffers hold then; any torch op that
+computes is refused by name, since a replay would not repeat it."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from attnserve.distributed import communication
+from attnserve.attention import get_backend_cls
 from attnserve.model.layers import cpu_ops
 from attnserve.model.layers.layernorm import RMSNorm
 from attnserve.model.layers.rotary_embedding import RotaryEmbedding
 from attnserve.model.quantization.gguf_blocks import from_blocks
 from attnserve.model.quantization.gguf_cpu import NativeWeight
-from attnserve.native.graph import GraphCaptureError, NativeGraph
+from attnserve.worker import graphs
+from attnserve.worker.graphs.cpu import MAX_GRAPH_SEQS, GraphCaptureError, NativeGraph
 
 Q8_0 = GGMLQuantizationType.Q8_0
 
@@ -129,26 +130,6 @@ def test_an_empty_graph_replays_as_nothing() -> None:
     assert graph.num_calls == 0
 
 
-def test_collectives_refuse_inside_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A collective is no native call (and need not show as a torch op): a capture stops at it,
-    before it runs; outside a capture it runs. (Two ranks, as far as the collectives see.)"""
-    ran: list[str] = []
-    monkeypatch.setattr(communication, "get_tensor_model_parallel_world_size", lambda: 2)
-    monkeypatch.setattr(communication.dist, "all_reduce", lambda *_: ran.append("all-reduce"))
-    monkeypatch.setattr(communication.dist, "all_gather", lambda *_: ran.append("all-gather"))
-    x = torch.zeros(4)
-    communication.tensor_model_parallel_all_reduce(x)
-    communication.tensor_model_parallel_all_gather(x)
-    assert ran == ["all-reduce", "all-gather"]
-    for collective, name in (
-        (communication.tensor_model_parallel_all_reduce, "an all-reduce"),
-        (communication.tensor_model_parallel_all_gather, "an all-gather"),
-    ):
-        with pytest.raises(GraphCaptureError, match=name), NativeGraph().capture():
-            collective(x)
-    assert ran == ["all-reduce", "all-gather"]
-
-
 @native
 def test_a_qwen3_attention_input_step_captures_at_any_batch() -> None:
     """q/k head norms, rotary and v's copy of several tokens: native calls only (no copy of the
@@ -165,3 +146,15 @@ def test_a_qwen3_attention_input_step_captures_at_any_batch() -> None:
         graph.replay()
         expected = rope.forward_qkv(positions, qkv.split([64, 32, 32], -1), norms)
     assert all(torch.equal(a, b) for a, b in zip(captured, expected, strict=True))
+
+
+def test_only_a_model_on_one_rank_gets_cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model split over ranks calls collectives, which are no native calls (a replay would
+    skip them): it gets no CPU graph runner and runs eagerly. On one rank it gets one, with a
+    bucket per size up to MAX_GRAPH_SEQS."""
+    backend, cpu = get_backend_cls("CPU_NATIVE"), torch.device("cpu")
+    runner = graphs.capture_decode_graphs(torch.nn.Identity(), backend, {}, 16, 2, cpu)
+    assert isinstance(runner, graphs.CPUGraphRunner)
+    assert runner.sizes == list(range(1, MAX_GRAPH_SEQS + 1))
+    monkeypatch.setattr(graphs, "get_tensor_model_parallel_world_size", lambda: 2)
+    assert graphs.capture_decode_graphs(torch.nn.Identity(), backend, {}, 16, 2, cpu) is None

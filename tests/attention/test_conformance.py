@@ -19,9 +19,9 @@ from attnserve.attention import (
     AttentionBackend,
     as_decode_rows,
     build_metadata,
-    pad_for_graph,
     set_forward_context,
 )
+from attnserve.worker.graphs import pad_for_graph
 from tests.attention.harness import (
     Case,
     Runner,

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from attnserve.attention import build_step_layout, pad_for_graph
+from attnserve.attention import build_step_layout
 from attnserve.attention.backends.flashinfer import SlotWrites, paged_groups
+from attnserve.worker.graphs import pad_for_graph
 
 
 def _ints(tensor: torch.Tensor) -> list[int]:

@@ -73,7 +73,7 @@ def test_a_split_at_attention_takes_every_layers_call_in_order(tiny_llama_dir: P
             seen.append(layer)
             return torch.zeros_like(q)
 
-        with splitting_at_attention(zeros):
+        with splitting_at_attention(runner.model, zeros):
             runner.model(ids, positions)
         assert seen == attention_layers(runner.model)
         after = runner.cache_engine.kv_caches
@@ -83,6 +83,6 @@ def test_a_split_at_attention_takes_every_layers_call_in_order(tiny_llama_dir: P
         def operator(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
             return layer.impl.forward(q, k, v, layer.kv_cache, metadata[layer.spec])
 
-        with splitting_at_attention(operator):
+        with splitting_at_attention(runner.model, operator):
             split = runner.model(ids, positions)
     assert torch.equal(split, reference)

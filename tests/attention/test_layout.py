@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from attnserve.attention import as_decode_rows, build_step_layout, pad_for_graph
+from attnserve.attention import as_decode_rows, build_step_layout
+from attnserve.worker.graphs import pad_for_graph
 
 
 def test_mixed_step_positions_slots_and_table() -> None:

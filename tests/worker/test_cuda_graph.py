@@ -8,8 +8,9 @@ import itertools
 import pytest
 import torch
 
-from attnserve.attention import build_step_layout, pad_for_graph
-from attnserve.worker.graph_runner import capture_sizes
+from attnserve.attention import build_step_layout
+from attnserve.worker.graphs import pad_for_graph
+from attnserve.worker.graphs.base import capture_sizes
 
 
 @pytest.mark.parametrize(

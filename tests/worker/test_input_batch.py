@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnserve.attention import StepLayout, build_step_layout, pad_for_graph
+from attnserve.attention import StepLayout, build_step_layout
+from attnserve.attention.backends.utils import int32_block_table
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import BlockUpdate, NewSequence, StepPlan
+from attnserve.worker.graphs import pad_for_graph
 from attnserve.worker.input_batch import INITIAL_SLOTS, InputBatch
 from attnserve.worker.sampling_metadata import SamplingMetadata
 from tests.worker.rows import Row
@@ -212,7 +214,7 @@ def test_block_tables_follow_appended_and_replaced_blocks_across_slot_reuse_and_
         batch.apply(plan)
         step = batch.prepare(plan)
         batch.advance(step, torch.zeros(len(step.sample_rows), dtype=torch.int64))
-        got = step.layout.int32_block_table("cpu")
+        got = int32_block_table(step.layout, "cpu")
         assert got.dtype == torch.int32 and got.shape == (2, max(map(len, tables)))
         for row, table in zip(got.tolist(), tables, strict=True):
             assert row[: len(table)] == table

@@ -9,8 +9,8 @@ from itertools import pairwise
 import pytest
 import torch
 
-from attnserve.worker.graph_runner import capture_largest_first
-from attnserve.worker.piecewise_graph import MAX_PIECEWISE_TOKENS, piecewise_sizes
+from attnserve.worker.graphs.base import capture_largest_first
+from attnserve.worker.graphs.piecewise import MAX_PIECEWISE_TOKENS, piecewise_sizes
 
 
 def test_buckets_are_dense_below_a_thousand_and_capped() -> None:

@@ -9,31 +9,29 @@ from attnserve.attention.abstract import (
     BackendCapabilities,
 )
 from attnserve.attention.forward_context import (
-    AttentionSplit,
     Builders,
     StepMetadata,
-    build_graph_metadata,
     build_metadata,
     metadata_builders,
     set_forward_context,
-    splitting_at_attention,
 )
 from attnserve.attention.kv_scales import KVCacheScales
 from attnserve.attention.layer import (
     Attention,
+    AttentionSplit,
     attention_layers,
     attention_specs,
     bind_attention_backend,
     bind_kv_caches,
     calibrating_kv_scales,
     kv_scales_from_checkpoint,
+    splitting_at_attention,
 )
 from attnserve.attention.layout import (
     StepLayout,
     as_decode_rows,
     build_step_layout,
     layout_from_arrays,
-    pad_for_graph,
 )
 from attnserve.attention.registry import backend_names, get_backend_cls, register_backend
 from attnserve.attention.selector import get_attn_backend, get_model_attn_backend
@@ -57,7 +55,6 @@ __all__ = [
     "backend_names",
     "bind_attention_backend",
     "bind_kv_caches",
-    "build_graph_metadata",
     "build_metadata",
     "build_step_layout",
     "calibrating_kv_scales",
@@ -67,7 +64,6 @@ __all__ = [
     "kv_scales_from_checkpoint",
     "layout_from_arrays",
     "metadata_builders",
-    "pad_for_graph",
     "register_backend",
     "set_forward_context",
     "splitting_at_attention",

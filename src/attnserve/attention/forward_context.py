@@ -2,18 +2,14 @@
 
 The model runner makes one metadata builder per distinct `AttentionSpec` of the model
 (`metadata_builders`), builds the metadata once per step from the step's layout
-(`build_metadata`, or `build_graph_metadata` for a padded CUDA-graph step) and sets it here
+(`build_metadata`; a graph step: `worker.graphs.build_graph_metadata`) and sets it here
 around the model's forward, so models pass only hidden states, never backend inputs; each layer
 takes the metadata of its own spec. The conformance harness builds through the same functions.
-
-A graph runner that captures a forward piecewise, around its attention calls, sets an
-`AttentionSplit` here instead (`splitting_at_attention`): each attention layer then hands its
-query, key and value to the split, which returns the layer's output, and runs no operator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,8 +25,6 @@ from attnserve.attention.layout import StepLayout
 
 StepMetadata = Mapping[AttentionSpec, AttentionMetadata]
 Builders = Mapping[AttentionSpec, AttentionMetadataBuilder[Any]]
-# (the attention layer, its query, key, value) -> the layer's output
-AttentionSplit = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def metadata_builders(
@@ -44,15 +38,6 @@ def build_metadata(builders: Builders, layout: StepLayout) -> StepMetadata:
     """Every spec's metadata for one step (from its KV-cache group's block table)."""
     return {
         spec: builder.build(layout.for_group(spec.kv_cache_group))
-        for spec, builder in builders.items()
-    }
-
-
-def build_graph_metadata(builders: Builders, padded: StepLayout) -> StepMetadata:
-    """Every spec's metadata for a decode step padded to a capture bucket, written into the
-    builders' persistent buffers."""
-    return {
-        spec: builder.build_for_graph(padded.for_group(spec.kv_cache_group))
         for spec, builder in builders.items()
     }
 
@@ -80,22 +65,3 @@ def get_attn_metadata(spec: AttentionSpec) -> AttentionMetadata:
     if metadata is None:
         raise RuntimeError(f"the forward context has no metadata for {spec}")
     return metadata
-
-
-_split: AttentionSplit | None = None
-
-
-@contextmanager
-def splitting_at_attention(split: AttentionSplit) -> Iterator[None]:
-    """Inside the block, every attention layer's call is `split(layer, query, key, value)`."""
-    global _split
-    previous, _split = _split, split
-    try:
-        yield
-    finally:
-        _split = previous
-
-
-def attention_split() -> AttentionSplit | None:
-    """The split set by `splitting_at_attention`, if any."""
-    return _split

@@ -6,15 +6,16 @@ The model runner collects the model's specs (`attention_specs`), selects one bac
 and binds it (`bind_attention_backend`), which checks that the backend serves each layer's spec
 and builds that backend's operator; a layer built on its own may be handed a backend instead.
 At forward time the layer passes the operator its bound KV cache and its spec's metadata from
-the forward context (or, while a graph runner splits a capture at attention, hands its inputs
-to that split). A layer with an fp8 cache owns its cache's scales (`KVCacheScales`, on the
-device it is built on), hands them to its operator, and while they calibrate
-(`calibrating_kv_scales`) observes the keys and values it passes on.
+the forward context (or, while a graph runner splits a capture at attention:
+`splitting_at_attention`, hands its inputs to that split). A layer with an fp8 cache owns its
+cache's scales (`KVCacheScales`, on the device it is built on), hands them to its operator, and
+while they calibrate (`calibrating_kv_scales`) observes the keys and values it passes on.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import nn
@@ -25,9 +26,12 @@ from attnserve.attention.abstract import (
     AttentionMetadata,
     AttentionSpec,
 )
-from attnserve.attention.forward_context import attention_split, get_attn_metadata
+from attnserve.attention.forward_context import get_attn_metadata
 from attnserve.attention.kv_scales import KVCacheScales, calibrating
 from attnserve.profiling import ATTENTION_RANGE, marked
+
+# (the attention layer, its query, key, value) -> the layer's output
+AttentionSplit = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -62,6 +66,7 @@ class Attention(nn.Module):
         self.backend: type[AttentionBackend] | None = None
         self.impl: AttentionImpl[AttentionMetadata] | None = None
         self.kv_cache = torch.empty(0)
+        self.split: AttentionSplit | None = None  # set by `splitting_at_attention`
         self.kv_scales = (
             KVCacheScales(self.spec.num_kv_heads, torch.get_default_device())
             if kv_cache_dtype == "fp8"
@@ -103,9 +108,8 @@ class Attention(nn.Module):
             raise RuntimeError("no attention backend bound to this layer (bind_attention_backend)")
         if self.kv_cache.numel() == 0:
             raise RuntimeError("no KV cache bound to this attention layer (bind_kv_caches)")
-        split = attention_split()
-        if split is not None:
-            return split(self, query, key, value)
+        if self.split is not None:
+            return self.split(self, query, key, value)
         metadata = attn_metadata if attn_metadata is not None else get_attn_metadata(self.spec)
         if self.kv_scales is not None and self.kv_scales.calibrating:
             self.kv_scales.observe(key, value)
@@ -121,6 +125,20 @@ def attention_layers(model: nn.Module) -> list[Attention]:
 def attention_specs(model: nn.Module) -> list[AttentionSpec]:
     """The distinct specs of the model's attention layers, in the order they first appear."""
     return list(dict.fromkeys(layer.spec for layer in attention_layers(model)))
+
+
+@contextmanager
+def splitting_at_attention(model: nn.Module, split: AttentionSplit) -> Iterator[None]:
+    """Inside the block, each attention layer of `model` runs no operator: its call is
+    `split(layer, query, key, value)` (a graph runner capturing the model piecewise)."""
+    layers = attention_layers(model)
+    for layer in layers:
+        layer.split = split
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.split = None
 
 
 def bind_attention_backend(model: nn.Module, backend: type[AttentionBackend]) -> None:

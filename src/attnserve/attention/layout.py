@@ -4,10 +4,9 @@ Builders differ in what they hand their kernels; they all need the same facts fi
 sequence and position each new token has, its cache slot, and the padded block table. This
 module computes them with a handful of tensor ops (no Python loop over tokens), once per step
 for the model runner and every builder (the model's positions are `token_pos`); a model of
-several KV-cache groups has a block table and slots per group (`for_group`). It also pads a
-decode step to a graph bucket, recasts a step of a few new tokens per sequence as decode rows,
-and holds the dense query grid of backends that pad queries into [B, Q] batches, and the
-plain-torch slot write shared by layouts whose K and V planes flatten to [slots, Hkv, D].
+several KV-cache groups has a block table and slots per group (`for_group`). It also recasts a
+step of a few new tokens per sequence as decode rows. (A graph step's padding:
+`worker.graphs.padding`; helpers only backends use: `attention.backends.utils`.)
 """
 
 from __future__ import annotations
@@ -54,10 +53,6 @@ class StepLayout:
             raise ValueError(f"the step's layout has no KV-cache group {group}")
         table, slots = self.group_tables[group - 1]
         return replace(self, block_table=table, slot_mapping=slots, group_tables=())
-
-    def int32_block_table(self, device: torch.device | str) -> torch.Tensor:
-        """The [B, W] block table as int32 (the kernels' type) on `device`, in one transfer."""
-        return to_device(self.block_table.to(torch.int32), device)
 
     def common_metadata(self, device: torch.device | str) -> dict[str, Any]:
         """The fields of `AttentionMetadata` (every backend's metadata starts with them): the
@@ -185,66 +180,6 @@ def _block_and_offset(token_pos: np.ndarray, block_size: int) -> tuple[np.ndarra
     return token_pos >> (block_size.bit_length() - 1), token_pos & (block_size - 1)
 
 
-@dataclass(frozen=True)
-class QueryGrid:
-    """Some sequences' new tokens padded into a [B, Q] grid of query rows (host tensors), for
-    backends whose kernels take dense batches."""
-
-    tokens: slice  # the sequences' new tokens in the flat batch
-    num_rows: int  # Q: their longest query
-    row_of_token: torch.Tensor  # [Tg] flat index of each token's row in the [B * Q] grid
-    grid_token: torch.Tensor  # [B * Q] flat-batch token of each row (padding: 0)
-    query_pos: torch.Tensor  # [B * Q] position of each row (padding: `padding_pos`)
-
-
-def query_grid(layout: StepLayout, seqs: range, padding_pos: int) -> QueryGrid:
-    """The query grid of the layout's sequences `seqs` (consecutive, at least one)."""
-    loc = layout.query_start_loc
-    tokens = slice(int(loc[seqs.start]), int(loc[seqs.stop]))
-    token_seq = layout.token_seq[tokens]
-    column = torch.arange(tokens.start, tokens.stop) - loc[token_seq]
-    num_rows = int(layout.query_lens[seqs.start : seqs.stop].max())
-    row_of_token = (token_seq - seqs.start) * num_rows + column
-    grid_token = torch.zeros(len(seqs) * num_rows, dtype=torch.int64)
-    grid_token[row_of_token] = torch.arange(tokens.start, tokens.stop)
-    query_pos = torch.full((len(seqs) * num_rows,), padding_pos, dtype=torch.int64)
-    query_pos[row_of_token] = layout.token_pos[tokens]
-    return QueryGrid(tokens, num_rows, row_of_token, grid_token, query_pos)
-
-
-def pad_for_graph(layout: StepLayout, num_padded_seqs: int) -> StepLayout:
-    """A decode-only layout padded to `num_padded_seqs` sequences (a capture bucket): the real
-    decodes first, then padding sequences of one token at position 0 in block 0 (context 0,
-    slot -1: they write nothing, and their outputs are ignored). They count as decodes."""
-    num_seqs = layout.num_seqs
-    if layout.num_prefills or not 0 < num_seqs <= num_padded_seqs:
-        raise ValueError(
-            f"a step of {layout.num_prefills} prefills and {layout.num_decode_tokens} decodes "
-            f"cannot be padded to a decode-only step of {num_padded_seqs} sequences"
-        )
-
-    def padded(values: torch.Tensor, fill: int) -> torch.Tensor:
-        out = np.full((num_padded_seqs, *values.shape[1:]), fill, dtype=np.int64)
-        out[:num_seqs] = values.numpy()
-        return torch.from_numpy(out)
-
-    rows = torch.from_numpy(np.arange(num_padded_seqs + 1))
-    return StepLayout(
-        num_prefills=0,
-        num_prefill_tokens=0,
-        num_decode_tokens=num_padded_seqs,
-        context_lens=padded(layout.context_lens, 0),
-        query_lens=padded(layout.query_lens, 1),
-        seq_lens=padded(layout.seq_lens, 1),
-        query_start_loc=rows,
-        block_table=padded(layout.block_table, 0),
-        token_seq=rows[:-1],
-        token_pos=padded(layout.token_pos, 0),
-        slot_mapping=padded(layout.slot_mapping, -1),
-        group_tables=tuple((padded(t, 0), padded(s, -1)) for t, s in layout.group_tables),
-    )
-
-
 def as_decode_rows(layout: StepLayout) -> StepLayout:
     """The layout's new tokens as a decode-only step: each token a one-token sequence of its
     own, whose context is every token before it in its sequence, its block table row that
@@ -268,18 +203,3 @@ def as_decode_rows(layout: StepLayout) -> StepLayout:
         slot_mapping=layout.slot_mapping,
         group_tables=tuple((t[token_seq], s) for t, s in layout.group_tables),
     )
-
-
-def write_to_slots(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write each new token's K/V ([T, Hkv*D]) into its slot of the flat [slots, Hkv, D] caches,
-    skipping padding (slot -1)."""
-    written = slot_mapping >= 0
-    slots = slot_mapping[written]
-    k_cache[slots] = key.view(-1, *k_cache.shape[1:])[written]
-    v_cache[slots] = value.view(-1, *v_cache.shape[1:])[written]

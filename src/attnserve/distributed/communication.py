@@ -1,11 +1,7 @@
-"""Collectives of the tensor-parallel group; each is a no-op (or identity) on one rank. Code
-that cannot let a model collective run at some point (work recorded now to be repeated later
-without it) adds a check (`add_collective_check`), consulted before each model collective
-across ranks; the check raises to refuse it."""
+"""Collectives of the tensor-parallel group; each is a no-op (or identity) on one rank."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,27 +12,11 @@ from attnserve.distributed.parallel_state import (
     get_tp_cpu_group,
 )
 
-CollectiveCheck = Callable[[str], None]  # called with what is about to run ("an all-reduce")
-
-_checks: list[CollectiveCheck] = []
-
-
-def add_collective_check(check: CollectiveCheck) -> None:
-    """Call `check` before every all-reduce and all-gather of the model across ranks, with the
-    collective's name; an exception it raises stops the collective."""
-    _checks.append(check)
-
-
-def _check(what: str) -> None:
-    for check in _checks:
-        check(what)
-
 
 def tensor_model_parallel_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of `tensor` over the ranks (in place)."""
     if get_tensor_model_parallel_world_size() == 1:
         return tensor
-    _check("an all-reduce")
     dist.all_reduce(tensor)
     return tensor
 
@@ -46,7 +26,6 @@ def tensor_model_parallel_all_gather(tensor: torch.Tensor, dim: int = -1) -> tor
     world_size = get_tensor_model_parallel_world_size()
     if world_size == 1:
         return tensor
-    _check("an all-gather")
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(parts, tensor)

@@ -1,4 +1,4 @@
-/* The replay of a CPU graph (attnserve.native.graph): its recorded kernel calls made in order
+/* The replay of a CPU graph (attnserve.worker.graphs.cpu): its recorded kernel calls made in order
  * from C, without returning to Python between them. Call i is `functions[i](slots +
  * starts[i])`, a kernel's `_packed` entry point (native_packed.h). Returns 0, or i + 1 for the
  * first call that returned a nonzero status (the calls after it are not made). */

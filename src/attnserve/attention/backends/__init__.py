@@ -1,1 +1,2 @@
-"""Attention backends: one file each, holding its Backend, Metadata, Builder and Impl."""
+"""Attention backends: one file each, holding its Backend, Metadata, Builder and Impl; `utils`
+holds the helpers several of them share."""

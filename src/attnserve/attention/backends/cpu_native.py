@@ -5,7 +5,7 @@ TORCH_SDPA, whose per-step gathers and masks cost a decode step more than the at
 KV layout: [2, num_blocks, block_size, num_kv_heads, head_size] (K then V, as TORCH_SDPA's). The
 builder hands the kernel the layout's own host tensors (slot of each new token, its sequence and
 position, the block table); the kernel writes the new K/V and reads the cache in place. For
-captured decode steps (CPU graphs, `attnserve.native.graph`) it writes them into persistent
+captured decode steps (CPU graphs, `worker.graphs.cpu`) it writes them into persistent
 buffers instead, whose addresses the recorded kernel calls hold.
 """
 

@@ -22,7 +22,8 @@ from attnserve.attention.abstract import (
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
-from attnserve.attention.layout import StepLayout, query_grid, write_to_slots
+from attnserve.attention.backends.utils import query_grid, write_to_slots
+from attnserve.attention.layout import StepLayout
 from attnserve.host_copy import to_device
 
 

@@ -26,6 +26,7 @@ from attnserve.attention.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
+from attnserve.attention.backends.utils import int32_block_table
 from attnserve.attention.kv_scales import KVCacheScales
 from attnserve.attention.layout import StepLayout
 from attnserve.host_copy import to_device
@@ -82,7 +83,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         decode_lens = layout.seq_lens[layout.num_prefills :]
         return TritonMetadata(
             **layout.common_metadata(self.device),
-            block_table=layout.int32_block_table(self.device),
+            block_table=int32_block_table(layout, self.device),
             seq_lens=self._int32(layout.seq_lens),
             query_start_loc=self._int32(layout.query_start_loc),
             max_query_len=int(prefill_lens.max()) if prefill_lens.numel() else 0,
@@ -116,7 +117,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         size = layout.num_seqs
         rows, width = slice(0, size), layout.block_table.shape[1]
         buffers.block_table[rows, :width].copy_(
-            layout.int32_block_table(self.device), non_blocking=True
+            int32_block_table(layout, self.device), non_blocking=True
         )
         buffers.seq_lens[rows].copy_(layout.seq_lens, non_blocking=True)
         buffers.slot_mapping[rows].copy_(layout.slot_mapping, non_blocking=True)

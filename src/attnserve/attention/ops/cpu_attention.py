@@ -9,7 +9,7 @@ import functools
 import torch
 
 from attnserve.native.build import load_native
-from attnserve.native.graph import NativeFunction
+from attnserve.native.calls import NativeFunction
 
 
 @functools.cache

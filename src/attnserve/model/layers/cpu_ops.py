@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from attnserve.native.build import load_native
-from attnserve.native.graph import NativeFunction
+from attnserve.native.calls import NativeFunction
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ ATTNSERVE_FUSED_OPS=0 keeps plain torch everywhere. The layers (`RMSNorm`, `Silu
 `RotaryEmbedding`, the MoE block) call these and make no choice of their own; tests patch
 `use_triton` here to send CPU tensors through Triton's interpreter.
 
-The choice is plain Python, not `torch.library` custom ops: a CPU graph (`attnserve.native.graph`)
+The choice is plain Python, not `torch.library` custom ops: a CPU graph (`worker.graphs.cpu`)
 records each native call and keeps the tensors allocated while it captures, and a custom op
 would reach it as one opaque torch op with those allocations hidden inside; a CPU decode step's
 ops also take microseconds, which a trip through the dispatcher would add to. The Triton

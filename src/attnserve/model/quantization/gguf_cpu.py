@@ -19,7 +19,7 @@ import torch
 
 from attnserve.model.quantization.gguf_blocks import CODES_AT, GGUFWeight
 from attnserve.native.build import load_native
-from attnserve.native.graph import NativeFunction
+from attnserve.native.calls import NativeFunction
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """`GraphRunner`: decode steps replayed from captured graphs, one graph per batch-size bucket,
-whatever the device (`CUDAGraphRunner` captures CUDA graphs, `CPUGraphRunner` CPU ones).
+whatever the device (`CUDAGraphRunner` captures CUDA graphs, `CPUGraphRunner` CPU ones); the
+bucket sizes and the largest-first capture the CUDA runners share.
 
 A decode step launches hundreds of small kernels; replaying them as one captured graph removes
 the per-launch host cost. Buckets are 1, 2, 4, 8, 16, 24, ... (sparser above 256) up to
@@ -22,13 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
-from attnserve.attention import (
-    Builders,
-    StepLayout,
-    StepMetadata,
-    build_graph_metadata,
-    pad_for_graph,
-)
+from attnserve.attention import Builders, StepLayout, StepMetadata
+from attnserve.worker.graphs.padding import build_graph_metadata, pad_for_graph
 
 
 class CausalLM(Protocol):
@@ -36,7 +32,7 @@ class CausalLM(Protocol):
 
 
 class Graph(Protocol):
-    """A captured forward (a CUDA graph, or a CPU one: `attnserve.native.graph`)."""
+    """A captured forward (a CUDA graph, or a CPU one: `NativeGraph`)."""
 
     def replay(self) -> None: ...
 

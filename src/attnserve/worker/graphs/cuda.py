@@ -12,14 +12,9 @@ from typing import Any
 
 import torch
 
-from attnserve.attention import (
-    StepMetadata,
-    build_graph_metadata,
-    build_step_layout,
-    pad_for_graph,
-    set_forward_context,
-)
-from attnserve.worker.graph_runner import GraphRunner, capture_largest_first
+from attnserve.attention import StepMetadata, build_step_layout, set_forward_context
+from attnserve.worker.graphs.base import GraphRunner, capture_largest_first
+from attnserve.worker.graphs.padding import build_graph_metadata, pad_for_graph
 
 logger = logging.getLogger(__name__)
 

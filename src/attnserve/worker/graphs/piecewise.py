@@ -5,10 +5,11 @@ A decode step's attention fits one captured graph (its metadata lives in persist
 a fixed shape); a step with prompts does not, since its attention launches depend on the
 prompts' lengths. Everything else in the forward (embedding, norms, projections, rotary, MLPs,
 collectives) only sees a flat batch of tokens, so it is captured per bucket of token counts
-(`piecewise_sizes`: 23 from 16 to 2,048 tokens, capped by the step budget),
-split at each attention layer: the capture runs the forward once with an `AttentionSplit` that
-copies the layer's query, key and value into static buffers, ends the current graph and starts
-the next one, returning a static buffer as the layer's output. A replay runs the pieces in
+(`piecewise_sizes`: 23 from 16 to 2,048 tokens, capped by the step budget), split at each
+attention layer: the capture runs the forward once with every attention layer handing its
+query, key and value to a split (`splitting_at_attention`), which copies them into static
+buffers, ends the current graph and starts the next one, returning a static buffer as the
+layer's output. A replay runs the pieces in
 order with the attention layers between them, eagerly, on the step's real metadata (built by the
 backend's builder as for an eager step) and on the real tokens only; the padding tokens of the
 bucket (token 0 at position 0) pass through the other pieces and are dropped. A step of more
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from attnserve.attention import StepMetadata, set_forward_context, splitting_at_attention
-from attnserve.worker.graph_runner import CausalLM, capture_largest_first
+from attnserve.worker.graphs.base import capture_largest_first
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,9 @@ class _Pieces:
 
 
 class PiecewiseGraphRunner:
-    def __init__(self, model: CausalLM, max_num_batched_tokens: int, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, max_num_batched_tokens: int, device: torch.device
+    ) -> None:
         self.model = model
         self.sizes = piecewise_sizes(max_num_batched_tokens)
         self.device = device
@@ -94,7 +97,8 @@ class PiecewiseGraphRunner:
 
     def _capture_one(self, size: int, pool: Any) -> Any:
         ids, positions = self.input_ids[:size], self.positions[:size]
-        with splitting_at_attention(self._probe):  # compiles the kernels, sizes the buffers
+        # the eager run compiles the kernels and sizes the buffers
+        with splitting_at_attention(self.model, self._probe):
             self.model(ids, positions)
         torch.cuda.synchronize()
         graphs = [torch.cuda.CUDAGraph()]
@@ -118,7 +122,7 @@ class PiecewiseGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             graphs[0].capture_begin(pool=pool)
-            with splitting_at_attention(split):
+            with splitting_at_attention(self.model, split):
                 hidden = self.model(ids, positions)
             graphs[-1].capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)

@@ -1,0 +1,60 @@
+"""Helpers the concrete backends share, and only they use: the dense query grid of backends that
+pad queries into [B, Q] batches, the plain-torch slot write of KV layouts whose K and V planes
+flatten to [slots, Hkv, D], and the block table as the kernels' int32."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnserve.attention.layout import StepLayout
+from attnserve.host_copy import to_device
+
+
+@dataclass(frozen=True)
+class QueryGrid:
+    """Some sequences' new tokens padded into a [B, Q] grid of query rows (host tensors), for
+    backends whose kernels take dense batches."""
+
+    tokens: slice  # the sequences' new tokens in the flat batch
+    num_rows: int  # Q: their longest query
+    row_of_token: torch.Tensor  # [Tg] flat index of each token's row in the [B * Q] grid
+    grid_token: torch.Tensor  # [B * Q] flat-batch token of each row (padding: 0)
+    query_pos: torch.Tensor  # [B * Q] position of each row (padding: `padding_pos`)
+
+
+def query_grid(layout: StepLayout, seqs: range, padding_pos: int) -> QueryGrid:
+    """The query grid of the layout's sequences `seqs` (consecutive, at least one)."""
+    loc = layout.query_start_loc
+    tokens = slice(int(loc[seqs.start]), int(loc[seqs.stop]))
+    token_seq = layout.token_seq[tokens]
+    column = torch.arange(tokens.start, tokens.stop) - loc[token_seq]
+    num_rows = int(layout.query_lens[seqs.start : seqs.stop].max())
+    row_of_token = (token_seq - seqs.start) * num_rows + column
+    grid_token = torch.zeros(len(seqs) * num_rows, dtype=torch.int64)
+    grid_token[row_of_token] = torch.arange(tokens.start, tokens.stop)
+    query_pos = torch.full((len(seqs) * num_rows,), padding_pos, dtype=torch.int64)
+    query_pos[row_of_token] = layout.token_pos[tokens]
+    return QueryGrid(tokens, num_rows, row_of_token, grid_token, query_pos)
+
+
+def write_to_slots(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each new token's K/V ([T, Hkv*D]) into its slot of the flat [slots, Hkv, D] caches,
+    skipping padding (slot -1)."""
+    written = slot_mapping >= 0
+    slots = slot_mapping[written]
+    k_cache[slots] = key.view(-1, *k_cache.shape[1:])[written]
+    v_cache[slots] = value.view(-1, *v_cache.shape[1:])[written]
+
+
+def int32_block_table(layout: StepLayout, device: torch.device | str) -> torch.Tensor:
+    """The layout's [B, W] block table as int32 (the kernels' type) on `device`, in one
+    transfer."""
+    return to_device(layout.block_table.to(torch.int32), device)
