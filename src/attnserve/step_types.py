@@ -47,6 +47,19 @@ def is_prefill(query_len: Any, context_len: Any) -> Any:
     return (query_len > 1) | (context_len == 0)
 
 
+class AdapterRef(Protocol):
+    """The LoRA adapter a sequence runs with (a `LoRARequest`: the LoRA package lies above)."""
+
+    @property
+    def lora_name(self) -> str: ...
+
+    @property
+    def lora_int_id(self) -> int: ...
+
+    @property
+    def lora_path(self) -> str: ...
+
+
 @dataclass
 class NewSequence:
     """A sequence the ranks do not hold (new, or back after a preemption): everything they keep
@@ -63,6 +76,7 @@ class NewSequence:
     num_first_draws: int = 1  # draws at its next sampling step (parallel-sampling forks)
     # of groups 1.. (as long as block_ids); none: every group uses block_ids (start-up runs)
     group_block_ids: list[list[int]] = field(default_factory=list)
+    lora_request: AdapterRef | None = None  # its LoRA adapter (None: the base model)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,10 @@ the model's dtype unless a quantization is active. The loaders write rows with `
 a quantized weight is quantized (or kept as the checkpoint's) row range by row range. A layer
 whose method takes FP8 input also multiplies an `Fp8Activation` (rows quantized by the op before
 it: `fuse_input_quantization` wires a norm or activation to hand it that).
+
+A layer may carry an `OutputAddend` (`lora`, set by the LoRA package on its target projections):
+it adds each row's adapter product to the layer's output on this rank, before a row-parallel
+layer's all-reduce.
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ from attnserve.model.quantization.weight_utils import (
 )
 
 
+class OutputAddend(Protocol):
+    """What a layer's `lora` adds to its output on this rank (`x` float, `out` = x W^T)."""
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
+
+
 class Linear(nn.Module):
     """A linear layer whose weights every rank holds whole (vLLM's ReplicatedLinear; the MoE
     routers). `tensor_parallel`: a sharded projection of the model (column- or row-parallel);
@@ -62,15 +72,17 @@ class Linear(nn.Module):
         self.quant_method = linear_method_for(self)
         self.quant_method.create_weights(self, out_features, in_features)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.lora: OutputAddend | None = None
 
     def forward(self, x: LinearInput) -> torch.Tensor:
         return self.multiply(x, self.bias)
 
     def multiply(self, x: LinearInput, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ bias) on this rank, x float or quantized per row."""
+        """x W^T (+ bias) on this rank, x float or quantized per row, plus `lora`'s addend."""
         if isinstance(x, Fp8Activation):
             return self.quant_method.apply_fp8(self, x, bias)
-        return self.quant_method.apply(self, x, bias)
+        out = self.quant_method.apply(self, x, bias)
+        return out if self.lora is None else self.lora(x, out)
 
 
 class QuantizingProducer(Protocol):
