@@ -1,0 +1,132 @@
+"""The LoRA side of one base projection (`LoRALinear`, the layer's `lora` addend) and the
+step's per-token adapter slots every projection reads (`LoRAIndices`).
+
+A merged projection (q/k/v, gate/up) keeps one slice per projection: A's rows of slice j are
+j·R .. j·R + r of its stacked A, and B's rows are the layer's own output rows of that slice.
+Under tensor parallelism the adapter is split as the base weight is: a column-parallel layer
+keeps its rows of each slice's B (A whole), a row-parallel one its columns of A (B whole), whose
+partial products the layer's all-reduce sums with the base output's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attnserve.host_copy import to_device
+from attnserve.lora.peft import LoRAWeights
+from attnserve.lora.punica import add_lora_torch
+from attnserve.model.layers.linear import ColumnParallelLinear, Linear, MergedColumnParallelLinear
+from attnserve.model.layers.ops import use_triton
+
+
+class LoRAIndices:
+    """Each new token's adapter slot (-1: none) for the step being run, in one persistent
+    device buffer (graphs capture its address; a padded row past the step's tokens reads -1)."""
+
+    def __init__(self, max_tokens: int, device: torch.device) -> None:
+        self.device = device
+        self.slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self._host = np.full(max_tokens, -1, dtype=np.int32)
+        self._used = 0
+
+    def set(self, token_slots: np.ndarray) -> None:
+        """This step's slots, one per new token in the step's order."""
+        count = len(token_slots)
+        if count > len(self._host):
+            raise ValueError(f"a step of {count} tokens; the LoRA slots hold {len(self._host)}")
+        end = max(count, self._used)
+        self._host[:count] = token_slots
+        self._host[count:end] = -1
+        self.slots[:end].copy_(to_device(torch.from_numpy(self._host[:end].copy()), self.device))
+        self._used = count
+
+    def for_tokens(self, count: int) -> torch.Tensor:
+        if count > len(self._host):
+            raise RuntimeError(
+                f"a forward of {count} tokens; the LoRA slots hold {len(self._host)}"
+            )
+        return self.slots[:count]
+
+
+@dataclass(frozen=True)
+class LoRASlice:
+    """One projection of a layer: its PEFT module name, where its rows lie in this rank's
+    output (`offset`, `size`) and which rows of the full projection they are (from `start`)."""
+
+    module: str
+    offset: int
+    size: int
+    start: int
+
+
+def layer_slices(base: Linear, modules: tuple[str, ...]) -> list[LoRASlice]:
+    """The slices of `base`, whose projections are `modules` in order."""
+    if isinstance(base, MergedColumnParallelLinear):
+        specs = list(base.specs.values())
+        if len(specs) != len(modules):
+            raise ValueError(f"a merged layer of {len(specs)} projections, named {modules}")
+        return [
+            LoRASlice(m, s.local_offset, s.local_size, s.rank_start)
+            for m, s in zip(modules, specs, strict=True)
+        ]
+    start = base.tp_rank * base.out_features if isinstance(base, ColumnParallelLinear) else 0
+    return [LoRASlice(modules[0], 0, base.out_features, start)]
+
+
+class LoRALinear:
+    """The adapters of `max_loras` slots for one base projection, added to its output."""
+
+    def __init__(
+        self,
+        base: Linear,
+        modules: tuple[str, ...],
+        indices: LoRAIndices,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+    ) -> None:
+        max_loras, self.rank = shape
+        self.slices = layer_slices(base, modules)
+        self.indices = indices
+        tp_rank = getattr(base, "tp_rank", 0)
+        self.in_start = tp_rank * base.in_features if base.shards_input else 0
+        self.in_size = base.in_features
+        device = indices.device
+        rows = len(self.slices) * self.rank
+        self.lora_a = torch.zeros(max_loras, rows, base.in_features, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(
+            max_loras, base.out_features, self.rank, dtype=dtype, device=device
+        )
+        col_slice = torch.empty(base.out_features, dtype=torch.int32)
+        for j, part in enumerate(self.slices):
+            col_slice[part.offset : part.offset + part.size] = j
+        self.col_slice = col_slice.to(device)
+        self.spans = [(part.offset, part.size) for part in self.slices]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.lora_a.nbytes + self.lora_b.nbytes
+
+    def set_slot(self, slot: int, weights: dict[str, LoRAWeights], scaling: float) -> None:
+        """Slot `slot` holds these projections' weights (by module name; others zero)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for j, part in enumerate(self.slices):
+            pair = weights.get(part.module)
+            if pair is None:
+                continue
+            rank = pair.lora_a.shape[0]
+            a = pair.lora_a[:, self.in_start : self.in_start + self.in_size]
+            b = pair.lora_b[part.start : part.start + part.size] * scaling
+            self.lora_a[slot, j * self.rank : j * self.rank + rank].copy_(a)
+            self.lora_b[slot, part.offset : part.offset + part.size, :rank].copy_(b)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        indices = self.indices.for_tokens(x.shape[0])
+        if use_triton(out):
+            from attnserve.lora.triton_ops import add_lora_triton
+
+            return add_lora_triton(x, out, indices, self.lora_a, self.lora_b, self.col_slice)
+        return add_lora_torch(x, out, indices, self.lora_a, self.lora_b, self.spans)

@@ -1,0 +1,123 @@
+"""The batched LoRA products: the Triton shrink/expand kernels (Triton's interpreter on the CPU)
+and the grouped torch path against a per-row float64 reference, merged slices included; and a
+projection's `LoRALinear` split over two ranks as its base weight is, against the whole layer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # already so via conftest; import-order proof
+
+from attnserve.lora.layers import LoRAIndices, LoRALinear  # noqa: E402
+from attnserve.lora.peft import LoRAWeights  # noqa: E402
+from attnserve.lora.punica import add_lora_torch  # noqa: E402
+from attnserve.model.layers.linear import QKVParallelLinear, RowParallelLinear  # noqa: E402
+from tests.distributed.test_parallel_layers import as_rank  # noqa: E402
+
+SLOTS, RANK = 3, 8
+SLICES = [(0, 24), (24, 8), (32, 8)]  # q, k, v widths of a merged projection
+
+
+def _stacks(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    lora_a = torch.randn(SLOTS, len(SLICES) * RANK, 32, generator=gen).to(dtype)
+    lora_b = torch.randn(SLOTS, 40, RANK, generator=gen).to(dtype)
+    col_slice = torch.cat(
+        [torch.full((w,), j, dtype=torch.int32) for j, (_, w) in enumerate(SLICES)]
+    )
+    return lora_a.to(DEVICE), lora_b.to(DEVICE), col_slice.to(DEVICE)
+
+
+def _reference(
+    x: torch.Tensor, base: torch.Tensor, indices: list[int], a: torch.Tensor, b: torch.Tensor
+) -> torch.Tensor:
+    out = base.double().clone()
+    for t, slot in enumerate(indices):
+        if slot < 0:
+            continue
+        for j, (start, width) in enumerate(SLICES):
+            shrunk = x[t].double() @ a[slot, j * RANK : (j + 1) * RANK].double().t()
+            out[t, start : start + width] += shrunk @ b[slot, start : start + width].double().t()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_batched_products_equal_each_rows_own_adapter(kernel: str, dtype: torch.dtype) -> None:
+    if kernel == "triton":
+        pytest.importorskip("triton")
+    lora_a, lora_b, col_slice = _stacks(dtype, seed=1)
+    slots = [0, 0, -1, 2, 1, 1, -1, 2, 0]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(len(slots), 32, generator=gen).to(dtype).to(DEVICE)
+    base = torch.randn(len(slots), 40, generator=gen).to(dtype).to(DEVICE)
+    indices = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    expected = _reference(x, base, slots, lora_a, lora_b)
+    if kernel == "torch":
+        got = add_lora_torch(x, base.clone(), indices, lora_a, lora_b, SLICES)
+    else:
+        from attnserve.lora.triton_ops import add_lora_triton
+
+        got = add_lora_triton(x, base.clone(), indices, lora_a, lora_b, col_slice)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), expected, atol=tol * 10, rtol=tol)
+    assert torch.equal(got[2], base[2]) and torch.equal(got[6], base[6])  # no adapter: base only
+
+
+def _weights(modules: dict[str, tuple[int, int]], rank: int) -> dict[str, LoRAWeights]:
+    gen = torch.Generator().manual_seed(3)
+    return {
+        name: LoRAWeights(
+            torch.randn(rank, fan_in, generator=gen), torch.randn(fan_out, rank, generator=gen)
+        )
+        for name, (fan_in, fan_out) in modules.items()
+    }
+
+
+def _addend(layer: torch.nn.Module, lora: LoRALinear, x: torch.Tensor) -> torch.Tensor:
+    layer.weight.data.zero_()
+    lora.indices.set(torch.zeros(len(x), dtype=torch.int32).numpy())
+    return layer.multiply(x, None)
+
+
+def test_column_parallel_ranks_keep_their_rows_of_b() -> None:
+    shapes = {"q_proj": (16, 16), "k_proj": (16, 8), "v_proj": (16, 8)}
+    weights, x = _weights(shapes, rank=4), torch.randn(3, 16)
+    full = torch.cat([(x @ w.lora_a.t()) @ w.lora_b.t() * 0.5 for w in weights.values()], -1)
+    q, kv = full.split([16, 16], -1)
+    outputs = []
+    for rank in range(2):
+        with as_rank(2, rank):
+            layer = QKVParallelLinear(16, 4, 4, 2)
+        indices = LoRAIndices(8, torch.device("cpu"))
+        layer.lora = lora = LoRALinear(
+            layer, ("q_proj", "k_proj", "v_proj"), indices, (2, 8), torch.float32
+        )
+        lora.set_slot(0, weights, 0.5)
+        outputs.append(_addend(layer, lora, x))
+    k, v = kv.split(8, -1)
+    for rank, got in enumerate(outputs):
+        rows = slice(rank * 4, rank * 4 + 4)
+        expected = torch.cat([q[:, rank * 8 : rank * 8 + 8], k[:, rows], v[:, rows]], -1)
+        torch.testing.assert_close(got, expected)
+
+
+def test_row_parallel_partial_products_sum_to_the_full_one() -> None:
+    weights, x = _weights({"o_proj": (16, 12)}, rank=8), torch.randn(3, 16)
+    expected = (x @ weights["o_proj"].lora_a.t()) @ weights["o_proj"].lora_b.t() * 2.0
+    total = torch.zeros(3, 12)
+    for rank in range(2):
+        with as_rank(2, rank):
+            layer = RowParallelLinear(16, 12)
+        lora = LoRALinear(
+            layer, ("o_proj",), LoRAIndices(8, torch.device("cpu")), (1, 8), torch.float32
+        )
+        layer.lora = lora
+        lora.set_slot(0, weights, 2.0)
+        total += _addend(layer, lora, x[:, rank * 8 : rank * 8 + 8])
+    torch.testing.assert_close(total, expected)
