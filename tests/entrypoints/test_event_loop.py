@@ -24,11 +24,6 @@ HEALTH_BOUND_S = 1.0
 PADDING = "x" * 100_000  # makes a body large enough to be decoded off the loop
 
 
-@pytest.fixture(scope="module")
-def server(default_model_server: ServerProcess) -> ServerProcess:
-    return default_model_server
-
-
 def _post(server: ServerProcess, path: str, body: Any) -> httpx.Response:
     return httpx.post(server.url + path, json=body, headers=server.headers, timeout=HANG_GUARD_S)
 

@@ -35,14 +35,6 @@ def server(tiny_chat_server: ServerProcess) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    """The official client on the server; no retries."""
-    return openai.OpenAI(
-        base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=HANG_GUARD_S
-    )
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_chat_model_dir: Path) -> Any:
     """The served model's tokenizer, through transformers."""
     return AutoTokenizer.from_pretrained(tiny_chat_model_dir)

@@ -54,11 +54,6 @@ def server(tiny_chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     process.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=HANG_GUARD_S)
-
-
 def _chat(client: openai.OpenAI, messages: list[dict[str, Any]], **extra: Any) -> Any:
     return client.chat.completions.create(
         model=TINY_MODEL, messages=messages, max_tokens=24, temperature=0, extra_body=extra

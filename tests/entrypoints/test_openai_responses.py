@@ -25,8 +25,7 @@ from attnserve.entrypoints.openai.protocol import (
 from attnserve.entrypoints.openai.protocol_responses import ResponseObject
 from attnserve.entrypoints.openai.responses_events import ResponseEvents
 from attnserve.entrypoints.openai.serving_responses import finished
-from tests.conftest import HANG_GUARD_S
-from tests.entrypoints.openai_server import API_KEY, ServerProcess
+from tests.entrypoints.openai_server import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 INSTRUCTIONS = "You are a terse assistant."
@@ -42,17 +41,6 @@ WEATHER: dict[str, Any] = {
     },
 }
 GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_output_tokens": 24}
-
-
-@pytest.fixture(scope="module")
-def client(default_model_server: ServerProcess) -> openai.OpenAI:
-    """The official client on the default model's shared server; no retries."""
-    return openai.OpenAI(
-        base_url=default_model_server.url + "/v1",
-        api_key=API_KEY,
-        max_retries=0,
-        timeout=HANG_GUARD_S,
-    )
 
 
 def test_a_response_is_the_chat_reply_it_stands_for(client: openai.OpenAI) -> None:

@@ -13,12 +13,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from attnserve.bench.serve import benchmark, format_report
 from attnserve.cli import build_parser
 from attnserve.entrypoints.openai.latency_breakdown import FIRST_TOKEN_STAGES, TOKEN_STAGES
-from attnserve.model.default_model import default_model_dir
 from tests.conftest import HANG_GUARD_S
 from tests.entrypoints.openai_server import API_KEY, ServerProcess
 
@@ -26,26 +24,6 @@ MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 NO_EOS: dict[str, Any] = {"ignore_eos": True}
 RAN_OUT = 'attnserve:request_success_total{finished_reason="length"}'  # reached max_tokens
-
-
-@pytest.fixture(scope="module")
-def server(default_model_server: ServerProcess) -> ServerProcess:
-    """The default model's shared server (tests/entrypoints/conftest.py)."""
-    return default_model_server
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    """The official client on the server, with its API key; no retries."""
-    return openai.OpenAI(
-        base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=HANG_GUARD_S
-    )
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    """The default model's tokenizer, through transformers."""
-    return AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:

@@ -18,9 +18,8 @@ import pytest
 
 from attnserve.entrypoints.openai.protocol_structured import DeltaFunctionCall, DeltaToolCall
 from attnserve.entrypoints.openai.tool_parsers import merged_calls
-from tests.conftest import HANG_GUARD_S
 from tests.engine.compact_json import loose_whitespace
-from tests.entrypoints.openai_server import API_KEY, ServerProcess
+from tests.entrypoints.openai_server import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 CITY = {
@@ -65,20 +64,6 @@ PARAMETERS = {
 }
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 SAMPLED: dict[str, Any] = {"temperature": 0.5, "seed": 11, "max_tokens": 120}
-
-
-@pytest.fixture(scope="module")
-def server(default_model_server: ServerProcess) -> ServerProcess:
-    """The default model's shared server (tests/entrypoints/conftest.py)."""
-    return default_model_server
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    """The official client on the server, with its API key; no retries."""
-    return openai.OpenAI(
-        base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=HANG_GUARD_S
-    )
 
 
 def city_format(strict: bool = True) -> dict[str, Any]:

@@ -13,12 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
 from attnserve.entrypoints.openai.api_server import build_app
-from attnserve.model.default_model import default_model_dir
 from tests.conftest import HANG_GUARD_S
 from tests.entrypoints.openai_server import ServerProcess
 
@@ -36,18 +34,6 @@ TOOLS = [
         },
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def server(default_model_server: ServerProcess) -> ServerProcess:
-    """The default model's shared server (tests/entrypoints/conftest.py)."""
-    return default_model_server
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    """The default model's tokenizer, through transformers."""
-    return AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
 
 
 def _post(server: ServerProcess, path: str, body: Any, key: bool = True) -> httpx.Response:

@@ -35,13 +35,6 @@ def server(tiny_chat_server: ServerProcess) -> ServerProcess:
     return tiny_chat_server
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=HANG_GUARD_S
-    )
-
-
 def _refused(call: Any, param: str) -> str:
     """The message of the 400 `call()` gets, which names `param`."""
     with pytest.raises(openai.BadRequestError) as caught:

@@ -17,11 +17,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from attnserve.entrypoints.openai.preprocess import LARGE_JOB_BYTES, PreprocessPool
 from attnserve.entrypoints.openai.prompt_bound import byte_level_alphabet, prompt_bound
-from attnserve.model.default_model import default_model_dir
 from tests.conftest import HANG_GUARD_S
 
 
@@ -101,11 +100,6 @@ def test_a_failing_job_raises_to_its_caller() -> None:
 def test_a_pool_needs_a_thread() -> None:
     with pytest.raises(ValueError, match="at least one thread"):
         PreprocessPool(0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return AutoTokenizer.from_pretrained(default_model_dir(), local_files_only=True)
 
 
 MAX_TOKENS = 4
