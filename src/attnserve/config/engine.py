@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnserve.config import CacheConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from attnserve.lora.config import LoRAConfig
 from attnserve.model.config import ModelConfig
 from attnserve.structured_outputs import StructuredOutputsConfig
 
@@ -37,3 +38,4 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )
+    lora_config: LoRAConfig | None = None  # None: LoRA off

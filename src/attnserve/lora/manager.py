@@ -22,10 +22,12 @@ from attnserve.lora.layers import LoRAIndices, LoRALinear
 from attnserve.lora.peft import LoRAAdapter, load_adapter
 from attnserve.lora.request import LoRARequest
 from attnserve.lora.targets import MERGED_LAYERS, LoRATargets
+from attnserve.model.config import ModelConfig
 from attnserve.model.layers.linear import Linear
 from attnserve.step_types import AdapterRef, StepPlan
 
 logger = logging.getLogger(__name__)
+GRAPH_TOKENS_BOUND = 16384  # more tokens than a padded graph step carries (64 KiB of slots)
 
 
 class LoRAModelManager:
@@ -59,6 +61,16 @@ class LoRAModelManager:
             "LoRA: %d slots of rank %d, %.1f MiB", config.max_loras, config.max_lora_rank,
             self.num_bytes / 2**20,
         )  # fmt: skip
+
+    @classmethod
+    def for_model(
+        cls, model: nn.Module, config: LoRAConfig, model_config: ModelConfig, max_step_tokens: int
+    ) -> LoRAModelManager:
+        """The manager of a loaded `model` whose steps carry up to `max_step_tokens` tokens
+        (room is left for graph padding and decode rows beyond them)."""
+        device = next(model.parameters()).device
+        max_tokens = max(max_step_tokens, GRAPH_TOKENS_BOUND)
+        return cls(model, config, LoRATargets.of_model(model_config), max_tokens, device)
 
     @property
     def num_bytes(self) -> int:

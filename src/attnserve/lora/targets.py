@@ -38,6 +38,8 @@ class LoRATargets:
             raise ValueError(
                 f"LoRA is not supported for mixture-of-experts models ({config.architecture})"
             )
+        if config.quantization is not None:
+            raise ValueError(f"LoRA is not supported with quantization {config.quantization!r}")
         hidden, head = config.hidden_size, config.head_size
         q_size, kv_size = config.num_heads * head, config.num_kv_heads * head
         inter = int(config.hf_config.intermediate_size)

@@ -10,8 +10,10 @@ ranks need no update for it. Group 0 (global layers, when there are any) keeps e
 With prefix caching it also finds the cached blocks of a new sequence's longest cached prefix
 (in a window group only the blocks within the window of the first token to compute are needed),
 and registers each block once it is full and computed, under the chained hash of its tokens
-(and its group). It also knows how much of itself the ranks hold (`take_update`), so a step
-plan sends only the blocks appended or replaced since the last one.
+(and its group). A sequence with a LoRA adapter keys its blocks by the adapter too (its id leads
+each block's tokens as a negative number), so no other adapter, nor the base model, reuses them.
+It also knows how much of itself the ranks hold (`take_update`), so a step plan sends only the
+blocks appended or replaced since the last one.
 """
 
 from __future__ import annotations
@@ -56,12 +58,14 @@ class BlockTable:
         allocator: BlockAllocator,
         block_size: int,
         windows: Sequence[int | None] = (None,),
+        lora_int_id: int = 0,
     ) -> None:
         if not windows:
             raise ValueError("a block table needs at least one KV-cache group")
         self.allocator = allocator
         self.block_size = block_size
         self.windows = tuple(windows)  # each group's sliding window (None: keeps every block)
+        self.lora_int_id = lora_int_id  # the sequence's LoRA adapter (0: none), in every key
         self.tables: list[list[int]] = [[] for _ in self.windows]
         self.num_released = [0] * len(self.windows)  # each table's leading places not held
         self.block_hashes: list[int] = []  # of blocks[0 .. len-1], each full and registered
@@ -132,7 +136,8 @@ class BlockTable:
         return max(0, blocks_needed(num_tokens, self.block_size) - length)
 
     def _block_tokens(self, token_ids: list[int], index: int) -> tuple[int, ...]:
-        return tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+        tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+        return (-self.lora_int_id, *tokens) if self.lora_int_id else tokens
 
     def _key(self, group: int, block_hash: int) -> int:
         """The prefix cache's key of a block of `group` (group 0: the chained hash itself)."""
@@ -214,7 +219,7 @@ class BlockTable:
 
     def fork(self) -> BlockTable:
         """A table sharing every block of this one (one more holder each)."""
-        twin = BlockTable(self.allocator, self.block_size, self.windows)
+        twin = BlockTable(self.allocator, self.block_size, self.windows, self.lora_int_id)
         self.allocator.share(self.held_blocks())
         twin.tables = [list(table) for table in self.tables]
         twin.num_released = list(self.num_released)

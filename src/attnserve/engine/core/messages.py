@@ -18,6 +18,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from attnserve.lora.request import LoRARequest
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import TokenLogprobs
 
@@ -46,6 +47,7 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     priority: int = 0
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base)
 
 
 @dataclass

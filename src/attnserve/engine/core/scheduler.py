@@ -27,6 +27,8 @@ With the "priority" scheduling policy (vLLM's) the waiting queue is kept in (pri
 order, lower priority values first, so the steps above take the waiting ones in that order (short
 before long within a priority), and preemption takes the running sequence of the lowest priority
 (the latest arrival among equals) first.
+With LoRA, a step takes sequences of at most `max_loras` distinct adapters (the ranks' device
+slots); a sequence of another adapter waits for a later step, the others pass it.
 A step that had to preempt admits nothing new (no thrashing). Writes into a block shared with a
 parallel-sampling sibling copy it first (copy-on-write).
 """
@@ -95,8 +97,11 @@ class Scheduler:
         config: SchedulerConfig,
         allocator: BlockAllocator,
         swap_allocator: BlockAllocator | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.config = config
+        self.max_loras = max_loras  # distinct LoRA adapters a step (None: LoRA off)
+        self._step_loras: set[int] = set()  # the adapters of the step being scheduled
         self.allocator = allocator
         self.swap_allocator = swap_allocator
         self.waiting: deque[Sequence] = deque()
@@ -147,6 +152,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
         out = SchedulerOutput()
+        self._step_loras = set()
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         budget = self._schedule_running(out, budget, decodes=True)
@@ -168,7 +174,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or self._ends_when_resolved(seq):
                 continue
-            if (seq.num_uncomputed_tokens == 1) is not decodes:
+            if (seq.num_uncomputed_tokens == 1) is not decodes or not self._lora_fits(seq):
                 continue
             drafts = self._drafts(seq, budget) if decodes else []
             chunk = min(seq.num_uncomputed_tokens, budget) + len(drafts)
@@ -239,12 +245,24 @@ class Scheduler:
             return []
         return drafts
 
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether `seq`'s adapter may join this step (taking a place among its adapters)."""
+        if self.max_loras is None or seq.lora_request is None:
+            return True
+        adapter = seq.lora_request.lora_int_id
+        if adapter not in self._step_loras and len(self._step_loras) >= self.max_loras:
+            return False
+        self._step_loras.add(adapter)
+        return True
+
     def _room_left(self, out: SchedulerOutput, budget: int) -> bool:
         return budget > 0 and len(out.scheduled) < self.config.max_num_seqs
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and self._room_left(out, budget):
             seq = self.swapped[0]
+            if not self._lora_fits(seq):
+                break
             chunk = min(seq.num_uncomputed_tokens, budget)
             end = seq.num_computed_tokens + chunk
             if not self.allocator.can_allocate(seq.block_table.extra_blocks_for(end)):
@@ -271,6 +289,8 @@ class Scheduler:
             long = self._is_long(seq)
             if not self._room_left(out, budget) or (long and long_slots <= 0):
                 return
+            if not self._lora_fits(seq):
+                continue
             if not seq.block_table.blocks and seq.sampling_params.prompt_logprobs is None:
                 # (prompt log-probabilities need every prompt token computed: no cache hits)
                 seq.num_computed_tokens = seq.block_table.match_prefix(seq.token_ids)

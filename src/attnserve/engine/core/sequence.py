@@ -20,6 +20,7 @@ import itertools
 
 from attnserve.engine.core.block_table import BlockTable
 from attnserve.engine.core.sequence_grammar import SequenceGrammar
+from attnserve.lora.request import LoRARequest
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import TokenLogprobs
 
@@ -68,6 +69,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # draft tokens for the next step (speculation)
         self.num_step_tokens = 0  # tokens the last step that drew for it appended
         self.step_cumulative_logprobs: list[float] = []  # after each of them
+        self.lora_request: LoRARequest | None = None  # its LoRA adapter (None: the base model)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -130,6 +132,7 @@ class Sequence:
             self.priority,
         )
         child.arrival_order = self.arrival_order
+        child.lora_request = self.lora_request
         child.num_forks_pending = 0
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         child.num_computed_tokens = self.num_computed_tokens

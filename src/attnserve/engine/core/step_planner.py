@@ -29,6 +29,7 @@ def _new_sequence(seq: Sequence) -> NewSequence:
         seq.index,
         1 + seq.num_forks_pending,
         [list(table) for table in seq.block_table.tables[1:]],
+        lora_request=seq.lora_request,
     )
 
 
