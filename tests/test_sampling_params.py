@@ -8,8 +8,8 @@ import re
 
 import pytest
 
+from attnserve.output_constraints import StructuredOutputsParams
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
-from attnserve.structured_outputs import StructuredOutputsParams
 
 BAD_FIELDS: list[tuple[dict[str, object], str]] = [
     ({"n": 2.5}, "n must be of type int"),

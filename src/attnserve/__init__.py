@@ -2,9 +2,9 @@
 
 from attnserve.inputs import TextPrompt, TokensPrompt
 from attnserve.lora import LoRARequest
+from attnserve.output_constraints import StructuredOutputsParams
 from attnserve.outputs import CompletionOutput, Logprob, RequestOutput
 from attnserve.sampling_params import SamplingParams
-from attnserve.structured_outputs import StructuredOutputsParams
 from attnserve.version import __version__ as __version__
 
 __all__ = [

@@ -56,7 +56,7 @@ def _add_sampling_args(
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from attnserve.engine.arg_utils import EngineArgs
+    from attnserve.config import EngineArgs
     from attnserve.entrypoints.llm import LLM
 
     if args.chat and args.prompt_token_ids:
@@ -96,7 +96,7 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from attnserve.engine.arg_utils import EngineArgs
+    from attnserve.config import EngineArgs
     from attnserve.engine.llm_engine import LLMEngine
     from attnserve.entrypoints.chat import chat_loop, line_editing
 
@@ -150,7 +150,7 @@ def _backends(args: argparse.Namespace) -> int:
 def _backend_spec(args: argparse.Namespace) -> AttentionSpec:
     """The spec `attnserve backends` reports on: the flags', or the model's (default: the
     embedded model's) where not given."""
-    from attnserve.engine.arg_utils import EngineArgs
+    from attnserve.config import EngineArgs
     from attnserve.model.config import ModelConfig, resolve_dtype
     from attnserve.model.default_model import default_model_dir
 
@@ -214,7 +214,7 @@ def _engine_parser(
     help_text: str,
     positional_model: bool = False,
 ) -> argparse.ArgumentParser:
-    from attnserve.engine.arg_utils import EngineArgs
+    from attnserve.config import EngineArgs
 
     parser: argparse.ArgumentParser = commands.add_parser(name, help=help_text)
     EngineArgs.add_cli_args(parser, positional_model)
@@ -250,10 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_sampling_args(chat, temperature=0.7, max_tokens=None)
     chat.set_defaults(handler=_chat)
-    from attnserve.entrypoints.openai.cli_args import add_server_args
+    from attnserve.config import FrontendArgs
 
     serve = _engine_parser(commands, "serve", "OpenAI-compatible server (loopback)", True)
-    add_server_args(serve)
+    FrontendArgs.add_cli_args(serve)
     serve.set_defaults(handler=_serve)
     _add_backends_command(commands)
     _add_cache_command(commands)

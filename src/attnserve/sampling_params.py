@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from attnserve.structured_outputs import StructuredOutputsParams
+from attnserve.output_constraints import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # the engine's default --max-logprobs (vLLM's); the engine checks its own
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100..100

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from attnserve.config.structured_outputs import StructuredOutputsConfig
 from attnserve.engine.core.grammar import ENTRY_BYTES, GrammarCache
 from attnserve.model.default_model import default_model_dir
-from attnserve.structured_outputs import (
+from attnserve.output_constraints import (
     MAX_SCHEMA_DEPTH,
-    StructuredOutputsConfig,
     StructuredOutputsParams,
 )
 from tests.conftest import HANG_GUARD_S, wait_until

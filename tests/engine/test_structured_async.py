@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from attnserve import LLM, SamplingParams, StructuredOutputsParams
+from attnserve.engine.core.constrained_decoding import StructuredOutputManager
 from attnserve.engine.core.sequence import Sequence
-from attnserve.engine.core.structured_output import StructuredOutputManager
 from attnserve.step_types import AsyncStepOutput, LaunchedForward, StepPlan, TokenBitmask
 from tests.entrypoints.openai_server import tiny_model_with_tokenizer
 

@@ -28,7 +28,7 @@ from attnserve.entrypoints.openai.generic_tools import (
 from attnserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from attnserve.entrypoints.openai.tool_choice import tool_plan
 from attnserve.entrypoints.openai.tool_parsers import HermesStream
-from attnserve.structured_outputs import build_grammar
+from attnserve.output_constraints import build_grammar
 from tests.conftest import HANG_GUARD_S
 from tests.entrypoints.openai_server import API_KEY, ServerProcess
 from tests.entrypoints.test_openai_structured import WEATHER
@@ -118,6 +118,13 @@ def test_calls_and_answers_are_written_into_the_messages() -> None:
         ("user", f"{answer % '12:00'}\n{answer % '13:00'}"),
     ]
     assert [m.role for m in history_messages(messages[1:])] == ["user", "assistant", "user"]
+
+
+@pytest.fixture(scope="module")
+def client(default_model_server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=default_model_server.url + "/v1", api_key=API_KEY, timeout=HANG_GUARD_S
+    )
 
 
 def _valid(calls: Any) -> list[tuple[str, dict[str, Any]]]:

@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
+from attnserve.config.frontend import resolve_api_key
 from attnserve.engine.core_client import EngineDeadError
-from attnserve.entrypoints.openai.cli_args import resolve_api_key
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from tests.conftest import HANG_GUARD_S
 from tests.entrypoints.openai_server import ServerProcess, is_running

@@ -1,7 +1,7 @@
 """The tool-call readers on fixed model outputs: whole, and streamed in every split (each piece
 one character, and the text cut at every position), which must give the same content and calls.
-The parser names are those `attnserve serve --tool-call-parser` offers; without one, the server
-takes the parser the model's chat template calls for."""
+The parser names are those `attnserve serve --tool-call-parser` (and `--reasoning-parser`)
+offer; without one, the server takes the parser the model's chat template calls for."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from collections.abc import Callable
 
 import pytest
 
-from attnserve.entrypoints.openai.cli_args import (
+from attnserve.config.frontend import (
+    REASONING_PARSER_NAMES,
     TOOL_CALL_PARSER_NAMES,
-    add_server_args,
+    FrontendArgs,
     auto_tool_call_parser,
 )
+from attnserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from attnserve.entrypoints.openai.tool_parsers import (
     TOOL_CALL_PARSERS,
     HermesStream,
@@ -62,6 +64,7 @@ HERMES_TWO = (
 
 def test_parser_names_match_the_cli() -> None:
     assert tuple(TOOL_CALL_PARSERS) == TOOL_CALL_PARSER_NAMES
+    assert tuple(sorted(REASONING_PARSERS)) == REASONING_PARSER_NAMES
 
 
 def test_hermes_content_and_two_calls() -> None:
@@ -142,7 +145,7 @@ def test_the_parser_comes_from_the_chat_templates_tool_call_format(
 
 def _serve_args(*flags: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_server_args(parser)
+    FrontendArgs.add_cli_args(parser)
     return parser.parse_args(list(flags))
 
 

@@ -17,7 +17,7 @@ import random
 from typing import Any
 
 from attnserve.bench.common import check_output_files, check_positive, progress, report
-from attnserve.engine.arg_utils import EngineArgs
+from attnserve.config import EngineArgs
 from attnserve.engine.llm_engine import LLMEngine
 from attnserve.sampling_params import SamplingParams
 

@@ -26,8 +26,7 @@ import torch
 
 from attnserve.attention import attention_layers
 from attnserve.bench.common import check_output_files, print_scalars, progress, write_json
-from attnserve.config import KV_CACHE_DTYPES
-from attnserve.engine.arg_utils import EngineArgs
+from attnserve.config import KV_CACHE_DTYPES, EngineArgs
 from attnserve.model.quantization.resolve import QUANTIZATION_METHODS
 from attnserve.step_types import NewSequence, StepPlan
 from attnserve.worker.model_runner import ModelRunner

@@ -36,7 +36,7 @@ from attnserve.bench.common import (
     spec_decode_figures,
     sync,
 )
-from attnserve.engine.arg_utils import EngineArgs
+from attnserve.config import EngineArgs
 from attnserve.engine.llm_engine import LLMEngine
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
 

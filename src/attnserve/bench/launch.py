@@ -25,12 +25,11 @@ STOP_TIMEOUT_S = 30.0
 
 def serve_parser() -> argparse.ArgumentParser:
     """The flags of `attnserve serve` (engine and server), to read a `--launch` string."""
-    from attnserve.engine.arg_utils import EngineArgs
-    from attnserve.entrypoints.openai.cli_args import add_server_args
+    from attnserve.config import EngineArgs, FrontendArgs
 
     parser = argparse.ArgumentParser(prog="attnserve serve", add_help=False)
     EngineArgs.add_cli_args(parser, positional_model=True)
-    add_server_args(parser)
+    FrontendArgs.add_cli_args(parser)
     return parser
 
 
@@ -107,7 +106,7 @@ def generate_baseline(serve_args: list[str], requests: list[tuple[list[int], int
     """Seconds for `LLM.generate` of `requests` (greedy, ignore_eos) with the server's engine
     arguments, after a warm-up generate of a few of them."""
     from attnserve.bench.common import Workload, run_engine
-    from attnserve.engine.arg_utils import EngineArgs
+    from attnserve.config import EngineArgs
     from attnserve.entrypoints.llm import LLM
 
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(serve_parser().parse_args(serve_args)))

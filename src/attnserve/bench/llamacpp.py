@@ -30,7 +30,7 @@ from attnserve.bench.common import (
     progress,
     write_json,
 )
-from attnserve.engine.arg_utils import EngineArgs
+from attnserve.config import EngineArgs
 from attnserve.entrypoints.llm import LLM
 from attnserve.model.default_model import embedded_gguf_path
 from attnserve.sampling_params import SamplingParams

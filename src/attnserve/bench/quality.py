@@ -19,7 +19,7 @@ import statistics
 from typing import Any
 
 from attnserve.bench.common import check_output_files, print_scalars, progress, write_json
-from attnserve.engine.arg_utils import EngineArgs
+from attnserve.config import EngineArgs
 from attnserve.entrypoints.llm import LLM
 from attnserve.model.quantization.resolve import QUANTIZATION_METHODS
 from attnserve.outputs import Logprob

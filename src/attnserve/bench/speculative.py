@@ -29,7 +29,7 @@ from attnserve.bench.common import (
     spec_decode_figures,
     sync,
 )
-from attnserve.engine.arg_utils import EngineArgs
+from attnserve.config import EngineArgs
 from attnserve.entrypoints.llm import LLM
 from attnserve.sampling_params import SamplingParams
 

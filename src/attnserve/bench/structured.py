@@ -17,11 +17,11 @@ import time
 from typing import Any
 
 from attnserve.bench.common import progress, report
-from attnserve.engine.arg_utils import EngineArgs
+from attnserve.config import EngineArgs
 from attnserve.engine.core.grammar import GrammarCache
 from attnserve.engine.core.sequence_grammar import SequenceGrammar, token_bitmask
 from attnserve.model.tokenizer import load_tokenizer
-from attnserve.structured_outputs import StructuredOutputsParams
+from attnserve.output_constraints import StructuredOutputsParams
 
 _TYPES: list[dict[str, Any]] = [
     {"type": "string"},

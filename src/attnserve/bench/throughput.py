@@ -47,9 +47,9 @@ from attnserve.bench.common import (
 )
 from attnserve.bench.plot import plot_throughput, require_matplotlib
 from attnserve.bench.workloads import KINDS, draw_workload, uniform_workload
-from attnserve.engine.arg_utils import EngineArgs
+from attnserve.config import EngineArgs
 from attnserve.entrypoints.llm import LLM
-from attnserve.structured_outputs import StructuredOutputsParams
+from attnserve.output_constraints import StructuredOutputsParams
 
 BOUND_RULE = "all requests at once; a step takes max(bytes / copy rate, FLOPs / matmul rate)"
 

@@ -2,8 +2,7 @@
 scheduler and parallel configs with the engine-wide settings (vLLM's `VllmConfig`).
 
 `EngineArgs.create_engine_config()` builds and validates it; the engine, the executor and every
-rank's `Worker` receive this same object. It sits just above `model.config` (for `ModelConfig`)
-and the leaf `config` pieces, below the worker.
+rank's `Worker` receive this same object.
 """
 
 from __future__ import annotations
@@ -12,10 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnserve.config import CacheConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
-from attnserve.lora.config import LoRAConfig
+from attnserve.config.cache import CacheConfig
+from attnserve.config.parallel import ParallelConfig
+from attnserve.config.scheduler import SchedulerConfig
+from attnserve.config.speculative import SpeculativeConfig
+from attnserve.config.structured_outputs import StructuredOutputsConfig
 from attnserve.model.config import ModelConfig
-from attnserve.structured_outputs import StructuredOutputsConfig
 
 
 @dataclass(frozen=True)
@@ -38,4 +39,3 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )
-    lora_config: LoRAConfig | None = None  # None: LoRA off

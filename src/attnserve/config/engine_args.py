@@ -11,29 +11,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import typing
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from attnserve.config import (
-    DISTRIBUTED_EXECUTOR_BACKENDS,
-    KV_CACHE_DTYPES,
-    PREEMPTION_MODES,
-    SCHEDULING_POLICIES,
-    CacheConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
-from attnserve.engine.cli_types import ModelOnce, cli_type
-from attnserve.engine_config import EngineConfig
+from attnserve.config.cache import KV_CACHE_DTYPES, CacheConfig
+from attnserve.config.cli_args import add_cli_args, arg, from_cli_args
+from attnserve.config.devices import resolve_device
+from attnserve.config.engine import EngineConfig
+from attnserve.config.parallel import DISTRIBUTED_EXECUTOR_BACKENDS, ParallelConfig
+from attnserve.config.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, SchedulerConfig
+from attnserve.config.speculative import SpeculativeConfig
+from attnserve.config.structured_outputs import StructuredOutputsConfig
 from attnserve.model.config import LOAD_FORMATS, HubOptions, ModelConfig
 from attnserve.model.default_model import default_model_dir
 from attnserve.model.quantization.resolve import check_quantization
 from attnserve.sampling_params import MAX_LOGPROBS
-from attnserve.structured_outputs import StructuredOutputsConfig
 
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -43,138 +37,133 @@ LARGE_GPU_SERVER_LIMITS = (1024, 8192)
 CPU_SERVER_MAX_NUM_BATCHED_TOKENS = 128  # a CPU step with a prompt chunk stays near a second
 
 
-def _arg(default: Any, help_text: str) -> Any:
-    """A field's default and its CLI help."""
-    return dataclasses.field(default=default, metadata={"help": help_text})
-
-
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str | None = _arg(
+    model: str | None = arg(
         None,
         "HF model directory, hub id (org/name, fetched to the hub cache), .gguf file or dummy "
         "preset (default: the embedded model)",
     )
-    tokenizer: str | None = _arg(
+    tokenizer: str | None = arg(
         None, "tokenizer directory, hub id or .gguf file (default: the model's)"
     )
-    revision: str | None = _arg(None, "the hub model's branch, tag or commit (default: main)")
-    tokenizer_revision: str | None = _arg(
+    revision: str | None = arg(None, "the hub model's branch, tag or commit (default: main)")
+    tokenizer_revision: str | None = arg(
         None, "the hub tokenizer's branch, tag or commit (default: main)"
     )
-    download_dir: str | None = _arg(
+    download_dir: str | None = arg(
         None, "where hub models are kept (default: HF_HUB_CACHE, else $HF_HOME/hub)"
     )
-    trust_remote_code: bool = _arg(
+    trust_remote_code: bool = arg(
         False, "let transformers run the model's own code (its config and tokenizer classes)"
     )
-    generation_config: str = _arg(
+    generation_config: str = arg(
         "auto",
         "request defaults: auto (the sampling fields of the model's generation_config.json), "
         "vllm (none: the engine's) or a folder holding a generation_config.json",
     )
-    dtype: str = _arg(
+    dtype: str = arg(
         "auto", "auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16 or float16"
     )
-    device: str = _arg("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
-    attention_backend: str | None = _arg(
+    device: str = arg("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
+    attention_backend: str | None = arg(
         None, "attention backend by name (default: the best that fits; see `attnserve backends`)"
     )
-    load_format: str = _arg(
+    load_format: str = arg(
         "auto", f"one of {', '.join(LOAD_FORMATS)} (dummy: random weights, no files read)"
     )
-    quantization: str | None = _arg(
+    quantization: str | None = arg(
         None,
         "how the weights are kept: gguf (a GGUF file's Q4_0/Q4_1/Q8_0 matrices stay packed; "
         "CPU), fp8 (FP8 E4M3 linear layers, per-channel weight and per-token activation "
         "scales; needs FP8 matmuls), none (GGUF dequantized to the dtype); default: the "
         "checkpoint's own (GGUF packed on the CPU, dequantized on CUDA; FP8 checkpoints in fp8)",
     )
-    max_model_len: int | None = _arg(
+    max_model_len: int | None = arg(
         None, "longest sequence, prompt and output (default: the model's max_position_embeddings)"
     )
-    block_size: int = _arg(16, "tokens per KV cache block")
-    kv_cache_dtype: str = _arg(
+    block_size: int = arg(16, "tokens per KV cache block")
+    kv_cache_dtype: str = arg(
         "auto", f"KV cache storage: one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)"
     )
-    kv_cache_memory_bytes: int | None = _arg(
+    kv_cache_memory_bytes: int | None = arg(
         None,
         "fixed KV cache budget in bytes (default: from gpu_memory_utilization on CUDA, "
         "1 GiB on CPU)",
     )
-    gpu_memory_utilization: float = _arg(
+    gpu_memory_utilization: float = arg(
         0.9, "share of the GPU's memory for the weights, activations and KV cache"
     )
-    max_num_seqs: int | None = _arg(
+    max_num_seqs: int | None = arg(
         None,
         f"most sequences in one step (default {DEFAULT_MAX_NUM_SEQS}; offline runs and the "
         f"server on a GPU of {LARGE_GPU_GIB} GiB or more: {LARGE_GPU_OFFLINE_LIMITS[0]}, as vLLM)",
     )
-    max_num_batched_tokens: int | None = _arg(
+    max_num_batched_tokens: int | None = arg(
         None,
         f"most new tokens in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; on a GPU of "
         f"{LARGE_GPU_GIB} GiB or more: {LARGE_GPU_OFFLINE_LIMITS[1]} offline, "
         f"{LARGE_GPU_SERVER_LIMITS[1]} for the server, as vLLM; the server on the CPU: "
         f"{CPU_SERVER_MAX_NUM_BATCHED_TOKENS})",
     )
-    long_prefill_token_threshold: int = _arg(
+    long_prefill_token_threshold: int = arg(
         0,
         "a prompt with more tokens than this left to compute is long: short prompts start "
         "before long ones and keep the tokens they need in a step (0: max_model_len / 25, as vLLM)",
     )
-    max_long_partial_prefills: int = _arg(
+    max_long_partial_prefills: int = arg(
         1, "most long prompts a step leaves part-way through their prefill"
     )
-    enable_prefix_caching: bool = _arg(
+    enable_prefix_caching: bool = arg(
         True, "reuse the cached KV blocks of prompt prefixes seen before"
     )
-    disable_hybrid_kv_cache_manager: bool = _arg(
+    disable_hybrid_kv_cache_manager: bool = arg(
         False,
         "keep every KV block of a model that mixes sliding window and global layers (by "
         "default its window layers' blocks behind the window are freed)",
     )
-    preemption_mode: str = _arg(
+    preemption_mode: str = arg(
         "recompute",
         f"how a full KV cache makes room: one of {', '.join(PREEMPTION_MODES)}",
     )
-    scheduling_policy: str = _arg(
+    scheduling_policy: str = arg(
         "fcfs",
         f"the order waiting requests start in: one of {', '.join(SCHEDULING_POLICIES)} "
         "(priority: by each request's priority, lower first, then arrival; preemption takes "
         "the lowest priority first)",
     )
-    max_logprobs: int = _arg(
+    max_logprobs: int = arg(
         MAX_LOGPROBS,
         "most log-probabilities a request may ask for per token, more is refused (-1: no cap)",
     )
-    swap_space_bytes: int = _arg(1 << 30, "host memory for swapped-out KV blocks (swap mode)")
-    seed: int = _arg(0, "random seed (draws of unseeded requests, dummy weights)")
-    enforce_eager: bool = _arg(False, "run every step eagerly: capture no CUDA graphs")
-    async_scheduling: bool = _arg(
+    swap_space_bytes: int = arg(1 << 30, "host memory for swapped-out KV blocks (swap mode)")
+    seed: int = arg(0, "random seed (draws of unseeded requests, dummy weights)")
+    enforce_eager: bool = arg(False, "run every step eagerly: capture no CUDA graphs")
+    async_scheduling: bool = arg(
         True, "schedule the next step while the device runs this one (one rank only)"
     )
-    tensor_parallel_size: int = _arg(1, "ranks, each holding a shard of the model")
-    distributed_executor_backend: str | None = _arg(
+    tensor_parallel_size: int = arg(1, "ranks, each holding a shard of the model")
+    distributed_executor_backend: str | None = arg(
         None,
         f"how the ranks start: one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)} "
         "(default: uni for one rank, else mp)",
     )
-    data_parallel_size: int = _arg(
+    data_parallel_size: int = arg(
         1,
         "engine cores behind one front end, each a process of its own (on CUDA with its own "
         "tensor_parallel_size GPUs)",
     )
-    speculative_config: dict[str, Any] | None = _arg(  # noqa: RUF009 (the default is None)
+    speculative_config: dict[str, Any] | None = arg(  # noqa: RUF009 (the default is None)
         None,
         'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, '
         '"prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}',
     )
-    structured_outputs_config: dict[str, Any] | None = _arg(  # noqa: RUF009 (the default is None)
+    structured_outputs_config: dict[str, Any] | None = arg(  # noqa: RUF009 (the default is None)
         None,
         'structured outputs\' limits, as JSON: {"cache_bytes": 67108864 (compiled grammars each '
         'process keeps), "max_spec_bytes": 524288 (largest spec), "compile_timeout_s": 10}',
     )
-    engine_core_process: bool | None = _arg(
+    engine_core_process: bool | None = arg(
         None,
         "run the scheduler and the model in a process of their own, apart from the front end's "
         "tokenizing, detokenizing and HTTP (default: on for serve, off for LLM, generate, chat; "
@@ -182,17 +171,7 @@ class EngineArgs:
     )
 
     def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        try:
-            device = torch.device(self.device)
-        except RuntimeError:
-            raise ValueError(f"device {self.device!r}: N in 'cuda:N' is a GPU number") from None
-        if device.type == "cuda":
-            _check_cuda_device(device)
-        return device
+        return resolve_device(self.device)
 
     def with_offline_defaults(self) -> EngineArgs:
         """These arguments for an offline run (`LLM`): on a GPU of LARGE_GPU_GIB or more, the
@@ -329,35 +308,13 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-        """One `--flag-name` per field, with the field's help; with `positional_model` the
-        model may also be given as an optional positional MODEL (as in `vllm serve MODEL`)."""
-        hints = typing.get_type_hints(EngineArgs)
-        for f in dataclasses.fields(EngineArgs):
-            help_text = f.metadata["help"]
-            flag = "--" + f.name.replace("_", "-")
-            if f.name == "model":
-                if positional_model:
-                    parser.add_argument(
-                        "model",
-                        nargs="?",
-                        default=argparse.SUPPRESS,  # absent: keeps --model's value
-                        action=ModelOnce,
-                        metavar="MODEL",
-                        help=f"{help_text}; or --model",
-                    )
-                parser.add_argument(flag, default=None, action=ModelOnce, help=help_text)
-                continue
-            kind = cli_type(hints[f.name])
-            if kind is bool:
-                parser.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
-                )
-            else:
-                parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+        """One `--flag-name` per field (`config.cli_args`); with `positional_model` the model
+        may also be given as an optional positional MODEL (as in `vllm serve MODEL`)."""
+        add_cli_args(parser, EngineArgs, positional_model)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        return from_cli_args(cls, args)
 
 
 def _draft_model_config(
@@ -389,19 +346,3 @@ def _draft_model_config(
 
 def _given_or(value: int | None, default: int) -> int:
     return default if value is None else value
-
-
-def _check_cuda_device(device: torch.device) -> None:
-    """ValueError unless `device` is a GPU this process can use."""
-    if not torch.backends.cuda.is_built():
-        raise ValueError(
-            f"device {str(device)!r}: this torch ({torch.__version__}) is built without CUDA; "
-            "use device 'cpu' or install a CUDA build of torch"
-        )
-    count = torch.cuda.device_count()
-    if count == 0:
-        raise ValueError(f"device {str(device)!r}: no GPU is visible; use device 'cpu'")
-    if device.index is not None and device.index >= count:
-        raise ValueError(
-            f"device {str(device)!r}: this host has {count} GPU(s), cuda:0..{count - 1}"
-        )

@@ -1,164 +1,29 @@
-"""`attnserve serve`'s own flags (the engine's come from `EngineArgs.add_cli_args`); the
-command's handler is in `attnserve.cli`, with the other commands'.
+"""`FrontendArgs`: `attnserve serve`'s own flags (the engine's are `EngineArgs`), one frozen
+dataclass whose fields `config.cli_args` turns into flags, and the checks of the API key they
+give. The command's handler is in `attnserve.cli`, with the other commands'.
 
 Importing this module imports no web framework: the server modules are loaded only when the
-command runs.
+command runs. The parser names are the server's registries' keys (a test holds them equal).
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+from dataclasses import dataclass
+from typing import Protocol
 
-from attnserve.entrypoints.openai.preprocess import DEFAULT_THREADS as PREPROCESS_THREADS
-from attnserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from attnserve.config.cli_args import add_cli_args, arg, from_cli_args
 
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")  # tool_parsers.TOOL_CALL_PARSERS' keys
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")  # reasoning_parsers.REASONING_PARSERS' keys
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_MAX_ENGINE_CORE_RESTARTS = 5
 DEFAULT_MAX_QUEUED_REQUESTS = 4096  # above the largest bursts benchmarks send at once
+DEFAULT_TOKENIZER_POOL_SIZE = 2
 API_KEY_ENV = "ATTNSERVE_API_KEY"
-
-
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (loopback default)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument(
-        "--api-key",
-        default=None,
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set ${API_KEY_ENV})",
-    )
-    parser.add_argument(
-        "--api-key-file", default=None, help="read the API key from this file (its first line)"
-    )
-    parser.add_argument(
-        "--allow-no-api-key",
-        action="store_true",
-        help="serve a non-loopback --host without an API key (refused otherwise)",
-    )
-    parser.add_argument(
-        "--served-model-name", default=None, help="the name clients use (default: the model's)"
-    )
-    parser.add_argument(
-        "--shutdown-timeout",
-        type=_seconds,
-        default=30.0,
-        help="on SIGTERM/SIGINT, seconds for the requests in flight to finish (new ones get 503) "
-        "before the rest are ended with an error",
-    )
-    parser.add_argument(
-        "--request-timeout",
-        type=_seconds,
-        default=None,
-        help="end any request still running after this many seconds with a 504 (default: off)",
-    )
-    parser.add_argument(
-        "--request-read-timeout",
-        type=_seconds,
-        default=30.0,
-        help="close a connection whose request (headers and body) has not arrived whole in "
-        "this many seconds",
-    )
-    parser.add_argument(
-        "--restart-engine-core",
-        action="store_true",
-        help="when the engine core dies, start a new one and serve on (default: exit non-zero)",
-    )
-    parser.add_argument(
-        "--max-engine-core-restarts",
-        type=_count,
-        default=DEFAULT_MAX_ENGINE_CORE_RESTARTS,
-        help="with --restart-engine-core: how many restarts in a row (each new core failing to "
-        "start or dying within a minute of it; retried after growing waits) before the server "
-        "gives up and exits 1",
-    )
-    parser.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="larger request bodies get 413",
-    )
-    parser.add_argument(
-        "--tokenizer-pool-size",
-        type=_positive_int,
-        default=PREPROCESS_THREADS,
-        help="threads that decode large JSON bodies, render chat templates and tokenize, off "
-        "the event loop (at most this many jobs at once; large ones leave one thread free)",
-    )
-    parser.add_argument(
-        "--uvicorn-log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="uvicorn's log level",
-    )
-    parser.add_argument(
-        "--disable-log-requests",
-        action="store_true",
-        help="no per-request log lines (vLLM's flag; here: the line naming a request's user)",
-    )
-    parser.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='serve tool_choice "auto" (vLLM\'s switch, accepted: "auto" is always on, through '
-        "the tool-call parser, else the server's own tool-call format)",
-    )
-    parser.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=TOOL_CALL_PARSER_NAMES,
-        help="how tool calls are read from a free reply: hermes (<tool_call> blocks, Hermes / "
-        "Qwen) or llama3_json (Llama 3's JSON); default: the one the model's chat template "
-        "calls for, else the server's own format (tools in the prompt, calls constrained)",
-    )
-    _add_admission_args(parser)
-    _add_chat_template_args(parser)
-
-
-def _add_chat_template_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=sorted(REASONING_PARSERS),
-        help="split chat replies' <think>...</think> into reasoning_content (streamed as "
-        "reasoning_content deltas): qwen3 or deepseek_r1 (default: no split)",
-    )
-    parser.add_argument(
-        "--chat-template",
-        default=None,
-        help="the chat template to use in place of the model's: a file, or the template itself",
-    )
-    parser.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="render a request's own chat_template (default: refused with a 400; a template "
-        "is code the server runs)",
-    )
-
-
-def _add_admission_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--max-queued-requests",
-        type=_positive_int,
-        default=DEFAULT_MAX_QUEUED_REQUESTS,
-        help="generation requests admitted and still waiting for their first output; past it "
-        "a request gets 503 with Retry-After",
-    )
-    parser.add_argument(
-        "--max-request-prompt-tokens-in-flight",
-        type=_positive_int,
-        default=None,
-        help="the prompt tokens one request's prompts (a completion's list) have in the engine "
-        "at once, one prompt at least; the others wait their turn (default: half the KV cache)",
-    )
-
-
-def auto_tool_call_parser(args: argparse.Namespace, detected: str | None) -> str | None:
-    """The parser for "auto" tool choice: --tool-call-parser, else the one the model's chat
-    template calls for (`detected`); None when there is none: then the server's own tool-call
-    format serves every model (`generic_tools`). --enable-auto-tool-choice is vLLM's switch,
-    accepted: "auto" is always on here."""
-    return args.tool_call_parser or detected
 
 
 def _positive_int(text: str) -> int:
@@ -182,7 +47,135 @@ def _count(text: str) -> int:
     return value
 
 
-def resolve_api_key(args: argparse.Namespace, environ: dict[str, str]) -> str | None:
+@dataclass(frozen=True)
+class FrontendArgs:
+    """The server's settings beyond the engine (vLLM's `FrontendArgs`)."""
+
+    host: str = arg("127.0.0.1", "address to bind (loopback default)")
+    port: int = arg(8000, "port to listen on")
+    api_key: str | None = arg(
+        None, f"require 'Authorization: Bearer KEY' on /v1 routes (or set ${API_KEY_ENV})"
+    )
+    api_key_file: str | None = arg(None, "read the API key from this file (its first line)")
+    allow_no_api_key: bool = arg(
+        False,
+        "serve a non-loopback --host without an API key (refused otherwise)",
+        action="store_true",
+    )
+    served_model_name: str | None = arg(None, "the name clients use (default: the model's)")
+    shutdown_timeout: float = arg(
+        30.0,
+        "on SIGTERM/SIGINT, seconds for the requests in flight to finish (new ones get 503) "
+        "before the rest are ended with an error",
+        type=_seconds,
+    )
+    request_timeout: float | None = arg(
+        None,
+        "end any request still running after this many seconds with a 504 (default: off)",
+        type=_seconds,
+    )
+    request_read_timeout: float = arg(
+        30.0,
+        "close a connection whose request (headers and body) has not arrived whole in "
+        "this many seconds",
+        type=_seconds,
+    )
+    restart_engine_core: bool = arg(
+        False,
+        "when the engine core dies, start a new one and serve on (default: exit non-zero)",
+        action="store_true",
+    )
+    max_engine_core_restarts: int = arg(
+        DEFAULT_MAX_ENGINE_CORE_RESTARTS,
+        "with --restart-engine-core: how many restarts in a row (each new core failing to "
+        "start or dying within a minute of it; retried after growing waits) before the server "
+        "gives up and exits 1",
+        type=_count,
+    )
+    max_request_bytes: int = arg(DEFAULT_MAX_REQUEST_BYTES, "larger request bodies get 413")
+    tokenizer_pool_size: int = arg(
+        DEFAULT_TOKENIZER_POOL_SIZE,
+        "threads that decode large JSON bodies, render chat templates and tokenize, off "
+        "the event loop (at most this many jobs at once; large ones leave one thread free)",
+        type=_positive_int,
+    )
+    uvicorn_log_level: str = arg("info", "uvicorn's log level", choices=UVICORN_LOG_LEVELS)
+    disable_log_requests: bool = arg(
+        False,
+        "no per-request log lines (vLLM's flag; here: the line naming a request's user)",
+        action="store_true",
+    )
+    enable_auto_tool_choice: bool = arg(
+        False,
+        'serve tool_choice "auto" (vLLM\'s switch, accepted: "auto" is always on, through '
+        "the tool-call parser, else the server's own tool-call format)",
+        action="store_true",
+    )
+    tool_call_parser: str | None = arg(
+        None,
+        "how tool calls are read from a free reply: hermes (<tool_call> blocks, Hermes / "
+        "Qwen) or llama3_json (Llama 3's JSON); default: the one the model's chat template "
+        "calls for, else the server's own format (tools in the prompt, calls constrained)",
+        choices=TOOL_CALL_PARSER_NAMES,
+    )
+    max_queued_requests: int = arg(
+        DEFAULT_MAX_QUEUED_REQUESTS,
+        "generation requests admitted and still waiting for their first output; past it "
+        "a request gets 503 with Retry-After",
+        type=_positive_int,
+    )
+    max_request_prompt_tokens_in_flight: int | None = arg(
+        None,
+        "the prompt tokens one request's prompts (a completion's list) have in the engine "
+        "at once, one prompt at least; the others wait their turn (default: half the KV cache)",
+        type=_positive_int,
+    )
+    reasoning_parser: str | None = arg(
+        None,
+        "split chat replies' <think>...</think> into reasoning_content (streamed as "
+        "reasoning_content deltas): qwen3 or deepseek_r1 (default: no split)",
+        choices=REASONING_PARSER_NAMES,
+    )
+    chat_template: str | None = arg(
+        None,
+        "the chat template to use in place of the model's: a file, or the template itself",
+    )
+    trust_request_chat_template: bool = arg(
+        False,
+        "render a request's own chat_template (default: refused with a 400; a template "
+        "is code the server runs)",
+        action="store_true",
+    )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        add_cli_args(parser, FrontendArgs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> FrontendArgs:
+        return from_cli_args(cls, args)
+
+
+class _KeyArgs(Protocol):
+    host: str
+    api_key: str | None
+    api_key_file: str | None
+    allow_no_api_key: bool
+
+
+class _ToolArgs(Protocol):
+    tool_call_parser: str | None
+
+
+def auto_tool_call_parser(args: _ToolArgs, detected: str | None) -> str | None:
+    """The parser for "auto" tool choice: --tool-call-parser, else the one the model's chat
+    template calls for (`detected`); None when there is none: then the server's own tool-call
+    format serves every model (`generic_tools`). --enable-auto-tool-choice is vLLM's switch,
+    accepted: "auto" is always on here."""
+    return args.tool_call_parser or detected
+
+
+def resolve_api_key(args: _KeyArgs, environ: dict[str, str]) -> str | None:
     """The key from --api-key, --api-key-file or $ATTNSERVE_API_KEY (one source only); ValueError
     for an empty key (given, but blank: the server would serve without one), an unreadable key
     file, two sources, or a non-loopback --host without a key (unless --allow-no-api-key)."""

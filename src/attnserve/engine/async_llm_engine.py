@@ -30,7 +30,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from attnserve.engine.arg_utils import EngineArgs
+from attnserve.config import EngineArgs
 from attnserve.engine.core.messages import EngineCoreOutputs
 from attnserve.engine.core_client import EngineDeadError
 from attnserve.engine.llm_engine import LLMEngine

@@ -22,6 +22,7 @@ import threading
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
+from attnserve.config.engine import EngineConfig
 from attnserve.engine.core.messages import (
     CallReply,
     Command,
@@ -33,7 +34,6 @@ from attnserve.engine.core.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
 )
-from attnserve.engine_config import EngineConfig
 
 if TYPE_CHECKING:
     from attnserve.engine.core.engine_core import EngineCore

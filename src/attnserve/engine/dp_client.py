@@ -19,11 +19,11 @@ from typing import Any, TypeVar
 
 import torch
 
+from attnserve.config.engine import EngineConfig
 from attnserve.engine.core.messages import EngineCoreOutputs, EngineCoreRequest
 from attnserve.engine.core.speculator import SPEC_DECODE_COUNTS, spec_decode_stats
 from attnserve.engine.core_client import EngineCoreClient, EngineDeadError
 from attnserve.engine.proc_client import ProcClient, core_num_threads
-from attnserve.engine_config import EngineConfig
 
 MAX_REMEMBERED_PREFIXES = 1 << 16
 _SUMMED_STATS = (

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
+from attnserve.config.engine import EngineConfig
 from attnserve.engine.core.messages import (
     PICKLE_PROTOCOL,
     Command,
@@ -34,7 +35,6 @@ from attnserve.engine.core.messages import (
     CoreReady,
 )
 from attnserve.engine.core_client import ChannelClient, EngineDeadError
-from attnserve.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

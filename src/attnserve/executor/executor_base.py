@@ -1,10 +1,11 @@
 """`ExecutorBase`: what the engine sees of the ranks that run the model.
 
-The engine builds one from its `EngineConfig`, asks it for the KV block counts every rank agreed
-on, hands it one `StepPlan` per step and gets the driver's sampled tokens back. A step with
-constrained draws goes down without its token bitmask (`launch_forward`), which follows once the
-engine has computed it: one rank in this process runs the forward pass meanwhile; ranks that
-take only complete plans run the whole step when the bitmask arrives. How the ranks are started
+The engine builds one from its `EngineConfig`, reads the KV cache every rank agreed on
+(`kv_cache_info`, as rank 0's worker answered it once loaded), hands it one `StepPlan` per step
+and gets the driver's sampled tokens back. A step with constrained draws goes down without its
+token bitmask (`launch_forward`), which follows once the engine has computed it: one rank in
+this process runs the forward pass meanwhile; ranks that take only complete plans run the whole
+step when the bitmask arrives. How the ranks are started
 and fed (in-process, local processes, Ray actors) is the concrete executor's business. The
 engine reaches the ranks only through here; what benchmarks and tests need from rank 0 itself
 (its device, backend, model) they take from `driver_runner`.
@@ -14,31 +15,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from attnserve.engine_config import EngineConfig
+from attnserve.config.cache import KVCacheInfo
+from attnserve.config.engine import EngineConfig
 from attnserve.step_types import AsyncStepOutput, LaunchedForward, StepPlan, StepResults
 from attnserve.worker.model_runner import ModelRunner
 from attnserve.worker.step_future import DeferredStep, StepFuture
 
 
 class ExecutorBase(ABC):
+    kv_cache_info: KVCacheInfo  # what the ranks allocated, as rank 0's worker answered
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.device
-
-    @property
-    @abstractmethod
-    def num_blocks(self) -> int:
-        """KV cache blocks per rank (the same on every rank)."""
-
-    @property
-    @abstractmethod
-    def num_swap_blocks(self) -> int:
-        """Host swap blocks per rank."""
-
-    @property
-    @abstractmethod
-    def kv_cache_windows(self) -> list[int | None]:
-        """Each KV-cache group's sliding window (None: its blocks are kept), group 0 first."""
 
     @abstractmethod
     def execute_model(self, plan: StepPlan) -> StepResults:

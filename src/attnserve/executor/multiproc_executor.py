@@ -24,9 +24,9 @@ from typing import NoReturn
 
 import torch
 
+from attnserve.config.engine import EngineConfig
 from attnserve.distributed import get_distributed_init_method, get_open_port
 from attnserve.distributed.parallel_state import abort_distributed_environment
-from attnserve.engine_config import EngineConfig
 from attnserve.executor.executor_base import ExecutorBase
 from attnserve.executor.parent_watch import exit_with_parent
 from attnserve.step_types import StepPlan, StepResults
@@ -73,7 +73,7 @@ class MultiprocExecutor(ExecutorBase):
             self._await(pipes, "started")
             threading.Thread(target=self._monitor, name="attnserve-tp-monitor", daemon=True).start()
             self.driver.init_device()
-            self.driver.load_model()
+            self.kv_cache_info = self.driver.load_model()
             self._await(pipes, "ready")
         except BaseException as error:
             self._fail(error, _worker_errors(pipes))
@@ -117,18 +117,6 @@ class MultiprocExecutor(ExecutorBase):
     @property
     def driver_runner(self) -> ModelRunner:
         return self.driver.runner
-
-    @property
-    def num_blocks(self) -> int:
-        return self.driver.runner.num_blocks
-
-    @property
-    def num_swap_blocks(self) -> int:
-        return self.driver.runner.num_swap_blocks
-
-    @property
-    def kv_cache_windows(self) -> list[int | None]:
-        return self.driver.runner.kv_cache_windows
 
     def check_health(self) -> None:
         if self._shut_down and not self._broken:

@@ -16,9 +16,10 @@ from typing import Any, NoReturn
 
 import torch
 
+from attnserve.config.cache import KVCacheInfo
+from attnserve.config.engine import EngineConfig
 from attnserve.distributed import get_distributed_init_method, get_open_port
 from attnserve.distributed.utils import get_ip
-from attnserve.engine_config import EngineConfig
 from attnserve.executor.executor_base import ExecutorBase
 from attnserve.step_types import StepPlan, StepResults
 from attnserve.worker.worker import Worker
@@ -41,12 +42,10 @@ class RayWorkerWrapper:
         """This host's address and a free port on it (for the rank-0 actor's group)."""
         return get_ip(), get_open_port()
 
-    def init_worker(self, init_method: str) -> tuple[int, int, list[int | None]]:
+    def init_worker(self, init_method: str) -> KVCacheInfo:
         self.worker = Worker(self.config, self.rank, self.device, init_method)
         self.worker.init_device()
-        self.worker.load_model()
-        runner = self.worker.runner
-        return runner.num_blocks, runner.num_swap_blocks, runner.kv_cache_windows
+        return self.worker.load_model()
 
     def execute_model(self, plan: StepPlan) -> StepResults:
         return self._worker().execute_model(plan)
@@ -110,21 +109,9 @@ class RayExecutor(ExecutorBase):
     def _start(self, ray: Any) -> None:
         ip, port = ray.get(self.actors[0].get_address.remote())
         init_method = get_distributed_init_method(ip, port)
-        counts = ray.get([actor.init_worker.remote(init_method) for actor in self.actors])
-        self._num_blocks, self._num_swap_blocks, self._kv_cache_windows = counts[0]
+        answers = ray.get([actor.init_worker.remote(init_method) for actor in self.actors])
+        self.kv_cache_info = answers[0]
         self._loops = [actor.execute_model_loop.remote() for actor in self.actors[1:]]
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self._num_blocks)
-
-    @property
-    def num_swap_blocks(self) -> int:
-        return int(self._num_swap_blocks)
-
-    @property
-    def kv_cache_windows(self) -> list[int | None]:
-        return list(self._kv_cache_windows)
 
     def execute_model(self, plan: StepPlan) -> StepResults:
         if self._shut_down:

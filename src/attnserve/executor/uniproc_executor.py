@@ -3,8 +3,8 @@ launched before its token bitmask exists starts its forward pass at once (`launc
 
 from __future__ import annotations
 
+from attnserve.config.engine import EngineConfig
 from attnserve.distributed import model_parallel_is_initialized
-from attnserve.engine_config import EngineConfig
 from attnserve.executor.executor_base import ExecutorBase
 from attnserve.step_types import AsyncStepOutput, LaunchedForward, StepPlan, StepResults
 from attnserve.worker.model_runner import ModelRunner
@@ -21,23 +21,11 @@ class UniProcExecutor(ExecutorBase):
             )
         self.worker = Worker(config, rank=0, device=config.device)
         self.worker.init_device()
-        self.worker.load_model()
+        self.kv_cache_info = self.worker.load_model()
 
     @property
     def driver_runner(self) -> ModelRunner:
         return self.worker.runner
-
-    @property
-    def num_blocks(self) -> int:
-        return self.worker.runner.num_blocks
-
-    @property
-    def num_swap_blocks(self) -> int:
-        return self.worker.runner.num_swap_blocks
-
-    @property
-    def kv_cache_windows(self) -> list[int | None]:
-        return self.worker.runner.kv_cache_windows
 
     def execute_model(self, plan: StepPlan) -> StepResults:
         return self.worker.execute_model(plan)

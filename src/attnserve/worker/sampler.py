@@ -21,9 +21,9 @@ from typing import Protocol
 import torch
 
 from attnserve.host_copy import device_tensor, to_device
+from attnserve.output_constraints import load_xgrammar
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import SampleOutput, TokenBitmask, TokenLogprobs
-from attnserve.structured_outputs import load_xgrammar
 from attnserve.worker.sampling_metadata import (
     MIN_P,
     TEMPERATURE,

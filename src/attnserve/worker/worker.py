@@ -21,12 +21,13 @@ import logging
 
 import torch
 
+from attnserve.config.cache import KVCacheInfo
+from attnserve.config.engine import EngineConfig
 from attnserve.distributed import (
     broadcast_object,
     destroy_distributed_environment,
     init_distributed_environment,
 )
-from attnserve.engine_config import EngineConfig
 from attnserve.step_types import (
     AsyncStepOutput,
     LaunchedForward,
@@ -80,9 +81,10 @@ class Worker:
             )
         torch.manual_seed(self.config.seed)
 
-    def load_model(self) -> None:
+    def load_model(self) -> KVCacheInfo:
         """Build this rank's model shard and KV cache (the ranks agree on the block count), in
-        phases: load, size the activations, allocate the cache, calibrate, warm up, capture."""
+        phases: load, size the activations, allocate the cache, calibrate, warm up, capture;
+        answer the KV cache it allocated (the executor's to hand to the engine)."""
         config = self.config
         runner = ModelRunner(config, self.device)
         runner.load_model()
@@ -103,6 +105,8 @@ class Worker:
             if draft is not None:  # its one-token draft steps replay graphs too
                 draft.capture_graphs()
         self.model_runner = runner
+        windows = tuple(runner.kv_cache_windows)
+        return KVCacheInfo(runner.num_blocks, runner.num_swap_blocks, windows)
 
     def _load_draft(self) -> ModelRunner | None:
         """The draft model's runner (speculative decoding), loaded, its cache not yet made."""
@@ -114,11 +118,8 @@ class Worker:
         cache_config = dataclasses.replace(
             config.cache_config, disable_hybrid_kv_cache_manager=True
         )
-        draft_config = dataclasses.replace(  # the draft runs without LoRA adapters
-            config,
-            model_config=config.draft_model_config,
-            cache_config=cache_config,
-            lora_config=None,
+        draft_config = dataclasses.replace(
+            config, model_config=config.draft_model_config, cache_config=cache_config
         )
         draft = ModelRunner(draft_config, self.device)
         try:

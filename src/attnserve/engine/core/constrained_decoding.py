@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
 
+from attnserve.config.structured_outputs import StructuredOutputsConfig
 from attnserve.engine.core.grammar import (
     CompiledGrammar,
     GrammarCache,
@@ -31,8 +32,8 @@ from attnserve.engine.core.grammar import (
 from attnserve.engine.core.sequence import Sequence
 from attnserve.engine.core.sequence_grammar import SequenceGrammar, token_bitmask
 from attnserve.model.config import ModelConfig
+from attnserve.output_constraints import StructuredOutputsParams
 from attnserve.step_types import TokenBitmask
-from attnserve.structured_outputs import StructuredOutputsConfig, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,10 @@ import time
 
 import torch
 
+from attnserve.config.engine import EngineConfig
 from attnserve.engine.core.block_allocator import BlockAllocator
 from attnserve.engine.core.block_table import BlockTable, max_sequence_tokens
+from attnserve.engine.core.constrained_decoding import StructuredOutputManager
 from attnserve.engine.core.messages import (
     CoreReady,
     EngineCoreOutput,
@@ -27,8 +29,6 @@ from attnserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from attnserve.engine.core.sequence import Sequence
 from attnserve.engine.core.speculator import SpecDecodeStats, Speculator
 from attnserve.engine.core.step_pipeline import StepPipeline
-from attnserve.engine.core.structured_output import StructuredOutputManager
-from attnserve.engine_config import EngineConfig
 from attnserve.executor import get_executor_class
 
 logger = logging.getLogger(__name__)
@@ -96,16 +96,14 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.executor = get_executor_class(parallel_config)(config)
         self.block_size = cache_config.block_size
-        self.kv_cache_windows = self.executor.kv_cache_windows
-        self.allocator = BlockAllocator(
-            self.executor.num_blocks, cache_config.enable_prefix_caching
-        )
-        swap_blocks = self.executor.num_swap_blocks
+        kv_cache = self.executor.kv_cache_info
+        self.kv_cache_windows = kv_cache.windows
+        self.allocator = BlockAllocator(kv_cache.num_blocks, cache_config.enable_prefix_caching)
+        swap_blocks = kv_cache.num_swap_blocks
         self.scheduler = Scheduler(
             scheduler_config,
             self.allocator,
             BlockAllocator(swap_blocks) if swap_blocks else None,
-            max_loras=None if config.lora_config is None else config.lora_config.max_loras,
         )
         self.eos_token_ids = list(config.model_config.eos_token_ids)
         # the rank runs in this process on CUDA: token bitmasks in pinned memory (async copies)
@@ -145,10 +143,7 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the front end has checked (ids unique, prompt in range)."""
-        lora_id = request.lora_request.lora_int_id if request.lora_request is not None else 0
-        block_table = BlockTable(
-            self.allocator, self.block_size, self.kv_cache_windows, lora_int_id=lora_id
-        )
+        block_table = BlockTable(self.allocator, self.block_size, self.kv_cache_windows)
         seq = Sequence(
             request.request_id,
             request.prompt_token_ids,
@@ -156,7 +151,6 @@ class EngineCore:
             block_table,
             priority=request.priority,
         )
-        seq.lora_request = request.lora_request
         self.requests[request.request_id] = {0: seq}
         self.num_requests_added += 1
         spec = request.sampling_params.structured_outputs

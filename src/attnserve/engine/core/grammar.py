@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
+from attnserve.config.structured_outputs import StructuredOutputsConfig
 from attnserve.model.config import ModelConfig
 from attnserve.model.tokenizer import load_tokenizer
-from attnserve.structured_outputs import (
-    StructuredOutputsConfig,
+from attnserve.output_constraints import (
     StructuredOutputsParams,
     build_grammar,
     compiler_message,

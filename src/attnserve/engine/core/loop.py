@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from attnserve.config.engine import EngineConfig
 from attnserve.engine.core.engine_core import EngineCore
 from attnserve.engine.core.messages import (
     CALLABLE_METHODS,
@@ -45,7 +46,6 @@ from attnserve.engine.core.messages import (
     CoreGauges,
     CoreMessage,
 )
-from attnserve.engine_config import EngineConfig
 from attnserve.executor.parent_watch import exit_with_parent
 
 logger = logging.getLogger(__name__)

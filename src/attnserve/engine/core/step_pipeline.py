@@ -16,10 +16,10 @@ constrained steps keep async scheduling.
 
 from __future__ import annotations
 
+from attnserve.engine.core.constrained_decoding import StructuredOutputManager
 from attnserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from attnserve.engine.core.sequence import Sequence
 from attnserve.engine.core.step_planner import StepPlanner
-from attnserve.engine.core.structured_output import StructuredOutputManager
 from attnserve.executor.executor_base import ExecutorBase
 from attnserve.step_types import AsyncStepOutput
 

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TypeVar
 
-from attnserve.entrypoints.openai.cli_args import DEFAULT_MAX_QUEUED_REQUESTS
+from attnserve.config.frontend import DEFAULT_MAX_QUEUED_REQUESTS
 from attnserve.entrypoints.openai.errors import ApiError
 
 T = TypeVar("T")

@@ -29,21 +29,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from attnserve.engine.arg_utils import EngineArgs
+from attnserve.config.engine_args import EngineArgs
+from attnserve.config.frontend import (
+    DEFAULT_MAX_ENGINE_CORE_RESTARTS,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_TOKENIZER_POOL_SIZE,
+    auto_tool_call_parser,
+    is_loopback,
+    resolve_api_key,
+)
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
 from attnserve.engine.startup_gc import freeze_startup_objects
 from attnserve.engine.warmup import warm_up
 from attnserve.entrypoints.openai.admission import Admission
 from attnserve.entrypoints.openai.body_parsing import OffLoopBodyRoute
 from attnserve.entrypoints.openai.chat_template import use_chat_template
-from attnserve.entrypoints.openai.cli_args import (
-    DEFAULT_MAX_ENGINE_CORE_RESTARTS,
-    DEFAULT_MAX_QUEUED_REQUESTS,
-    DEFAULT_MAX_REQUEST_BYTES,
-    auto_tool_call_parser,
-    is_loopback,
-    resolve_api_key,
-)
 from attnserve.entrypoints.openai.errors import (
     ApiError,
     ApiKeyMiddleware,
@@ -60,7 +61,7 @@ from attnserve.entrypoints.openai.lifecycle import (
     server_protocol,
 )
 from attnserve.entrypoints.openai.metrics import ServerMetrics
-from attnserve.entrypoints.openai.preprocess import DEFAULT_THREADS, PreprocessPool
+from attnserve.entrypoints.openai.preprocess import PreprocessPool
 from attnserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -131,7 +132,7 @@ class ServerOptions:
     max_engine_core_restarts: int = DEFAULT_MAX_ENGINE_CORE_RESTARTS
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     max_request_prompt_tokens_in_flight: int | None = None  # None: half the KV cache
-    tokenizer_pool_size: int = DEFAULT_THREADS  # threads for bodies, templates, tokenizing
+    tokenizer_pool_size: int = DEFAULT_TOKENIZER_POOL_SIZE  # bodies, templates, tokenizing
     reasoning_parser: str | None = None  # --reasoning-parser (None: no thinking split)
     trust_request_chat_template: bool = False  # --trust-request-chat-template
     disable_log_requests: bool = False  # --disable-log-requests

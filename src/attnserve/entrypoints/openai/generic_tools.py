@@ -34,7 +34,7 @@ from attnserve.entrypoints.openai.protocol_structured import (
 )
 from attnserve.entrypoints.openai.structured import named_tool_spec, parameters_field
 from attnserve.entrypoints.openai.tool_parsers import ToolCallStream
-from attnserve.structured_outputs import StructuredOutputsParams, build_grammar
+from attnserve.output_constraints import StructuredOutputsParams, build_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL_HEAD = '{"name": '  # then the name, ARGUMENTS_KEY, the arguments, CALL_TAIL

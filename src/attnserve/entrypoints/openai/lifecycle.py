@@ -32,8 +32,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from attnserve.config.frontend import DEFAULT_MAX_ENGINE_CORE_RESTARTS
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
-from attnserve.entrypoints.openai.cli_args import DEFAULT_MAX_ENGINE_CORE_RESTARTS
 from attnserve.entrypoints.openai.engine_restart import EngineRestarter
 from attnserve.entrypoints.openai.errors import ApiError, send_error
 from attnserve.entrypoints.openai.json_body import TOO_DEEP, too_deep

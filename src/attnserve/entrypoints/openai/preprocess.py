@@ -20,15 +20,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
+from attnserve.config.frontend import DEFAULT_TOKENIZER_POOL_SIZE
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
-DEFAULT_THREADS = 2
 LARGE_JOB_BYTES = 256 << 10  # about 0.2 s of tokenizing
 
 
 class PreprocessPool:
-    def __init__(self, threads: int = DEFAULT_THREADS) -> None:
+    def __init__(self, threads: int = DEFAULT_TOKENIZER_POOL_SIZE) -> None:
         if threads < 1:
             raise ValueError(f"the preprocessing pool needs at least one thread, not {threads}")
         self.threads = threads

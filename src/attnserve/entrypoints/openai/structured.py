@@ -24,7 +24,7 @@ from attnserve.entrypoints.openai.protocol_structured import (
     StructuredOutputsFields,
     StructuredOutputsRequest,
 )
-from attnserve.structured_outputs import StructuredOutputsParams, build_grammar
+from attnserve.output_constraints import StructuredOutputsParams, build_grammar
 
 _GUIDED = {
     "guided_json": "json",

@@ -41,7 +41,7 @@ from attnserve.entrypoints.openai.tool_parsers import (
     RequiredCallsStream,
     ToolCallStream,
 )
-from attnserve.structured_outputs import StructuredOutputsParams
+from attnserve.output_constraints import StructuredOutputsParams
 
 Messages = Callable[[list[ChatMessage]], list[ChatMessage]]
 
