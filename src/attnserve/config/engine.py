@@ -16,6 +16,7 @@ from attnserve.config.parallel import ParallelConfig
 from attnserve.config.scheduler import SchedulerConfig
 from attnserve.config.speculative import SpeculativeConfig
 from attnserve.config.structured_outputs import StructuredOutputsConfig
+from attnserve.lora.config import LoRAConfig
 from attnserve.model.config import ModelConfig
 
 
@@ -39,3 +40,4 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )
+    lora_config: LoRAConfig | None = None  # None: LoRA off

@@ -24,6 +24,8 @@ from attnserve.config.parallel import DISTRIBUTED_EXECUTOR_BACKENDS, ParallelCon
 from attnserve.config.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, SchedulerConfig
 from attnserve.config.speculative import SpeculativeConfig
 from attnserve.config.structured_outputs import StructuredOutputsConfig
+from attnserve.lora.config import LoRAConfig
+from attnserve.lora.targets import LoRATargets
 from attnserve.model.config import LOAD_FORMATS, HubOptions, ModelConfig
 from attnserve.model.default_model import default_model_dir
 from attnserve.model.quantization.resolve import check_quantization
@@ -139,6 +141,12 @@ class EngineArgs:
     swap_space_bytes: int = arg(1 << 30, "host memory for swapped-out KV blocks (swap mode)")
     seed: int = arg(0, "random seed (draws of unseeded requests, dummy weights)")
     enforce_eager: bool = arg(False, "run every step eagerly: capture no CUDA graphs")
+    enable_lora: bool = arg(False, "serve LoRA adapters (PEFT saves) on top of the model")
+    max_loras: int = arg(1, "LoRA adapters a step may use (slots kept on the device)")
+    max_lora_rank: int = arg(16, "the largest LoRA rank served")
+    max_cpu_loras: int | None = arg(
+        None, "LoRA adapters kept loaded in host memory (default: max_loras)"
+    )
     async_scheduling: bool = arg(
         True, "schedule the next step while the device runs this one (one rank only)"
     )
@@ -273,7 +281,15 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig.from_dict(
                 self.structured_outputs_config
             ),
+            lora_config=self.create_lora_config(model_config),
         )
+
+    def create_lora_config(self, model_config: ModelConfig) -> LoRAConfig | None:
+        """The LoRA limits with `enable_lora` (ValueError for a model LoRA does not serve)."""
+        if not self.enable_lora:
+            return None
+        LoRATargets.of_model(model_config)
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def hub_options(self) -> HubOptions:
         return HubOptions(

@@ -25,6 +25,7 @@ from attnserve.engine.core_client import EngineCoreClient, InprocClient, ThreadC
 from attnserve.engine.output_processor import OutputProcessor, RequestState
 from attnserve.engine.processor import Processor
 from attnserve.engine.startup_gc import freeze_startup_objects
+from attnserve.lora.request import LoRARequest
 from attnserve.model.tokenizer import load_tokenizer
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
@@ -97,6 +98,7 @@ class LLMEngine:
             ready.kv_cache_tokens,
             self.config.structured_outputs_config,
             args.max_logprobs,
+            self.config.lora_config,
         )
         self.output_processor = OutputProcessor()
         self.step_stats = StepStats()
@@ -138,16 +140,18 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         data_parallel_rank: int | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; ValueError for a bad one. `data_parallel_rank` picks its engine
         core (default: the balancer's choice); `priority`: lower runs earlier under the
-        "priority" scheduling policy (any but 0 is refused under "fcfs", as vLLM)."""
+        "priority" scheduling policy (any but 0 is refused under "fcfs", as vLLM);
+        `lora_request`: the LoRA adapter it runs with."""
         params = sampling_params or SamplingParams()
         policy = self.config.scheduler_config.scheduling_policy
         if priority != 0 and policy != "priority":
             raise ValueError(f"priority {priority} needs --scheduling-policy priority")
         text, token_ids = self.processor.tokenize(prompt)
-        request = self.processor.process(request_id, token_ids, params, priority)
+        request = self.processor.process(request_id, token_ids, params, priority, lora_request)
         state = RequestState(request_id, text, token_ids, params, self.tokenizer)
         with self._lock:
             if request_id in self.output_processor:

@@ -18,6 +18,9 @@ from transformers import PreTrainedTokenizerBase
 from attnserve.config.structured_outputs import StructuredOutputsConfig
 from attnserve.engine.core.grammar import grammar_cache
 from attnserve.engine.core.messages import EngineCoreRequest
+from attnserve.lora.checker import LoRAChecker
+from attnserve.lora.config import LoRAConfig
+from attnserve.lora.request import LoRARequest
 from attnserve.model.config import ModelConfig
 from attnserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -30,6 +33,7 @@ class Processor:
         kv_cache_tokens: int,
         structured_outputs_config: StructuredOutputsConfig | None = None,
         max_logprobs: int = MAX_LOGPROBS,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """`max_logprobs`: the most log-probabilities a request may ask for per token (-1: no
         cap, as vLLM's --max-logprobs)."""
@@ -38,6 +42,7 @@ class Processor:
         self.tokenizer = tokenizer
         self.kv_cache_tokens = kv_cache_tokens
         self.max_logprobs = max_logprobs
+        self.lora_checker = LoRAChecker(model_config, lora_config)
         self._counter = itertools.count()
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -92,11 +97,17 @@ class Processor:
             cache.check(params.structured_outputs)
 
     def process(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:
         """The checked request, under a fresh core id."""
         self.check_prompt(token_ids)
         self.check_params(params)
+        self.lora_checker.check(lora_request)
         self.compile_grammar(params)
         core_id = f"{request_id}#{next(self._counter)}"
-        return EngineCoreRequest(core_id, token_ids, params, priority)
+        return EngineCoreRequest(core_id, token_ids, params, priority, lora_request)

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from attnserve.config import EngineArgs
 from attnserve.engine.llm_engine import LLMEngine
 from attnserve.inputs import PromptType
+from attnserve.lora.request import LoRARequest
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -20,6 +21,7 @@ Prompt = str | list[int]  # what the engine takes
 ParamsArg = SamplingParams | Mapping[str, Any] | Sequence[SamplingParams] | None
 Message = dict[str, Any]
 PROMPT_KEYS = {"prompt": str, "prompt_token_ids": list}
+LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM:
@@ -88,21 +90,24 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: ParamsArg = None,
         use_tqdm: bool = True,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or a `TextPrompt` / `TokensPrompt`
         dict); outputs in input order. A dict of SamplingParams fields is taken as vLLM takes
-        it."""
+        it. `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the
+        base model; needs `enable_lora=True`)."""
         prompt_list = _as_prompt_list(prompts)
         final_only = RequestOutputKind.FINAL_ONLY  # offline: no intermediate outputs to build
         params = [
             dataclasses.replace(p, output_kind=final_only)
             for p in _broadcast(sampling_params, len(prompt_list), self.get_default_sampling_params)
         ]
+        loras = _lora_per_prompt(lora_request, len(prompt_list))
         ids = []
         try:
-            for prompt, p in zip(prompt_list, params, strict=True):
+            for prompt, p, lora in zip(prompt_list, params, loras, strict=True):
                 ids.append(str(next(self._request_counter)))
-                self.llm_engine.add_request(ids[-1], prompt, p)
+                self.llm_engine.add_request(ids[-1], prompt, p, lora_request=lora)
             return self._run(ids, use_tqdm)
         except BaseException:
             for request_id in ids:
@@ -191,6 +196,15 @@ def _as_prompt(item: object) -> Prompt:
     if isinstance(item, list) and item:
         return item
     raise ValueError(f"a prompt is a string or a non-empty list of token ids, got {item!r}")
+
+
+def _lora_per_prompt(lora_request: LoRAArg, count: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt: `lora_request` for all, or one each."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if len(lora_request) != count:
+        raise ValueError(f"{len(lora_request)} LoRA requests for {count} prompts")
+    return list(lora_request)
 
 
 def _broadcast(

@@ -46,6 +46,7 @@ from attnserve.config.engine import EngineConfig
 from attnserve.distributed import get_tensor_model_parallel_world_size
 from attnserve.distributed.communication import tensor_model_parallel_all_reduce_min
 from attnserve.host_copy import to_device
+from attnserve.lora.manager import LoRAModelManager
 from attnserve.model.loader import load_model
 from attnserve.step_types import StepPlan, StepResults
 from attnserve.worker.cache_engine import CacheEngine, gpu_kv_cache_budget, num_blocks_for_budget
@@ -72,6 +73,8 @@ class ModelRunner:
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
         self.attention_backend = config.attention_backend
+        self.lora_config = config.lora_config
+        self.lora: LoRAModelManager | None = None  # the adapters, with LoRA on
         self.device = device
         self.num_kv_heads = self.model_config.get_num_kv_heads(
             get_tensor_model_parallel_world_size()  # this rank's share of the heads
@@ -99,6 +102,10 @@ class ModelRunner:
         self.backend = get_model_attn_backend(specs, self.attention_backend)
         bind_attention_backend(self.model, self.backend)
         self.builders = metadata_builders(self.backend, specs, self.device)
+        if self.lora_config is not None:
+            self.lora = LoRAModelManager.for_model(
+                self.model, self.lora_config, self.model_config, self.max_num_batched_tokens
+            )
         self.sampling = StepSampling(
             self.model.compute_logits, self.sampler, self.input_batch, self.device
         )
@@ -239,7 +246,9 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """The decode graphs, then on CUDA the piecewise graphs of steps with prompts
-        (`worker.graphs`)."""
+        (`worker.graphs`). None on the CPU with LoRA: CPU graphs record only native calls."""
+        if self.lora is not None and self.device.type == "cpu":
+            return
         self.graphs = capture_decode_graphs(
             self.model,
             self.backend,
@@ -285,6 +294,8 @@ class ModelRunner:
         if self._unsampled is not None and not self._unsampled.sampled:
             raise RuntimeError("a step was launched before the step before it was sampled")
         self.apply_plan(plan)
+        if self.lora is not None:
+            self.lora.prepare(plan)
         return self.input_batch.prepare(plan)
 
     def apply_plan(self, plan: StepPlan) -> None:

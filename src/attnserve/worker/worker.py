@@ -118,8 +118,11 @@ class Worker:
         cache_config = dataclasses.replace(
             config.cache_config, disable_hybrid_kv_cache_manager=True
         )
-        draft_config = dataclasses.replace(
-            config, model_config=config.draft_model_config, cache_config=cache_config
+        draft_config = dataclasses.replace(  # the draft runs without LoRA adapters
+            config,
+            model_config=config.draft_model_config,
+            cache_config=cache_config,
+            lora_config=None,
         )
         draft = ModelRunner(draft_config, self.device)
         try:

@@ -104,6 +104,7 @@ class EngineCore:
             scheduler_config,
             self.allocator,
             BlockAllocator(swap_blocks) if swap_blocks else None,
+            max_loras=None if config.lora_config is None else config.lora_config.max_loras,
         )
         self.eos_token_ids = list(config.model_config.eos_token_ids)
         # the rank runs in this process on CUDA: token bitmasks in pinned memory (async copies)
@@ -143,7 +144,10 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the front end has checked (ids unique, prompt in range)."""
-        block_table = BlockTable(self.allocator, self.block_size, self.kv_cache_windows)
+        lora_id = request.lora_request.lora_int_id if request.lora_request is not None else 0
+        block_table = BlockTable(
+            self.allocator, self.block_size, self.kv_cache_windows, lora_int_id=lora_id
+        )
         seq = Sequence(
             request.request_id,
             request.prompt_token_ids,
@@ -151,6 +155,7 @@ class EngineCore:
             block_table,
             priority=request.priority,
         )
+        seq.lora_request = request.lora_request
         self.requests[request.request_id] = {0: seq}
         self.num_requests_added += 1
         spec = request.sampling_params.structured_outputs
