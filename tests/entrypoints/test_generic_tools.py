@@ -120,13 +120,6 @@ def test_calls_and_answers_are_written_into_the_messages() -> None:
     assert [m.role for m in history_messages(messages[1:])] == ["user", "assistant", "user"]
 
 
-@pytest.fixture(scope="module")
-def client(default_model_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=default_model_server.url + "/v1", api_key=API_KEY, timeout=HANG_GUARD_S
-    )
-
-
 def _valid(calls: Any) -> list[tuple[str, dict[str, Any]]]:
     found = []
     for call in calls or []:
