@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from attnserve.config.cli_args import add_cli_args, arg, from_cli_args
+from attnserve.lora.request import LoRAModulePath, parse_lora_module
 
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")  # tool_parsers.TOOL_CALL_PARSERS' keys
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")  # reasoning_parsers.REASONING_PARSERS' keys
@@ -47,6 +48,13 @@ def _count(text: str) -> int:
     return value
 
 
+def _lora_module(text: str) -> LoRAModulePath:
+    try:
+        return parse_lora_module(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 @dataclass(frozen=True)
 class FrontendArgs:
     """The server's settings beyond the engine (vLLM's `FrontendArgs`)."""
@@ -63,6 +71,14 @@ class FrontendArgs:
         action="store_true",
     )
     served_model_name: str | None = arg(None, "the name clients use (default: the model's)")
+    lora_modules: list[LoRAModulePath] | None = arg(  # noqa: RUF009 (the default is None)
+        None,
+        "LoRA adapters served from start-up (with --enable-lora), each name=path or "
+        '\'{"name": ..., "path": ...}\'; a request\'s model picks one by name',
+        action="extend",
+        nargs="+",
+        type=_lora_module,
+    )
     shutdown_timeout: float = arg(
         30.0,
         "on SIGTERM/SIGINT, seconds for the requests in flight to finish (new ones get 503) "

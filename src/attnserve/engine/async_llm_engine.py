@@ -34,6 +34,7 @@ from attnserve.config import EngineArgs
 from attnserve.engine.core.messages import EngineCoreOutputs
 from attnserve.engine.core_client import EngineDeadError
 from attnserve.engine.llm_engine import LLMEngine
+from attnserve.lora.request import LoRARequest
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -263,9 +264,10 @@ class AsyncLLMEngine:
         request_id: str,
         data_parallel_rank: int | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they are produced; ValueError for a bad request.
-        `priority`: see `LLMEngine.add_request`."""
+        `priority`, `lora_request`: see `LLMEngine.add_request`."""
         if self.errored and self._error is not None:
             raise self._error
         if sampling_params.structured_outputs is not None:  # compiled off the event loop
@@ -279,7 +281,7 @@ class AsyncLLMEngine:
         self._process_loop = loop
         try:
             self.engine.add_request(
-                request_id, prompt, sampling_params, data_parallel_rank, priority
+                request_id, prompt, sampling_params, data_parallel_rank, priority, lora_request
             )
         except BaseException:
             with self._lock:

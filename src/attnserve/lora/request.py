@@ -1,4 +1,5 @@
-"""`LoRARequest`: which adapter a request runs with (vLLM's name and fields).
+"""`LoRARequest`: which adapter a request runs with (vLLM's name and fields); `LoRAModulePath`,
+an adapter the server loads at start-up (`--lora-modules`).
 
 A leaf of the LoRA package: the front end, the engine core and the ranks pass it along with a
 request; the ranks load the adapter from `lora_path` and key their slots by `lora_int_id`.
@@ -6,6 +7,7 @@ request; the ranks load the adapter from `lora_path` and key their slots by `lor
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
@@ -30,3 +32,29 @@ class LoRARequest:
     def adapter_id(self) -> int:
         """The engine's key for this adapter (vLLM's `adapter_id`)."""
         return self.lora_int_id
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """An adapter the server loads at start-up (`--lora-modules name=path`, vLLM's name)."""
+
+    name: str
+    path: str
+
+
+def parse_lora_module(text: str) -> LoRAModulePath:
+    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ...}`; ValueError otherwise."""
+    if text.lstrip().startswith("{"):
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--lora-modules {text!r}: not valid JSON ({error})") from None
+        if not isinstance(fields, dict) or not all(
+            isinstance(fields.get(key), str) and fields[key] for key in ("name", "path")
+        ):
+            raise ValueError(f'--lora-modules {text!r}: needs {{"name": ..., "path": ...}}')
+        return LoRAModulePath(fields["name"], fields["path"])
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules {text!r}: use name=path or a JSON object")
+    return LoRAModulePath(name, path)

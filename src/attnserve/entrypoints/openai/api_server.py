@@ -84,9 +84,11 @@ from attnserve.entrypoints.openai.reasoning_parsers import reasoning_parser
 from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from attnserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from attnserve.entrypoints.openai.serving_engine import ClientDisconnected
+from attnserve.entrypoints.openai.serving_models import OpenAIServingModels, add_lora_routes
 from attnserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from attnserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from attnserve.entrypoints.openai.tool_parsers import parser_for_chat_template
+from attnserve.lora.request import LoRAModulePath
 from attnserve.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -136,6 +138,7 @@ class ServerOptions:
     reasoning_parser: str | None = None  # --reasoning-parser (None: no thinking split)
     trust_request_chat_template: bool = False  # --trust-request-chat-template
     disable_log_requests: bool = False  # --disable-log-requests
+    lora_modules: tuple[LoRAModulePath, ...] = ()  # --lora-modules (with --enable-lora)
 
 
 def build_app(
@@ -167,6 +170,8 @@ def build_app(
     tokenization = OpenAIServingTokenization(engine, model_name, metrics, pool)
     _set_chat_template_options(options, chat, tokenization)
     completion.log_requests = chat.log_requests = not options.disable_log_requests
+    models = _serving_models(engine, model_name, options, metrics)
+    completion.models = chat.models = tokenization.models = models
     ready = asyncio.Event()
     if not warm:
         ready.set()
@@ -221,11 +226,9 @@ def build_app(
         text = metrics.render()  # from the gauges the core last pushed: no step is waited for
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-    card = ModelCard(id=model_name, max_model_len=completion.max_model_len)
-
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
-    async def models() -> ModelList:
-        return ModelList(data=[card])
+    async def list_models() -> ModelList:
+        return ModelList(data=models.cards())
 
     @app.get(
         "/v1/models/{model_id:path}",
@@ -233,10 +236,10 @@ def build_app(
         responses={401: _ERRORS[401], 404: _ERRORS[404]},
     )
     async def model(model_id: str) -> ModelCard:
-        if model_id != model_name:
-            missing = f"the model {model_id!r} does not exist"
-            raise ApiError(404, missing, "model", "model_not_found")
-        return card
+        return models.card(model_id)
+
+    if models.checker is not None:
+        add_lora_routes(app, models)
 
     @app.post(
         "/v1/completions", response_model=CompletionResponse, responses={**_STREAM, **_ERRORS}
@@ -287,6 +290,18 @@ def _set_chat_template_options(
         chat.reasoning_parser = reasoning_parser(options.reasoning_parser)
     trusted = options.trust_request_chat_template
     chat.trust_request_chat_template = tokenization.trust_request_chat_template = trusted
+
+
+def _serving_models(
+    engine: AsyncLLMEngine, model_name: str, options: ServerOptions, metrics: ServerMetrics
+) -> OpenAIServingModels:
+    """The base model and, with LoRA on, the adapters of --lora-modules (checked now)."""
+    processor = engine.engine.processor
+    checker = processor.lora_checker if engine.engine.config.lora_config is not None else None
+    max_model_len = engine.engine.model_config.max_model_len
+    return OpenAIServingModels(
+        model_name, max_model_len, checker, options.lora_modules, metrics.registry
+    )
 
 
 def _admission(engine: AsyncLLMEngine, options: ServerOptions, metrics: ServerMetrics) -> Admission:
@@ -360,6 +375,7 @@ def run_server(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
         disable_log_requests=args.disable_log_requests,
+        lora_modules=tuple(args.lora_modules or ()),
     )
     if options.api_key is None and not is_loopback(args.host):
         logger.warning("serving on %s without an API key (--allow-no-api-key)", args.host)

@@ -263,6 +263,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_created)
     owned_by: str = "attnserve"
+    root: str | None = None  # a LoRA adapter's path
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int
 
 

@@ -139,7 +139,10 @@ class OpenAIServingChat(OpenAIServing):
         k = (request.top_logprobs or 0) if request.logprobs else None
         plan, prompt, params, thinking = await self.off_loop(raw, self._prepare, request, k)
         constraint = constraint_field(request)
-        stream = self.generate([prompt], params, request_id, received, constraint, request.priority)
+        lora = self.models.lora_request(request.model)
+        stream = self.generate(
+            [prompt], params, request_id, received, constraint, request.priority, lora
+        )
         chunks = None
         if request.stream:
             chunks = _ChunkRenderer(self, request, request_id, [prompt], plan, thinking)

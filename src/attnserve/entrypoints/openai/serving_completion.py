@@ -64,7 +64,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.check_length(prompt, "prompt")
         prompts, params, echo = await self.off_loop(raw, self._prepare, request, given)
         constraint = constraint_field(request)
-        stream = self.generate(prompts, params, request_id, received, constraint, request.priority)
+        lora = self.models.lora_request(request.model)
+        stream = self.generate(
+            prompts, params, request_id, received, constraint, request.priority, lora
+        )
         chunks = None
         if request.stream:
             chunks = _ChunkRenderer(self, request, request_id, prompts, echo)

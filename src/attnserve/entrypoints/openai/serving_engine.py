@@ -42,7 +42,9 @@ from attnserve.entrypoints.openai.sampling_defaults import (
     model_sampling_defaults,
     sampling_fields,
 )
+from attnserve.entrypoints.openai.serving_models import OpenAIServingModels
 from attnserve.entrypoints.openai.structured import structured_outputs
+from attnserve.lora.request import LoRARequest
 from attnserve.outputs import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from attnserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -130,6 +132,7 @@ class OpenAIServing:
         """`pool`: the server's, shared by its endpoints (None: one of this endpoint's own)."""
         self.engine = engine
         self.model_name = model_name
+        self.models = OpenAIServingModels(model_name, engine.engine.model_config.max_model_len)
         self.metrics = metrics
         self.admission = Admission()  # the server's own: set by `build_app`
         self.pool = pool or PreprocessPool()
@@ -147,10 +150,7 @@ class OpenAIServing:
 
     def check_model(self, request: BaseModel) -> None:
         """404 for another model's name (a request's `model`); 400 for a field it refuses."""
-        model = getattr(request, "model", None)
-        if model is not None and model != self.model_name:
-            message = f"the model {model!r} does not exist"
-            raise ApiError(404, message, "model", "model_not_found")
+        self.models.check(getattr(request, "model", None))  # the base model or an adapter
         refused = unsupported_field(request)
         if refused is not None:
             raise ApiError(400, refused[1], refused[0], "unsupported_parameter")
@@ -284,13 +284,16 @@ class OpenAIServing:
         received: float,
         constraint: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[list[Delta], None]:
         """Each engine output of the call's prompts, as deltas; ApiError for a failure (a
         constraint the compiler refuses is named by `constraint`, the field it came from).
         `received`: when the call's handler started (time.monotonic()); the prompts are ready
-        now. `priority`: the engine requests' (lower runs earlier)."""
+        now. `priority`: the engine requests' (lower runs earlier); `lora_request`: their
+        LoRA adapter."""
         times = (received, time.monotonic())
-        return self._deltas(prompts, params, request_id, times, constraint, priority)
+        engine_request = (priority, lora_request)
+        return self._deltas(prompts, params, request_id, times, constraint, engine_request)
 
     async def _deltas(
         self,
@@ -299,10 +302,10 @@ class OpenAIServing:
         request_id: str,
         times: tuple[float, float],
         constraint: str | None,
-        priority: int,
+        engine_request: tuple[int, LoRARequest | None],
     ) -> AsyncGenerator[list[Delta], None]:
         ticket = self.admission.admit()
-        streams = self._streams(prompts, params, request_id, priority)
+        streams = self._streams(prompts, params, request_id, engine_request)
         trackers = [self.metrics.tracker(*times) for _ in streams]
         merged = (
             merge_streams(streams, trackers)
@@ -345,12 +348,23 @@ class OpenAIServing:
             ticket.leave(started=False)
 
     def _streams(
-        self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        engine_request: tuple[int, LoRARequest | None],
     ) -> list[AsyncIterator[RequestOutput]]:
-        """Each prompt's engine stream, behind the request's prompt gate (`Admission`)."""
+        """Each prompt's engine stream (under the request's priority and LoRA adapter), behind
+        the request's prompt gate (`Admission`)."""
+        priority, lora = engine_request
         streams = [
             functools.partial(
-                self.engine.generate, ids, params, f"{request_id}-{i}", priority=priority
+                self.engine.generate,
+                ids,
+                params,
+                f"{request_id}-{i}",
+                priority=priority,
+                lora_request=lora,
             )
             for i, ids in enumerate(prompts)
         ]
