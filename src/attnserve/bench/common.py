@@ -16,6 +16,7 @@ import torch
 
 from attnserve.engine.core.speculator import SPEC_DECODE_COUNTS, spec_decode_stats
 from attnserve.entrypoints.llm import LLM
+from attnserve.lora.request import LoRARequest
 from attnserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -23,6 +24,7 @@ from attnserve.sampling_params import SamplingParams, StructuredOutputsParams
 class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
+    lora_requests: list[LoRARequest] | None = None  # each request's adapter (`bench/lora.py`)
 
     @property
     def output_tokens(self) -> int:
@@ -52,7 +54,9 @@ def timed_generate(
     params = sampling_params(workload, structured)
     sync()
     started = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    outputs = llm.generate(
+        workload.prompts, params, use_tqdm=False, lora_request=workload.lora_requests
+    )
     sync()
     seconds = time.perf_counter() - started
     return seconds, sum(len(c.token_ids) for out in outputs for c in out.outputs)

@@ -45,6 +45,7 @@ from attnserve.bench.common import (
     timed_generate,
     write_json,
 )
+from attnserve.bench.lora import add_lora_arguments, with_random_loras
 from attnserve.bench.plot import plot_throughput, require_matplotlib
 from attnserve.bench.workloads import KINDS, draw_workload, uniform_workload
 from attnserve.config import EngineArgs
@@ -100,11 +101,15 @@ def run_hf(llm: LLM, workload: Workload, batch_size: int) -> float:
 
 
 def _warm_up(llm: LLM, workload: Workload) -> None:
-    """A short run on other prompts (so the prefix cache learns nothing of the workload)."""
+    """A short run on other prompts (so the prefix cache learns nothing of the workload), one
+    for each LoRA adapter the workload uses (so each is read from disk before the timing)."""
     vocab = llm.llm_engine.model_config.vocab_size
     rng = random.Random(-1)
-    prompts = [[rng.randrange(vocab) for _ in p] for p in workload.prompts[:2]]
-    run_engine(llm, Workload(prompts, [min(8, n) for n in workload.output_lens[:2]]))
+    loras = workload.lora_requests
+    count = max(2, len(set(loras or [])))
+    prompts = [[rng.randrange(vocab) for _ in p] for p in workload.prompts[:count]]
+    lens = [min(8, n) for n in workload.output_lens[:count]]
+    run_engine(llm, Workload(prompts, lens, None if loras is None else loras[:count]))
 
 
 def _against_bound(
@@ -240,7 +245,7 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
     shape = ModelShape.from_config(model_config, engine_args.kv_cache_dtype)
     progress("loading the engine")
     llm = LLM.from_engine_args(engine_args)
-    workload = make_workload(args, model_config.vocab_size)
+    workload = with_random_loras(make_workload(args, model_config.vocab_size), args, model_config)
     if structured is not None:  # a bad schema fails now, not after the first timing
         timed_generate(llm, Workload(workload.prompts[:2], [4, 4]), structured)
     progress(f"warm-up; then {len(workload.prompts)} requests, {workload.output_tokens} tokens")
@@ -263,6 +268,7 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
         "output_tokens_per_step": workload.output_tokens / max(steps, 1),
         "preemptions": after["num_preemptions"] - before["num_preemptions"],
         **spec_decode_figures(before, after),
+        **({"num_loras": args.num_loras, "lora_rank": args.lora_rank} if args.num_loras else {}),
     }
     result |= _against_bound(seconds, workload, shape, rates)
     result |= {"bound_rule": BOUND_RULE, **rates.figures()}
@@ -321,6 +327,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time the workload with this JSON schema on every request",
     )
     parser.add_argument("--json", default=None, help="also write the figures here")
+    add_lora_arguments(parser)
     parser.set_defaults(handler=main)
 
 
