@@ -17,7 +17,12 @@ from attnserve.model.layers.rotary_embedding import RotaryEmbedding
 from attnserve.model.quantization.gguf_blocks import from_blocks
 from attnserve.model.quantization.gguf_cpu import NativeWeight
 from attnserve.worker import graphs
-from attnserve.worker.graphs.cpu import MAX_GRAPH_SEQS, GraphCaptureError, NativeGraph
+from attnserve.worker.graphs.cpu import (
+    MAX_GRAPH_SEQS,
+    CPUGraphRunner,
+    GraphCaptureError,
+    NativeGraph,
+)
 
 Q8_0 = GGMLQuantizationType.Q8_0
 
@@ -151,10 +156,11 @@ def test_a_qwen3_attention_input_step_captures_at_any_batch() -> None:
 def test_only_a_model_on_one_rank_gets_cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """A model split over ranks calls collectives, which are no native calls (a replay would
     skip them): it gets no CPU graph runner and runs eagerly. On one rank it gets one, with a
-    bucket per size up to MAX_GRAPH_SEQS."""
+    bucket per size up to 16, then sparser up to MAX_GRAPH_SEQS."""
     backend, cpu = get_backend_cls("CPU_NATIVE"), torch.device("cpu")
     runner = graphs.capture_decode_graphs(torch.nn.Identity(), backend, {}, 16, 2, cpu)
     assert isinstance(runner, graphs.CPUGraphRunner)
-    assert runner.sizes == list(range(1, MAX_GRAPH_SEQS + 1))
+    assert runner.sizes == list(range(1, 17))  # max_num_seqs 16: every size a bucket
+    assert CPUGraphRunner.bucket_sizes(MAX_GRAPH_SEQS)[-5:] == [16, 24, 32, 48, MAX_GRAPH_SEQS]
     monkeypatch.setattr(graphs, "get_tensor_model_parallel_world_size", lambda: 2)
     assert graphs.capture_decode_graphs(torch.nn.Identity(), backend, {}, 16, 2, cpu) is None

@@ -68,7 +68,8 @@ def test_replayed_decodes_equal_eager_ones(
     monkeypatch.setattr(graphs, "run", counted)
     replayed = _decode(default_llm)
     assert set(sizes) == {1, 2, 3, 4, 5, 6}  # every decode step of the run came from a graph
-    assert graphs.sizes == list(range(1, 9))  # every size its own bucket: no padded rows
+    # every size its own bucket to 16 (no padded rows), then 24, 32, 48, 64
+    assert graphs.sizes == [*range(1, 17), 24, 32, 48, 64]
     assert sorted(graphs.graphs) == [1, 2, 3, 4, 5, 6]  # each size the run had, captured
     assert all(graph.num_calls > 0 for graph, _ in graphs.graphs.values())
     assert replayed == _decode(eager_llm)
