@@ -157,7 +157,8 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
     def build_for_graph(self, layout: StepLayout) -> M:
         """Metadata for a decode-only step padded to a capture bucket (the graph runners'
-        `pad_for_graph`: `layout.num_seqs` is the bucket), written into the persistent buffers in place.
+        `pad_for_graph`: `layout.num_seqs` is the bucket), written into the persistent buffers
+        in place.
 
         Every call for the same bucket must return metadata whose tensors are the same buffers
         and whose host values (and so the kernels' launch shapes) are the same, so a graph
