@@ -6,17 +6,18 @@ Workloads: N requests of random token ids with fixed input/output lengths, or le
 (`--workload`: standard, chat, long, prefix, short; bench/workloads.py), `ignore_eos`, all
 submitted at once, after one warm-up. Also reported: the KV cache's size in tokens, the output
 tokens per engine step of the timed run (about the sequences a step runs: the cache's hold under
-KV pressure) and its preemptions; the workload's bound from the model's shape
-at the copy bandwidth and matmul rate measured first in the same run (bench/bound.py) and the
-fraction of it reached; the step-time breakdown of `--profile-steps` profiled decode steps
-(bench/breakdown.py; the engine is then rebuilt with `enforce_eager`, since CUDA and CPU graphs
-hide kernels). Optional: HF transformers `generate` on the same weights (static batches); with
-`--shared-prefix`, the same engine with prefix caching off; `--batch-sizes 16,64,256`, the
-workload again with that many requests (fresh prompts, same length distribution, each point
-against its own bound); `--plot FILE.png`, the breakdown and the sweep; `--json-schema FILE`, the
-workload again with that JSON schema on every request (structured outputs: each request also
-ends where its grammar does, so its rate counts the tokens it made) and its cost against the
-unconstrained rate.
+KV pressure) and its preemptions; the workload's bound from the model's shape at the copy
+bandwidth and matmul rate measured first in the same run (bench/bound.py) and the fraction of it
+reached; the step-time breakdown of `--profile-steps` profiled decode steps (bench/breakdown.py;
+the engine is then rebuilt with `enforce_eager`, since CUDA and CPU graphs hide kernels).
+Optional: HF transformers `generate` on the same weights (static batches) and, with it, on the
+CPU with a GGUF model where llama_cpp is installed, llama.cpp batched on the same workload
+(bench/llamacpp_batch.py); with `--shared-prefix`, the same engine with prefix caching off;
+`--batch-sizes 16,64,256`, the workload again with that many requests (fresh prompts, same
+length distribution, each point against its own bound); `--plot FILE.png`, the breakdown and the
+sweep; `--json-schema FILE`, the workload again with that JSON schema on every request
+(structured outputs: each request also ends where its grammar does, so its rate counts the
+tokens it made) and its cost against the unconstrained rate.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from attnserve.bench.common import (
     timed_generate,
     write_json,
 )
+from attnserve.bench.llamacpp_batch import llama_cpp_batched_figures
 from attnserve.bench.lora import add_lora_arguments, with_random_loras
 from attnserve.bench.plot import plot_throughput, require_matplotlib
 from attnserve.bench.workloads import KINDS, draw_workload, uniform_workload
@@ -284,6 +286,9 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
     if args.hf_baseline:
         result |= _hf_figures(llm, args, workload)
         result["ratio_to_hf"] = result["output_tokens_per_s"] / result["hf_output_tokens_per_s"]
+        result |= llama_cpp_batched_figures(
+            args.model, device, workload, result["output_tokens_per_s"]
+        )
     if not args.profile_steps:
         return result, None
     if not engine_args.enforce_eager:
@@ -309,7 +314,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a named workload kind (bench/workloads.py) in place of --num-prompts, the "
         "length flags and --shared-prefix",
     )
-    parser.add_argument("--hf-baseline", action="store_true", help="also time HF generate")
+    parser.add_argument(
+        "--hf-baseline", action="store_true", help="also time HF generate (and llama.cpp)"
+    )
     parser.add_argument("--hf-num-prompts", type=int, default=None, help="HF's share of prompts")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="HF batch size")
     parser.add_argument(
