@@ -23,21 +23,18 @@ SLOTS, RANK = 3, 8
 SLICES = [(0, 24), (24, 8), (32, 8)]  # q, k, v widths of a merged projection
 
 
-def _stacks(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _stacks(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     lora_a = torch.randn(SLOTS, len(SLICES) * RANK, 32, generator=gen).to(dtype)
     lora_b = torch.randn(SLOTS, 40, RANK, generator=gen).to(dtype)
-    col_slice = torch.cat(
-        [torch.full((w,), j, dtype=torch.int32) for j, (_, w) in enumerate(SLICES)]
-    )
-    return lora_a.to(DEVICE), lora_b.to(DEVICE), col_slice.to(DEVICE)
+    return lora_a.to(DEVICE), lora_b.to(DEVICE)
 
 
 def _reference(
-    x: torch.Tensor, base: torch.Tensor, indices: list[int], a: torch.Tensor, b: torch.Tensor
+    x: torch.Tensor, base: torch.Tensor, slots: list[int], a: torch.Tensor, b: torch.Tensor
 ) -> torch.Tensor:
     out = base.double().clone()
-    for t, slot in enumerate(indices):
+    for t, slot in enumerate(slots):
         if slot < 0:
             continue
         for j, (start, width) in enumerate(SLICES):
@@ -46,13 +43,24 @@ def _reference(
     return out
 
 
+# a block mixing every slot and base rows; blocks of one slot, of base rows only, and a mixed
+# tail (kernel blocks are 16 tokens)
+SLOT_CASES = {
+    "mixed": [0, 0, -1, 2, 1, 1, -1, 2, 0],
+    "blocks": [1] * 16 + [-1] * 16 + [2] * 5 + [0] * 7 + [-1] * 3,
+}
+
+
+@pytest.mark.parametrize("case", SLOT_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("kernel", ["torch", "triton"])
-def test_batched_products_equal_each_rows_own_adapter(kernel: str, dtype: torch.dtype) -> None:
-    if kernel == "triton":
+@pytest.mark.parametrize("kernel", ["torch", "triton", "triton-sorted"])
+def test_batched_products_equal_each_rows_own_adapter(
+    kernel: str, dtype: torch.dtype, case: str
+) -> None:
+    if kernel.startswith("triton"):
         pytest.importorskip("triton")
-    lora_a, lora_b, col_slice = _stacks(dtype, seed=1)
-    slots = [0, 0, -1, 2, 1, 1, -1, 2, 0]
+    lora_a, lora_b = _stacks(dtype, seed=1)
+    slots = SLOT_CASES[case]
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(len(slots), 32, generator=gen).to(dtype).to(DEVICE)
     base = torch.randn(len(slots), 40, generator=gen).to(dtype).to(DEVICE)
@@ -63,10 +71,25 @@ def test_batched_products_equal_each_rows_own_adapter(kernel: str, dtype: torch.
     else:
         from attnserve.lora.triton_ops import add_lora_triton
 
-        got = add_lora_triton(x, base.clone(), indices, lora_a, lora_b, col_slice)
+        order = torch.arange(len(slots), dtype=torch.int32, device=DEVICE)
+        if kernel == "triton-sorted":
+            order = torch.argsort(indices, stable=True).to(torch.int32)
+        got = add_lora_triton(x, base.clone(), (indices, order), lora_a, lora_b, SLICES)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), expected, atol=tol * 10, rtol=tol)
-    assert torch.equal(got[2], base[2]) and torch.equal(got[6], base[6])  # no adapter: base only
+    base_rows = [t for t, slot in enumerate(slots) if slot < 0]
+    assert torch.equal(got[base_rows], base[base_rows])  # no adapter: the base output only
+
+
+def test_indices_keep_each_tokens_slot_and_a_sorted_order() -> None:
+    indices = LoRAIndices(12, torch.device("cpu"))
+    indices.set(torch.tensor([2, -1, 0, 2, 0], dtype=torch.int32).numpy())
+    slots, order = indices.for_tokens(7)  # two padded rows: no adapter, in place
+    assert slots.tolist() == [2, -1, 0, 2, 0, -1, -1]
+    assert order.tolist() == [1, 2, 4, 0, 3, 5, 6]
+    indices.set(torch.tensor([1], dtype=torch.int32).numpy())
+    slots, order = indices.for_tokens(5)
+    assert slots.tolist() == [1, -1, -1, -1, -1] and order.tolist() == [0, 1, 2, 3, 4]
 
 
 def _weights(modules: dict[str, tuple[int, int]], rank: int) -> dict[str, LoRAWeights]:

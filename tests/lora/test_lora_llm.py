@@ -1,7 +1,8 @@
 """LoRA through the offline `LLM` end to end: greedy tokens with an adapter equal HF transformers'
 on the same weights with the adapter merged in (W + scaling · B A), in batches that mix base
 rows and several adapters, under chunked prefill and preemption, with fewer device slots than
-adapters (requests wait for a slot); prefix caching never hands one adapter's blocks to another."""
+adapters (requests wait for a slot), through the torch path and the Triton kernels; prefix
+caching never hands one adapter's blocks to another."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from attnserve import LLM, LoRARequest, SamplingParams
+from attnserve.lora import layers
 from tests.conftest import TINY_LLAMA, hf_greedy
 from tests.lora.adapters import write_merged_model, write_peft_adapter
 
@@ -114,4 +116,26 @@ def test_requests_are_refused_up_front(tiny_llama_dir: Path, adapters: dict[str,
     llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=clash)
     with pytest.raises(ValueError, match="lora_int_id 2 already names adapter 'other'"):
         llm.generate([[5]], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 2, "/y"))
+    llm.shutdown()
+
+
+def test_triton_kernels_give_the_same_tokens(
+    tiny_llama_dir: Path,
+    adapters: dict[str, Path],
+    prompts: list[list[int]],
+    expected: dict[str | None, list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The whole model with its LoRA products in the Triton kernels (Triton's interpreter on
+    the CPU), base rows and both adapters in one batch."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(layers, "use_triton", lambda tensor: True)
+    llm = LLM(str(tiny_llama_dir), device="cpu", enable_lora=True, max_loras=2)
+    requests = _requests(adapters)
+    names = list(requests)
+    outputs = llm.generate(
+        prompts[:1] * len(names), GREEDY, use_tqdm=False,
+        lora_request=[requests[name] for name in names],
+    )  # fmt: skip
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[n][0] for n in names]
     llm.shutdown()

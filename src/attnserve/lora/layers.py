@@ -23,32 +23,40 @@ from attnserve.model.layers.ops import use_triton
 
 
 class LoRAIndices:
-    """Each new token's adapter slot (-1: none) for the step being run, in one persistent
-    device buffer (graphs capture its address; a padded row past the step's tokens reads -1)."""
+    """Each new token's adapter slot (-1: none) for the step being run, and the tokens sorted by
+    slot (the kernels take them in that order), in persistent device buffers: graphs capture
+    their addresses; a padded row past the step's tokens reads slot -1 and keeps its place."""
 
     def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.device = device
         self.slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
-        self._host = np.full(max_tokens, -1, dtype=np.int32)
+        self.order = torch.arange(max_tokens, dtype=torch.int32, device=device)
+        self._host = np.full((2, max_tokens), -1, dtype=np.int32)  # slots, order
+        self._host[1] = np.arange(max_tokens)
         self._used = 0
 
     def set(self, token_slots: np.ndarray) -> None:
         """This step's slots, one per new token in the step's order."""
         count = len(token_slots)
-        if count > len(self._host):
-            raise ValueError(f"a step of {count} tokens; the LoRA slots hold {len(self._host)}")
+        if count > self._host.shape[1]:
+            raise ValueError(f"a step of {count} tokens; the LoRA slots hold {self._host.shape[1]}")
         end = max(count, self._used)
-        self._host[:count] = token_slots
-        self._host[count:end] = -1
-        self.slots[:end].copy_(to_device(torch.from_numpy(self._host[:end].copy()), self.device))
+        self._host[0, :count] = token_slots
+        self._host[0, count:end] = -1
+        self._host[1, :count] = np.argsort(token_slots, kind="stable")
+        self._host[1, count:end] = np.arange(count, end)
+        both = to_device(torch.from_numpy(self._host[:, :end].copy()), self.device)
+        self.slots[:end].copy_(both[0])
+        self.order[:end].copy_(both[1])
         self._used = count
 
-    def for_tokens(self, count: int) -> torch.Tensor:
-        if count > len(self._host):
+    def for_tokens(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots of a forward's `count` tokens, and those tokens in slot order."""
+        if count > self._host.shape[1]:
             raise RuntimeError(
-                f"a forward of {count} tokens; the LoRA slots hold {len(self._host)}"
+                f"a forward of {count} tokens; the LoRA slots hold {self._host.shape[1]}"
             )
-        return self.slots[:count]
+        return self.slots[:count], self.order[:count]
 
 
 @dataclass(frozen=True)
@@ -99,10 +107,6 @@ class LoRALinear:
         self.lora_b = torch.zeros(
             max_loras, base.out_features, self.rank, dtype=dtype, device=device
         )
-        col_slice = torch.empty(base.out_features, dtype=torch.int32)
-        for j, part in enumerate(self.slices):
-            col_slice[part.offset : part.offset + part.size] = j
-        self.col_slice = col_slice.to(device)
         self.spans = [(part.offset, part.size) for part in self.slices]
 
     @property
@@ -124,9 +128,9 @@ class LoRALinear:
             self.lora_b[slot, part.offset : part.offset + part.size, :rank].copy_(b)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        indices = self.indices.for_tokens(x.shape[0])
+        slots = self.indices.for_tokens(x.shape[0])
         if use_triton(out):
             from attnserve.lora.triton_ops import add_lora_triton
 
-            return add_lora_triton(x, out, indices, self.lora_a, self.lora_b, self.col_slice)
-        return add_lora_torch(x, out, indices, self.lora_a, self.lora_b, self.spans)
+            return add_lora_triton(x, out, slots, self.lora_a, self.lora_b, self.spans)
+        return add_lora_torch(x, out, slots[0], self.lora_a, self.lora_b, self.spans)

@@ -1,12 +1,16 @@
-"""Triton kernels of the batched LoRA products (Punica's BGMV shrink and expand): one launch
-each per projection for all the adapters of a step, every token reading its own slot.
+"""Triton kernels of the batched LoRA products (Punica's SGMV shrink and expand): one shrink
+launch per layer and one expand launch per projection of it (q, k and v of a merged layer
+each), for all the adapters of a step.
 
-shrink: u[t, n] = x[t] · A[s_t, n] (float32) for the S·R rows of A; expand: out[t, o] +=
-u[t, col_slice[o]·R : +R] · B[s_t, o]. A token whose slot is -1 is skipped. The kernels read the
-per-token slots from a device tensor and make no host sync, and every allocation depends only
-on shapes, so CUDA graphs (whole decode steps and the piecewise ones) capture them with the
-slots as an input. `punica.add_lora_torch` is their reference (tests run both under Triton's
-interpreter on the CPU).
+A program takes BLOCK_M tokens in `order` (the step's tokens sorted by slot, so a block mostly
+holds one adapter) and loops over the slots its tokens use, multiplying only the rows of each
+(`tl.dot` tiles): shrink u[t] = x[t] A[s_t]^T (float32, the S·R columns of every slice), expand
+out[t, slice] += u[t, slice's R columns] B[s_t, slice rows]^T. Tokens of slot -1 are skipped
+(a block of them only: the program returns). The slots and the order are device tensors read by
+the kernels, with no host sync, and every allocation depends only on shapes, so CUDA graphs
+(whole decode steps and the piecewise ones) capture them with the slots as an input; the tile
+sizes do not depend on the token count, so the warm-up compiles every kernel a graph replays.
+`punica.add_lora_torch` is their reference (tests run both under Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -15,93 +19,102 @@ import torch
 import triton
 import triton.language as tl
 
+BLOCK_M = 16  # tokens a program takes (tl.dot's smallest tile)
+
+
+@triton.jit
+def _block_slots(order_ptr, idx_ptr, T, BLOCK_M: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The block's token rows (in slot order), whether each is a token, and their slots."""
+    offs = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = offs < T
+    rows = tl.load(order_ptr + offs, mask=valid, other=0).to(tl.int64)
+    slots = tl.load(idx_ptr + rows, mask=valid, other=-1)
+    return rows, valid, slots
+
 
 @triton.jit
 def _shrink_kernel(  # type: ignore[no-untyped-def]
-    x_ptr,
-    a_ptr,
-    idx_ptr,
-    u_ptr,
-    N,
-    K,
-    stride_xt,
-    stride_as,
-    stride_an,
-    stride_ut,
-    BLOCK_N: tl.constexpr,
+    x_ptr, a_ptr, idx_ptr, order_ptr, u_ptr, T, N, K,
+    stride_x, stride_as, stride_an, stride_u,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-):
-    t = tl.program_id(0)
-    slot = tl.load(idx_ptr + t)
-    if slot >= 0:
+):  # fmt: skip
+    rows, valid, slots = _block_slots(order_ptr, idx_ptr, T, BLOCK_M)
+    last = tl.max(slots, axis=0).to(tl.int64)
+    if last >= 0:
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        a_rows = a_ptr + slot.to(tl.int64) * stride_as + n[:, None] * stride_an
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_ptr + t * stride_xt + k, mask=k < K, other=0.0).to(tl.float32)
-            mask = (n[:, None] < N) & (k[None, :] < K)
-            a = tl.load(a_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc += tl.sum(a * xk[None, :], axis=1)
-        tl.store(u_ptr + t * stride_ut + n, acc, mask=n < N)
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for slot in range(tl.maximum(tl.min(slots, axis=0), 0).to(tl.int64), last + 1):
+            mine = valid & (slots == slot)
+            a_cols = a_ptr + slot * stride_as + n[None, :] * stride_an
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + ks
+                x_mask = mine[:, None] & (k[None, :] < K)
+                x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=x_mask, other=0)
+                a_mask = (k[:, None] < K) & (n[None, :] < N)
+                a = tl.load(a_cols + k[:, None], mask=a_mask, other=0)
+                acc = tl.dot(x, a, acc, input_precision=PRECISION)
+        u_mask = valid[:, None] & (n[None, :] < N)
+        tl.store(u_ptr + rows[:, None] * stride_u + n[None, :], acc, mask=u_mask)
 
 
 @triton.jit
 def _expand_kernel(  # type: ignore[no-untyped-def]
-    u_ptr,
-    b_ptr,
-    idx_ptr,
-    col_slice_ptr,
-    out_ptr,
-    OUT,
-    R,
-    stride_ut,
-    stride_bs,
-    stride_bo,
-    stride_ot,
-    BLOCK_O: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    t = tl.program_id(0)
-    slot = tl.load(idx_ptr + t)
-    if slot >= 0:
+    u_ptr, b_ptr, idx_ptr, order_ptr, out_ptr, T, WIDTH, R,
+    stride_u, stride_bs, stride_bo, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    rows, valid, slots = _block_slots(order_ptr, idx_ptr, T, BLOCK_M)
+    last = tl.max(slots, axis=0).to(tl.int64)
+    if last >= 0:
         o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         r = tl.arange(0, BLOCK_R)
-        mask = (o[:, None] < OUT) & (r[None, :] < R)
-        part = tl.load(col_slice_ptr + o, mask=o < OUT, other=0)
-        u = tl.load(u_ptr + t * stride_ut + part[:, None] * R + r[None, :], mask=mask, other=0.0)
-        b_rows = b_ptr + slot.to(tl.int64) * stride_bs + o[:, None] * stride_bo
-        b = tl.load(b_rows + r[None, :], mask=mask, other=0.0).to(tl.float32)
-        delta = tl.sum(u * b, axis=1)
-        out_at = out_ptr + t * stride_ot + o
-        base = tl.load(out_at, mask=o < OUT, other=0.0).to(tl.float32)
-        tl.store(out_at, (base + delta).to(out_ptr.dtype.element_ty), mask=o < OUT)
+        u_mask = valid[:, None] & (slots[:, None] >= 0) & (r[None, :] < R)
+        u = tl.load(u_ptr + rows[:, None] * stride_u + r[None, :], mask=u_mask, other=0.0)
+        b_mask = (r[:, None] < R) & (o[None, :] < WIDTH)
+        acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
+        for slot in range(tl.maximum(tl.min(slots, axis=0), 0).to(tl.int64), last + 1):
+            mine = tl.where((slots == slot)[:, None], u, 0.0)
+            b_rows = b_ptr + slot * stride_bs + o[None, :] * stride_bo
+            b = tl.load(b_rows + r[:, None], mask=b_mask, other=0.0).to(tl.float32)
+            acc = tl.dot(mine, b, acc, input_precision="ieee")
+        out_mask = valid[:, None] & (o[None, :] < WIDTH)
+        out_at = out_ptr + rows[:, None] * stride_out + o[None, :]
+        base = tl.load(out_at, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(out_at, (base + acc).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def add_lora_triton(
     x: torch.Tensor,
     out: torch.Tensor,
-    indices: torch.Tensor,
+    slots: tuple[torch.Tensor, torch.Tensor],
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
-    col_slice: torch.Tensor,
+    spans: list[tuple[int, int]],
 ) -> torch.Tensor:
-    """`out` [T, out] with each row's adapter product added in place (see the module)."""
+    """`out` [T, out] with each row's adapter product added in place; `slots`: each token's
+    slot and the tokens in slot order; `spans`: each slice's (first output column, width)."""
+    indices, order = slots
     tokens, in_features = x.shape
     rows_a, rank = lora_a.shape[1], lora_b.shape[-1]
     if x.stride(-1) != 1:
         x = x.contiguous()
     shrunk = torch.empty(tokens, rows_a, dtype=torch.float32, device=x.device)
-    block_n = min(triton.next_power_of_2(rows_a), 64)
-    _shrink_kernel[(tokens, triton.cdiv(rows_a, block_n))](
-        x, lora_a, indices, shrunk, rows_a, in_features,
+    blocks_m = triton.cdiv(tokens, BLOCK_M)
+    block_n = min(64, max(16, triton.next_power_of_2(rows_a)))
+    _shrink_kernel[(blocks_m, triton.cdiv(rows_a, block_n))](
+        x, lora_a, indices, order, shrunk, tokens, rows_a, in_features,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), shrunk.stride(0),
-        BLOCK_N=block_n, BLOCK_K=64,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=64,
     )  # fmt: skip
-    block_o = 64
-    _expand_kernel[(tokens, triton.cdiv(out.shape[1], block_o))](
-        shrunk, lora_b, indices, col_slice, out, out.shape[1], rank,
-        shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
-        BLOCK_O=block_o, BLOCK_R=triton.next_power_of_2(rank),
-    )  # fmt: skip
+    block_r = max(16, triton.next_power_of_2(rank))
+    for j, (start, width) in enumerate(spans):
+        _expand_kernel[(blocks_m, triton.cdiv(width, 64))](
+            shrunk[:, j * rank :], lora_b[:, start:], indices, order, out[:, start:],
+            tokens, width, rank,
+            shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
+            BLOCK_M=BLOCK_M, BLOCK_O=64, BLOCK_R=block_r,
+        )  # fmt: skip
     return out
