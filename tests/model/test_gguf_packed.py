@@ -105,7 +105,8 @@ def _rounded_reference(
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("m", range(1, 10))
+# rows 1..9 (AVX2 tiles of 4 and remainders), one AVX-512 group of 16, groups and a remainder
+@pytest.mark.parametrize("m", (*range(1, 10), 16, 37, 64))
 def test_native_kernel_against_rounded_reference(
     isa: str, qtype: str, n: int, k: int, m: int
 ) -> None:
@@ -163,10 +164,10 @@ def _pair(qtype: str, n: int, k: int) -> tuple[NativeWeight, NativeWeight]:
 @pytest.mark.parametrize(("n", "k"), [*SHAPES, (48, 576), (40, 1536)])
 def test_avx512_kernels_equal_the_avx2_ones_bit_for_bit(qtype: str, n: int, k: int) -> None:
     """The same integer sums and float sums in the same order (gguf_avx512.c): 1..9 rows, and
-    past one pass of 16 rows; dequantized rows by id and from any first row."""
+    past one, two and four passes of 16 rows; dequantized rows by id and from any first row."""
     avx2, fast = _pair(qtype, n, k)
     assert fast.isa == "avx512" and avx2.isa == "avx2"
-    for m in (*range(1, 10), 16, 21):
+    for m in (*range(1, 10), 16, 21, 37, 64):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         assert torch.equal(fast.mm(x), avx2.mm(x)), m
     assert torch.equal(fast.dequantize(), avx2.dequantize())
