@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,24 +28,30 @@ DEFAULT_TOKENIZER_POOL_SIZE = 2
 API_KEY_ENV = "ATTNSERVE_API_KEY"
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+    """A flag's parser of whole numbers from `minimum` up (`what` names them in the error)."""
+
+    def parse(text: str) -> int:
+        problem = argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        try:
+            value = int(text)
+        except ValueError:
+            raise problem from None
+        if value < minimum:
+            raise problem
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1, "a positive integer")
+_count = _int_at_least(0, "a whole number >= 0")
 
 
 def _seconds(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
     return value
 
 
