@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ import httpx
 import torch
 
 import attnserve
+from attnserve.distributed.utils import get_open_port
 from tests.conftest import HANG_GUARD_S
 
 SRC = Path(attnserve.__file__).resolve().parents[1]
@@ -26,19 +26,12 @@ TINY_MAX_MODEL_LEN = 128
 TINY_MAX_BYTES = 65536
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class ServerProcess:
     """`attnserve serve ARGS` in a subprocess; ready (GET /health 200) when constructed. Every
     wait polls for its condition and fails only on a hang (HANG_GUARD_S)."""
 
     def __init__(self, args: list[str], api_key: str | None = None) -> None:
-        self.port = free_port()
+        self.port = get_open_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         env = dict(os.environ)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import IO
+
+from attnserve.distributed.utils import get_open_port
 
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
@@ -45,18 +46,11 @@ def parse_serve_args(launch: str) -> list[str]:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class LaunchedServer:
     """`attnserve serve ARGS` on a free loopback port, ready when constructed."""
 
     def __init__(self, args: list[str]) -> None:
-        self.port = _free_port()
+        self.port = get_open_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "attnserve.cli", "serve", *args]
         command += ["--port", str(self.port), "--uvicorn-log-level", "warning"]
