@@ -77,6 +77,7 @@ def test_the_request_model_picks_the_adapter(
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert reply.choices[0].text == expected
+    assert reply.model == name  # as vLLM: the adapter's name
 
 
 def test_adapters_load_and_unload_at_run_time(

@@ -34,6 +34,7 @@ class LoRAIndices:
         self._host = np.full((2, max_tokens), -1, dtype=np.int32)  # slots, order
         self._host[1] = np.arange(max_tokens)
         self._used = 0
+        self.active = False  # whether any token of the step has an adapter
 
     def set(self, token_slots: np.ndarray) -> None:
         """This step's slots, one per new token in the step's order."""
@@ -49,6 +50,7 @@ class LoRAIndices:
         self.slots[:end].copy_(both[0])
         self.order[:end].copy_(both[1])
         self._used = count
+        self.active = bool((token_slots >= 0).any())
 
     def for_tokens(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots of a forward's `count` tokens, and those tokens in slot order."""
@@ -133,4 +135,6 @@ class LoRALinear:
             from attnserve.lora.triton_ops import add_lora_triton
 
             return add_lora_triton(x, out, slots, self.lora_a, self.lora_b, self.spans)
+        if not self.indices.active:  # the torch path runs eagerly: no graph records this
+            return out
         return add_lora_torch(x, out, slots[0], self.lora_a, self.lora_b, self.spans)

@@ -150,7 +150,7 @@ class OpenAIServingChat(OpenAIServing):
         def build(choices: list[Choice], tokens: int) -> ChatCompletionResponse:
             return ChatCompletionResponse(
                 id=request_id,
-                model=self.model_name,
+                model=request.model or self.model_name,  # a LoRA adapter's name, as vLLM
                 choices=[
                     self._choice(i, c, k, plan, thinking, request.return_tokens_as_token_ids)
                     for i, c in enumerate(choices)
@@ -260,7 +260,7 @@ class _ChunkRenderer(ChunkRenderer[ChatCompletionChunk]):
         thinking: bool | None,
     ) -> None:
         """`thinking`: None without a reasoning parser; else whether replies start inside it."""
-        super().__init__(serving.model_name, request_id, prompts, request)
+        super().__init__(request.model or serving.model_name, request_id, prompts, request)
         self.serving = serving
         self.request = request
         self.plan = plan

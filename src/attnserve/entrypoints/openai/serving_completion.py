@@ -75,7 +75,7 @@ class OpenAIServingCompletion(OpenAIServing):
         def build(choices: list[Choice], tokens: int) -> CompletionResponse:
             return CompletionResponse(
                 id=request_id,
-                model=self.model_name,
+                model=request.model or self.model_name,  # a LoRA adapter's name, as vLLM
                 choices=[self._choice(i, c, request, echo) for i, c in enumerate(choices)],
                 usage=usage(prompts, tokens),
             )
@@ -204,7 +204,7 @@ class _ChunkRenderer(ChunkRenderer[CompletionResponse]):
         prompts: list[list[int]],
         echo: _Echo | None,
     ) -> None:
-        super().__init__(serving.model_name, request_id, prompts, request)
+        super().__init__(request.model or serving.model_name, request_id, prompts, request)
         self.serving = serving
         self.k = request.logprobs
         self.as_ids = request.return_tokens_as_token_ids
