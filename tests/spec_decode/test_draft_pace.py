@@ -113,11 +113,11 @@ def draft_round(speculator: Speculator, sequences: list[Sequence], step: int, ri
     drafts = [5, 6, 7]
     for seq in sequences:
         seq.spec_token_ids = list(drafts)
-    speculator.propose(sequences, step)
+    speculator.take_drafts(sequences, step)
     for seq in sequences:
         seq.token_ids += [*drafts[:right], 9]
         seq.num_computed_tokens = len(seq.token_ids) - 1
-    speculator.propose(sequences, step + 1)
+    speculator.take_drafts(sequences, step + 1)
 
 
 def draft_model_speculator() -> Speculator:

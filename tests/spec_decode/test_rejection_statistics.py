@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from attnserve import LLM, SamplingParams
+from attnserve.spec_decode import verifier
 from attnserve.step_types import SampleOutput
-from attnserve.worker import draft_verifier
 from tests.conftest import TINY_LLAMA, _save_random_llama
 
 VOCAB = 16
@@ -140,7 +140,7 @@ def test_the_check_fails_when_every_draft_is_accepted(
             return drawn[0]
         return SampleOutput([*drafts, drawn[len(drafts)].token_ids[0]])
 
-    monkeypatch.setattr(draft_verifier, "_kept", keep_every_draft)
+    monkeypatch.setattr(verifier, "_kept", keep_every_draft)
     counts, stats = _sample(vocab16_dir)
     assert stats["spec_decode_acceptance_rate"] == 1.0
     p2, _ = _p_values(counts, target_joint)
@@ -152,7 +152,7 @@ def test_the_check_fails_when_the_token_after_accepted_drafts_has_the_wrong_cont
 ) -> None:
     """A verifier whose token after accepted drafts is the first position's draw (drawn as if
     the drafts were not there): right second tokens, wrong third ones where a draft was kept."""
-    kept = draft_verifier._kept
+    kept = verifier._kept
 
     def wrong_context(drawn: list[SampleOutput], drafts: list[int]) -> SampleOutput:
         result = kept(drawn, drafts)
@@ -160,7 +160,7 @@ def test_the_check_fails_when_the_token_after_accepted_drafts_has_the_wrong_cont
             return result
         return SampleOutput([*result.token_ids[:-1], drawn[0].token_ids[0]])
 
-    monkeypatch.setattr(draft_verifier, "_kept", wrong_context)
+    monkeypatch.setattr(verifier, "_kept", wrong_context)
     counts, _ = _sample(vocab16_dir)
     p2, p3 = _p_values(counts, target_joint)
     assert p2 > ALPHA  # the second token is still right
@@ -172,7 +172,7 @@ def test_a_verifier_that_claims_drafts_it_did_not_draw_is_caught(
 ) -> None:
     """Accepting every draft through `num_accepted` alone keeps the draws, not the drafts: the
     scheduler refuses tokens it did not draft instead of emitting them."""
-    monkeypatch.setattr(draft_verifier, "num_accepted", lambda drawn, drafts: len(drafts))
+    monkeypatch.setattr(verifier, "num_accepted", lambda drawn, drafts: len(drafts))
     llm = LLM(str(vocab16_dir), device="cpu", speculative_config=SPEC, seed=7)
     try:
         params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -17,7 +17,7 @@ import torch
 from attnserve import LLM, SamplingParams
 from attnserve.cli import main
 from attnserve.config import SpeculativeConfig
-from attnserve.engine.core import speculator
+from attnserve.spec_decode import metrics
 from attnserve.worker.model_runner import ModelRunner
 from tests.conftest import HANG_GUARD_S
 from tests.entrypoints.openai_server import ServerProcess
@@ -151,14 +151,14 @@ def test_a_draft_that_does_not_fit_in_memory_is_refused_by_name(
 def spec_counts(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Draft tokens verified and accepted in this test (every engine core in this process)."""
     counts = {"draft": 0, "accepted": 0}
-    record = speculator.SpecDecodeStats.record
+    record = metrics.SpecDecodeStats.record
 
-    def counting(self: speculator.SpecDecodeStats, drafted: int, accepted: int) -> None:
+    def counting(self: metrics.SpecDecodeStats, drafted: int, accepted: int) -> None:
         counts["draft"] += drafted
         counts["accepted"] += accepted
         record(self, drafted, accepted)
 
-    monkeypatch.setattr(speculator.SpecDecodeStats, "record", counting)
+    monkeypatch.setattr(metrics.SpecDecodeStats, "record", counting)
     return counts
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from attnserve import LLM, SamplingParams
+from attnserve.spec_decode.draft_model_proposer import DraftModelProposer
 from attnserve.step_types import StepPlan, StepResults
-from attnserve.worker.draft_proposer import DraftProposer
 from attnserve.worker.model_runner import ModelRunner
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
@@ -129,18 +129,18 @@ def test_a_draft_model_leaves_steps_without_drafts_asynchronous(
     model = str(tiny_llama_dir)
     launched: list[StepPlan] = []  # the target's steps (the draft's passes are `forward_plan`)
     taken_in: list[tuple[StepPlan, int]] = []  # each step the draft took in, and launches then
-    execute_async, follow = ModelRunner.execute_async, DraftProposer.follow
+    execute_async, follow = ModelRunner.execute_async, DraftModelProposer.follow
 
     def launch(runner: ModelRunner, plan: StepPlan) -> Any:
         launched.append(plan)
         return execute_async(runner, plan)
 
-    def take_in(proposer: DraftProposer, plan: StepPlan, results: StepResults) -> None:
+    def take_in(proposer: DraftModelProposer, plan: StepPlan, results: StepResults) -> None:
         taken_in.append((plan, len(launched)))
         follow(proposer, plan, results)
 
     monkeypatch.setattr(ModelRunner, "execute_async", launch)
-    monkeypatch.setattr(DraftProposer, "follow", take_in)
+    monkeypatch.setattr(DraftModelProposer, "follow", take_in)
     spec = {"model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
     got, stats = generate(model, PROMPTS, STAGGERED, speculative_config=spec)
     assert [plan for plan, _ in taken_in] == launched
@@ -297,7 +297,7 @@ def test_a_draft_model_whose_drafts_fail_steps_aside(
     monkeypatch.setattr(
         ModelRunner,
         "forward_plan",
-        lambda runner, plan: forwards.append(plan) or forward_plan(runner, plan),
+        lambda runner, plan, *rows: forwards.append(plan) or forward_plan(runner, plan, *rows),
     )
     got, stats = generate(model, PROMPTS[:1], params, speculative_config=spec)
     assert_same_outputs(got, want)

@@ -97,21 +97,21 @@ def _held(batch: InputBatch, seq_id: int) -> list[int]:
 
 
 def test_kept_tokens_are_appended_one_each_at_once_or_several_each() -> None:
-    """A draft model's batch takes in the tokens the target kept (`append_kept`): one a
+    """A draft model's batch takes in the tokens the target kept (`DraftRows.append_kept`): one a
     sequence, several, or none; never past max_model_len."""
     batch = _batch()
     batch.apply(
         StepPlan.of_new([_new(1, [5, 6], 0, [0]), _new(2, [7], 0, [1]), _new(3, [8], 0, [2])])
     )
-    batch.append_kept([1, 2, 3], [[9], None, [4]])
+    batch.drafts.append_kept([1, 2, 3], [[9], None, [4]])
     assert [_held(batch, s) for s in (1, 2, 3)] == [[5, 6, 9], [7], [8, 4]]
-    batch.append_kept([1, 3], [[1, 2], [3]])
+    batch.drafts.append_kept([1, 3], [[1, 2], [3]])
     assert [_held(batch, s) for s in (1, 2, 3)] == [[5, 6, 9, 1, 2], [7], [8, 4, 3]]
-    batch.append_kept([2], [[1] * 64])  # the most it holds: one past max_model_len
+    batch.drafts.append_kept([2], [[1] * 64])  # the most it holds: one past max_model_len
     with pytest.raises(ValueError, match="kept one more"):
-        batch.append_kept([2, 3], [[1], [1]])
+        batch.drafts.append_kept([2, 3], [[1], [1]])
     with pytest.raises(ValueError, match="past max_model_len"):
-        batch.append_kept([3], [[1] * 63])
+        batch.drafts.append_kept([3], [[1] * 63])
 
 
 def test_the_batch_grows_past_its_first_slots() -> None:

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from attnserve.engine.core.speculator import SPEC_DECODE_COUNTS, spec_decode_stats
 from attnserve.entrypoints.llm import LLM
 from attnserve.lora.request import LoRARequest
 from attnserve.sampling_params import SamplingParams, StructuredOutputsParams
+from attnserve.spec_decode.metrics import SPEC_DECODE_COUNTS, spec_decode_stats
 
 
 @dataclass(frozen=True)

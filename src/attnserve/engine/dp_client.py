@@ -21,9 +21,9 @@ import torch
 
 from attnserve.config.engine import EngineConfig
 from attnserve.engine.core.messages import EngineCoreOutputs, EngineCoreRequest
-from attnserve.engine.core.speculator import SPEC_DECODE_COUNTS, spec_decode_stats
 from attnserve.engine.core_client import EngineCoreClient, EngineDeadError
 from attnserve.engine.proc_client import ProcClient, core_num_threads
+from attnserve.spec_decode.metrics import SPEC_DECODE_COUNTS, spec_decode_stats
 
 MAX_REMEMBERED_PREFIXES = 1 << 16
 _SUMMED_STATS = (

@@ -28,8 +28,11 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from attnserve.spec_decode.proposer import Proposer, TargetTokens, drafting_results
+from attnserve.step_types import StepPlan, StepResults
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     """Draft tokens by prompt lookup: the tokens that followed the earliest earlier occurrence
     of the longest matching suffix n-gram (see the module docstring)."""
 
@@ -47,9 +50,14 @@ class NgramProposer:
                 f"prompt_lookup_max ({prompt_lookup_max}) must be at least "
                 f"prompt_lookup_min ({prompt_lookup_min})"
             )
-        self.num_speculative_tokens = num_speculative_tokens
+        super().__init__(num_speculative_tokens)
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
+
+    def propose_drafts(self, plan: StepPlan, results: StepResults, target: TargetTokens) -> None:
+        """Each drafting sequence's drafts, looked up in its tokens in the target's batch."""
+        for seq_id, result in drafting_results(plan, results):
+            result.draft_token_ids = self.propose(target.host_token_ids(seq_id))
 
     def propose(
         self, token_ids: Sequence[int] | npt.NDArray[np.integer], max_tokens: int | None = None

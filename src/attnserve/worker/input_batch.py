@@ -10,7 +10,7 @@ slots and last tokens, where carried tokens go) cross in one transfer. The first
 sequence draws stays on the device (`last_sampled`): the next step reads it from there (a token
 the host does not know yet, with async scheduling), and the host copy is written when the step's
 future resolves (`record`). Slots are reused; a slot's generation tells a late result that its
-sequence has gone.
+sequence has gone. Draft tokens (speculative decoding) are kept by its `DraftRows`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 
 from attnserve.attention import StepLayout, as_decode_rows, layout_from_arrays
 from attnserve.host_copy import device_tensor, to_device
+from attnserve.spec_decode.draft_rows import DraftRows, num_drafts
 from attnserve.step_types import NewSequence, StepPlan, StepResults
 from attnserve.worker.sampling_metadata import SamplingMetadata, SamplingTable
 from attnserve.worker.sequence_state import SequenceState
@@ -75,9 +76,7 @@ class InputBatch:
         self.max_blocks = -(-max_model_len // block_size)
         self.states: dict[int, SequenceState] = {}  # seq id -> state
         self.prompt_logprob_seqs: set[int] = set()  # held sequences that ask for them
-        # a step whose every sequence computes at most this many tokens after a cached context
-        # runs as decode rows (a draft model's catch-up passes); verify steps always do
-        self.decode_rows_up_to = 1
+        self.drafts = DraftRows(self)
         self._free_slots: list[int] = []
         self.token_ids = np.zeros((0, self.max_tokens), dtype=np.int64)
         self.num_host_tokens = np.zeros(0, dtype=np.int64)  # known on the host
@@ -148,7 +147,7 @@ class InputBatch:
         for seq in plan.new_seqs:
             self._add(seq)
         for update in plan.block_updates:
-            slot = self._slot(update.seq_id)
+            slot = self.slot_of(update.seq_id)
             end = update.num_kept + len(update.appended)
             self._check_blocks(update.seq_id, end)
             tables = self._group_tables(update.seq_id, update.appended, update.group_appended)
@@ -162,11 +161,16 @@ class InputBatch:
                 self._free_slots.append(state.slot)
                 self.prompt_logprob_seqs.discard(seq_id)
 
-    def _slot(self, seq_id: int) -> int:
+    def slot_of(self, seq_id: int) -> int:
         state = self.states.get(seq_id)
         if state is None:
             raise ValueError(f"sequence {seq_id} is not held by this worker")
         return state.slot
+
+    def host_token_ids(self, seq_id: int) -> np.ndarray:
+        """The sequence's tokens known on the host (a view)."""
+        slot = self.slot_of(seq_id)
+        return self.token_ids[slot, : self.num_host_tokens[slot]]
 
     def _check_blocks(self, seq_id: int, num_blocks: int) -> None:
         if num_blocks > self.max_blocks:
@@ -203,8 +207,10 @@ class InputBatch:
         if seq.sampling is not None and seq.sampling.prompt_logprobs is not None:
             self.prompt_logprob_seqs.add(seq.seq_id)
 
-    def prepare(self, plan: StepPlan) -> PreparedStep:
-        """The step's inputs from the held state (after `apply`)."""
+    def prepare(self, plan: StepPlan, decode_rows_up_to: int = 1) -> PreparedStep:
+        """The step's inputs from the held state (after `apply`); a step of at most
+        `decode_rows_up_to` new tokens a sequence after a cached context runs as decode rows
+        (`DraftRows.as_decode_rows`: a draft model's catch-up passes), as verify steps do."""
         try:
             states = [self.states[seq_id] for seq_id in plan.seq_ids]
         except KeyError as missing:
@@ -212,10 +218,8 @@ class InputBatch:
         slots = np.fromiter((s.slot for s in states), np.int64, len(states))
         query = np.asarray(plan.num_new_tokens, dtype=np.int64)
         context = self.num_computed[slots]
-        drafts = self._write_drafts(plan, states) if plan.spec_token_ids else None
-        total = self.num_tokens[slots]
-        if drafts is not None:
-            total = total + np.fromiter(map(len, drafts), np.int64, len(drafts))
+        drafts = self.drafts.write(plan, slots)
+        total = self.num_tokens[slots] + (0 if drafts is None else num_drafts(drafts))
         if len(query) != len(slots) or (context + query > total).any():
             raise ValueError("the plan computes tokens its sequences do not have")
         width = max(int(self.num_blocks[slots].max(initial=0)), 1)
@@ -229,7 +233,7 @@ class InputBatch:
         token_ids = torch.from_numpy(self.token_ids.ravel().take(flat_index))
         carried_at = self._carried_at(slots, context + query, token_seq, positions)
         last_tokens = layout.query_start_loc.numpy()[1:] - 1  # each sequence's, flat
-        if self._as_decode_rows(plan, context, query, drafts):
+        if self.drafts.as_decode_rows(plan, context, query, drafts, decode_rows_up_to):
             layout = as_decode_rows(layout)
         rows = np.flatnonzero((context + query == total) & self.samples[slots])
         sample_rows: list[int] = rows.tolist()
@@ -242,38 +246,6 @@ class InputBatch:
             layout, token_ids, carried, slots, draw_slots, sample_tokens, query, states,
             sample_rows, sampling, metadata, drafts,
         )  # fmt: skip
-
-    def _as_decode_rows(
-        self,
-        plan: StepPlan,
-        context: np.ndarray,
-        query: np.ndarray,
-        drafts: list[list[int]] | None,
-    ) -> bool:
-        """Whether a step runs as decode rows: no prompt, no sequence asking for prompt
-        log-probabilities (they read per-sequence rows), and either drafts to verify beside
-        plain decodes or at most `decode_rows_up_to` new tokens a sequence, some more than one."""
-        if not self.prompt_logprob_seqs.isdisjoint(plan.seq_ids) or not (context > 0).all():
-            return False
-        if drafts is not None:
-            num_drafts = np.fromiter(map(len, drafts), np.int64, len(drafts))
-            return bool((query == num_drafts + 1).all())
-        return 1 < int(query.max(initial=0)) <= self.decode_rows_up_to
-
-    def _write_drafts(self, plan: StepPlan, states: list[SequenceState]) -> list[list[int]]:
-        """Each sequence's draft tokens, written after its known tokens (where the step's
-        inputs are gathered from; they do not count as its tokens)."""
-        drafts = []
-        for seq_id, state in zip(plan.seq_ids, states, strict=True):
-            tokens = plan.spec_token_ids.get(seq_id, [])
-            start = int(self.num_tokens[state.slot])
-            if start + len(tokens) >= self.max_tokens:
-                raise ValueError(f"sequence {seq_id}: its drafts run past max_model_len")
-            if tokens and start > self.num_host_tokens[state.slot]:
-                raise ValueError(f"sequence {seq_id}: drafts follow a token not on the host")
-            self.token_ids[state.slot, start : start + len(tokens)] = tokens
-            drafts.append(tokens)
-        return drafts
 
     def _carried_at(
         self,
@@ -320,19 +292,6 @@ class InputBatch:
             self.last_sampled[step.draw_slots] = first_draws
         return PendingDraws(drew, positions, self.generation[drew].copy())
 
-    def extend(self, step: PreparedStep, row: int, tokens: list[int]) -> None:
-        """After `advance` and `record` of a verify step: sequence `row` also takes `tokens`
-        (its accepted drafts past the first, and the token drawn after them); its rejected
-        drafts are no longer computed."""
-        slot = int(step.slots[row])
-        drafts = step.drafts[row] if step.drafts is not None else []
-        start = int(self.num_tokens[slot])
-        self.token_ids[slot, start : start + len(tokens)] = tokens
-        self.num_tokens[slot] = self.num_host_tokens[slot] = start + len(tokens)
-        self.num_computed[slot] -= len(drafts) - len(tokens)
-        if tokens:
-            self.last_sampled[slot] = tokens[-1]
-
     def accept_results(self, step: PreparedStep, results: StepResults) -> None:
         """Count a step as computed and take in the tokens its sampling rows kept (each row's
         draws, or after drafts the drafts accepted and one more), all known on the host."""
@@ -340,42 +299,10 @@ class InputBatch:
         firsts = [result.token_ids[0] for result in kept if result is not None]
         pending = self.advance(step, device_tensor(firsts, self.device))
         self.record(pending, firsts)
-        drafts = step.drafts or []
-        for row, result in zip(step.sample_rows, kept, strict=True):
-            if drafts and drafts[row] and result is not None:
-                self.extend(step, row, result.token_ids[1:])
-
-    def append_tokens(self, seq_id: int, tokens: list[int]) -> None:
-        """Take in tokens a sequence kept that were computed elsewhere (a draft model's batch
-        takes the target's), known on the host and not counted as computed here."""
-        slot = self._slot(seq_id)
-        start = int(self.num_tokens[slot])
-        if start + len(tokens) > self.max_tokens:
-            raise ValueError(f"sequence {seq_id}: {start + len(tokens)} tokens, past max_model_len")
-        self.token_ids[slot, start : start + len(tokens)] = tokens
-        self.num_tokens[slot] = self.num_host_tokens[slot] = start + len(tokens)
-
-    def append_kept(self, seq_ids: list[int], kept: list[list[int] | None]) -> None:
-        """`append_tokens` for each sequence that kept tokens (None: none); a step where each
-        kept one token is written at once."""
-        rows = [(seq_id, tokens) for seq_id, tokens in zip(seq_ids, kept, strict=True) if tokens]
-        if any(len(tokens) != 1 for _, tokens in rows):
-            for seq_id, tokens in rows:
-                self.append_tokens(seq_id, tokens)
-            return
-        slots = np.fromiter((self._slot(seq_id) for seq_id, _ in rows), np.int64, len(rows))
-        positions = self.num_tokens[slots]
-        if len(rows) and int(positions.max()) >= self.max_tokens:
-            raise ValueError(f"a sequence of {self.max_tokens} tokens kept one more")
-        self.token_ids[slots, positions] = [tokens[0] for _, tokens in rows]
-        self.num_tokens[slots] = self.num_host_tokens[slots] = positions + 1
-
-    def truncate(self, slots: np.ndarray, counts: np.ndarray) -> None:
-        """Forget each slot's last `counts` tokens, computed and known (a draft model's own
-        drafts, once proposed)."""
-        self.num_tokens[slots] -= counts
-        self.num_host_tokens[slots] = self.num_tokens[slots]
-        self.num_computed[slots] -= counts
+        if step.drafts is not None:
+            rows = step.sample_rows
+            drafts = [step.drafts[row] for row in rows]
+            self.drafts.take_verified(step.slots[rows], drafts, kept)
 
     def record(self, pending: PendingDraws, tokens: list[int]) -> None:
         """Write a resolved step's first draws into the host arrays, where their sequences

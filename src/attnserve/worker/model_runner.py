@@ -48,7 +48,7 @@ from attnserve.distributed.communication import tensor_model_parallel_all_reduce
 from attnserve.host_copy import to_device
 from attnserve.lora.manager import LoRAModelManager
 from attnserve.model.loader import load_model
-from attnserve.step_types import StepPlan, StepResults
+from attnserve.step_types import SampleOutput, StepPlan, StepResults
 from attnserve.worker.cache_engine import CacheEngine, gpu_kv_cache_budget, num_blocks_for_budget
 from attnserve.worker.graphs import (
     GraphRunner,
@@ -61,7 +61,7 @@ from attnserve.worker.kv_calibration import calibration_plan
 from attnserve.worker.profile_run import profile_plan, warm_up_plans
 from attnserve.worker.sampler import Sampler
 from attnserve.worker.step_future import StepFuture
-from attnserve.worker.step_sampling import ForwardPass, StepSampling
+from attnserve.worker.step_sampling import ForwardPass, StepSampling, last_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -289,14 +289,14 @@ class ModelRunner:
         step = self._prepare(plan)
         return ForwardPass(self.sampling, step, self._forward(step))
 
-    def _prepare(self, plan: StepPlan) -> PreparedStep:
+    def _prepare(self, plan: StepPlan, decode_rows_up_to: int = 1) -> PreparedStep:
         """The plan applied (`apply_plan`), then the step's inputs."""
         if self._unsampled is not None and not self._unsampled.sampled:
             raise RuntimeError("a step was launched before the step before it was sampled")
         self.apply_plan(plan)
         if self.lora is not None:
             self.lora.prepare(plan)
-        return self.input_batch.prepare(plan)
+        return self.input_batch.prepare(plan, decode_rows_up_to)
 
     def apply_plan(self, plan: StepPlan) -> None:
         """Block moves first (swaps, copy-on-write copies: the forward pass may reuse the
@@ -311,11 +311,27 @@ class ModelRunner:
         self.input_batch.apply(plan)
 
     @torch.inference_mode()
-    def forward_plan(self, plan: StepPlan) -> tuple[PreparedStep, torch.Tensor]:
+    def forward_plan(
+        self, plan: StepPlan, decode_rows_up_to: int = 1
+    ) -> tuple[PreparedStep, torch.Tensor]:
         """Apply `plan` and run its forward pass (the KV cache takes its tokens): the step and
         its new tokens' final hidden states; nothing is drawn, nothing counted as computed."""
-        step = self._prepare(plan)
+        step = self._prepare(plan, decode_rows_up_to)
         return step, self._forward(step)
+
+    @torch.inference_mode()
+    def draft_step(self, plan: StepPlan, draw: bool, decode_rows_up_to: int) -> list[int]:
+        """A draft model's pass (`DraftModelProposer`): `plan` run and counted as computed, a
+        pass of at most `decode_rows_up_to` tokens a sequence as decode rows; with `draw`, each
+        sequence's greedy next token, taken in and returned."""
+        step, hidden = self.forward_plan(plan, decode_rows_up_to)
+        if not draw:
+            self.input_batch.accept_results(step, [None] * len(plan.seq_ids))
+            return []
+        logits = self.model.compute_logits(last_hidden(hidden, step))
+        drawn: list[int] = logits.argmax(dim=-1).tolist()
+        self.input_batch.accept_results(step, [SampleOutput([token]) for token in drawn])
+        return drawn
 
     @torch.inference_mode()
     def final_hidden_states(self, plan: StepPlan) -> torch.Tensor:

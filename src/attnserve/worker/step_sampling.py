@@ -21,11 +21,12 @@ import torch
 
 from attnserve.host_copy import device_tensor
 from attnserve.profiling import SAMPLING_RANGE, marked
+from attnserve.spec_decode.verifier import VerifyRows
 from attnserve.step_types import SampleOutput, StepResults, TokenBitmask
-from attnserve.worker.draft_verifier import DraftVerifier
 from attnserve.worker.input_batch import InputBatch, PreparedStep
 from attnserve.worker.prompt_logprobs import add_prompt_logprobs
 from attnserve.worker.sampler import Sampler
+from attnserve.worker.sampling_metadata import SamplingMetadata
 from attnserve.worker.step_future import StepFuture
 
 
@@ -69,7 +70,6 @@ class StepSampling:
         self.sampler = sampler
         self.input_batch = input_batch
         self.sampling_threads = functools.partial(sampling_threads, device)
-        self.verifier = DraftVerifier(compute_logits, sampler, input_batch, self.sampling_threads)
 
     def draw(
         self, step: PreparedStep, hidden: torch.Tensor, token_bitmask: TokenBitmask | None
@@ -85,7 +85,7 @@ class StepSampling:
             self.input_batch.advance(step, None)
             return StepFuture(num_seqs, ready=results)
         if step.drafts is not None:
-            results = self.verifier.verify(step, hidden, token_bitmask)
+            results = self._verify(step, step.drafts, hidden, token_bitmask)
             self._add_prompt_logprobs(step, hidden, starts, results)
             return StepFuture(num_seqs, ready=results)
         logits = self.compute_logits(last_hidden(hidden, step))
@@ -108,6 +108,32 @@ class StepSampling:
         pending = self.input_batch.advance(step, firsts)
         self.input_batch.record(pending, [result.token_ids[0] for result in drawn])
         return StepFuture(num_seqs, ready=results)
+
+    def _verify(
+        self,
+        step: PreparedStep,
+        drafts: list[list[int]],
+        hidden: torch.Tensor,
+        token_bitmask: TokenBitmask | None,
+    ) -> StepResults:
+        """A verify step's results (`spec_decode.verifier`), the batch brought up to date.
+        `hidden` holds the step's new tokens in order (sequence i's end at the running sum of
+        `step.num_new_tokens`), however the step's layout grouped them."""
+        rows = step.sample_rows
+        ends: list[int] = step.num_new_tokens.cumsum()[rows].tolist()
+        verify = VerifyRows.of(step.sampling, [drafts[row] for row in rows], ends)
+        logits = self.compute_logits(hidden[device_tensor(verify.logit_index, hidden.device)])
+        metadata = SamplingMetadata.from_rows(verify.inputs, hidden.device)
+        with self.sampling_threads():
+            draw = self.sampler.draw(logits, verify.inputs, metadata, verify.bitmask(token_bitmask))
+        drawn = self.sampler.split(
+            draw.tokens.tolist(), draw.token_logprobs.tolist(), draw.top, draw.counts
+        )
+        results: StepResults = [None] * len(step.states)
+        for row, result in zip(rows, verify.kept(drawn), strict=True):
+            results[row] = result
+        self.input_batch.accept_results(step, results)
+        return results
 
     @staticmethod
     def _first_draws(counts: list[int], tokens: torch.Tensor) -> torch.Tensor:

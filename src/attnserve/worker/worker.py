@@ -7,11 +7,12 @@ broadcasts each step's `StepPlan` (only what changed since the last one) once ov
 and runs it; every other rank sits in `execute_model_loop`, applying each plan it receives to
 its own persistent batch and running it, until the driver broadcasts None. All ranks sample (the
 logits are all-gathered, the draws the same on every rank), so each rank's batch knows the tokens
-its next step reads; only the driver's results are returned. With a draft model (speculative
-decoding) each rank also holds the draft's runner (`DraftProposer`), which takes in every step
-and computes for the sequences it drafts for. A single rank (in the engine's process) also runs
-a step in two halves (`launch_forward`): the forward pass at once, the draws when the engine
-hands over the token bitmask it computed meanwhile.
+its next step reads; only the driver's results are returned. With speculative decoding each rank
+also holds a `Proposer` (`spec_decode`), which after a step sets the next step's drafts of the
+sequences the plan drafts for on their results (a draft model's also takes in every step). A
+single rank (in the engine's process) also runs a step in two halves (`launch_forward`): the
+forward pass at once, the draws when the engine hands over the token bitmask it computed
+meanwhile.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from attnserve.distributed import (
     destroy_distributed_environment,
     init_distributed_environment,
 )
+from attnserve.spec_decode.draft_model_proposer import DraftModelProposer
+from attnserve.spec_decode.ngram_proposer import NgramProposer
+from attnserve.spec_decode.proposer import Proposer
 from attnserve.step_types import (
     AsyncStepOutput,
     LaunchedForward,
@@ -35,7 +39,6 @@ from attnserve.step_types import (
     StepResults,
     TokenBitmask,
 )
-from attnserve.worker.draft_proposer import DraftProposer
 from attnserve.worker.model_runner import ModelRunner
 from attnserve.worker.step_future import DeferredStep, StepFuture
 from attnserve.worker.step_sampling import ForwardPass
@@ -56,7 +59,7 @@ class Worker:
         self.device = device
         self.distributed_init_method = distributed_init_method
         self.model_runner: ModelRunner | None = None
-        self.proposer: DraftProposer | None = None
+        self.proposer: Proposer | None = None
 
     @property
     def runner(self) -> ModelRunner:
@@ -88,7 +91,7 @@ class Worker:
         config = self.config
         runner = ModelRunner(config, self.device)
         runner.load_model()
-        draft = self._load_draft()
+        draft = self._load_proposer()
         if draft is None:
             runner.initialize_kv_cache(runner.profile_activation_memory())
         else:
@@ -108,9 +111,14 @@ class Worker:
         windows = tuple(runner.kv_cache_windows)
         return KVCacheInfo(runner.num_blocks, runner.num_swap_blocks, windows)
 
-    def _load_draft(self) -> ModelRunner | None:
-        """The draft model's runner (speculative decoding), loaded, its cache not yet made."""
+    def _load_proposer(self) -> ModelRunner | None:
+        """The proposer of speculative decoding, if any; where a draft model proposes, its
+        runner, loaded, its cache not yet made."""
         config, spec = self.config, self.config.speculative_config
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
         if config.draft_model_config is None or spec is None:
             return None
         # one KV-cache group, following the target's group 0 (which keeps every block when
@@ -132,7 +140,7 @@ class Worker:
                 f"speculative_config.model {spec.model!r} does not fit in memory beside the "
                 f"target: {error}"
             ) from None
-        self.proposer = DraftProposer(draft, spec.num_speculative_tokens)
+        self.proposer = DraftModelProposer(draft, spec.num_speculative_tokens)
         return draft
 
     def _make_kv_caches_with_draft(self, runner: ModelRunner, draft: ModelRunner) -> None:
@@ -152,18 +160,18 @@ class Worker:
         draft.initialize_kv_cache_of(runner.num_blocks, runner.num_swap_blocks)
 
     def _run(self, plan: StepPlan) -> StepResults:
-        """Run one step here; with a draft model, its proposals ride on the results."""
+        """Run one step here; with speculative decoding, the proposals ride on the results."""
         if self.proposer is not None:
             self.proposer.take_in_pending()
         results = self.runner.execute(plan)
         if self.proposer is not None:
-            self.proposer.follow(plan, results)
+            self.proposer.propose_drafts(plan, results, self.runner.input_batch)
         return results
 
     def execute_model_async(self, plan: StepPlan) -> AsyncStepOutput:
-        """Launch one step on a single rank (its draws read back later). With a draft model a
-        step that drafts runs with its proposals at once; any other is launched as usual, and
-        the draft takes it in when it is read back."""
+        """Launch one step on a single rank (its draws read back later). With speculative
+        decoding a step that drafts runs with its proposals at once; any other is launched as
+        usual (a draft model takes it in when it is read back)."""
         if self.proposer is None:
             return self.runner.execute_async(plan)
         if not plan.draft_seq_ids:
@@ -172,8 +180,8 @@ class Worker:
 
     def launch_forward(self, plan: StepPlan) -> LaunchedForward:
         """Launch a step's forward pass on a single rank, its draws once its token bitmask is
-        handed over (`sample`). With a draft model a step that drafts runs whole then; any
-        other is launched now, and the draft takes it in when it is read back."""
+        handed over (`sample`). With speculative decoding a step that drafts runs whole then;
+        any other is launched now (a draft model takes it in when it is read back)."""
         if self.proposer is None:
             return self.runner.launch_forward(plan)
         if plan.draft_seq_ids:
@@ -203,9 +211,9 @@ class Worker:
 
 
 class _FollowedWhenSampled:
-    """A launched forward pass whose draws, once launched, the draft takes in when read."""
+    """A launched forward pass whose draws, once launched, the proposer follows."""
 
-    def __init__(self, proposer: DraftProposer, plan: StepPlan, forward: ForwardPass) -> None:
+    def __init__(self, proposer: Proposer, plan: StepPlan, forward: ForwardPass) -> None:
         self._proposer = proposer
         self._plan = plan
         self._forward = forward

@@ -27,9 +27,10 @@ from attnserve.engine.core.messages import (
 )
 from attnserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from attnserve.engine.core.sequence import Sequence
-from attnserve.engine.core.speculator import SpecDecodeStats, Speculator
+from attnserve.engine.core.speculator import Speculator
 from attnserve.engine.core.step_pipeline import StepPipeline
 from attnserve.executor import get_executor_class
+from attnserve.spec_decode.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,13 @@ class EngineCore:
         )
         self.requests: dict[str, dict[int, Sequence]] = {}  # request id -> index -> sequence
         self._ended: list[str] = []  # requests ended since the last report
+        spec = config.speculative_config
         self.pipeline = StepPipeline(
-            self.executor, self.scheduler, self.structured_outputs, self.eos_token_ids
+            self.executor,
+            self.scheduler,
+            self.structured_outputs,
+            self.eos_token_ids,
+            None if spec is None else SpecDecodeStats(),
         )
         self.num_requests_added = 0
         self.num_steps = 0
@@ -123,10 +129,7 @@ class EngineCore:
         self.async_scheduling = (
             scheduler_config.async_scheduling and parallel_config.world_size == 1
         )
-        spec = config.speculative_config
         self.speculator = None if spec is None else Speculator(spec, scheduler_config.max_model_len)
-        if spec is not None and spec.method == "draft_model":
-            self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
         logger.info("engine core ready in %.1f s", time.perf_counter() - started)
 
     def ready_message(self) -> CoreReady:
@@ -201,18 +204,17 @@ class EngineCore:
         the call before. A step with constrained draws overlaps too: its forward pass is launched
         before the previous step is read back, its token bitmask (which follows that step's
         tokens) handed over after (`StepPipeline.launch`). While speculative decoding is active
-        (a small batch), each step is read back at once and the running sequences' drafts for
-        the next step are proposed from it.
+        (a small batch), each step is read back at once, with the drafts the ranks proposed for
+        the next step, of which each running sequence keeps those that fit.
         """
         self.num_steps += 1
         out = EngineCoreOutputs()
         self._admit_compiled(out)
         scheduled = self.scheduler.schedule()
         speculator = self.speculator
-        running = self.scheduler.running
-        drafting = speculator.drafting(running, self.num_steps) if speculator is not None else []
-        speculating = bool(drafting)
-        scheduled.draft_seq_ids = drafting
+        speculating = speculator is not None and speculator.pace(
+            scheduled, self.scheduler.running, self.num_steps
+        )
         self._report(scheduled.finished, out, drew=False)
         if self.pipeline.busy and _needs_host_tokens(scheduled):
             self._report(self.pipeline.drain(), out, drew=True)
@@ -223,7 +225,7 @@ class EngineCore:
             self._report(self.pipeline.drain(), out, drew=True)
         out.drawn_at = time.monotonic()
         if speculating and speculator is not None:
-            speculator.propose(self.scheduler.running, self.num_steps)
+            speculator.take_drafts(self.scheduler.running, self.num_steps)
         out.finished_requests, self._ended = self._ended, []
         out.timestamp = time.monotonic()
         return out
@@ -256,12 +258,14 @@ class EngineCore:
         server's warm-up did is no client's."""
         self.allocator.prefix_queries = self.allocator.prefix_hits = 0
         self.scheduler.num_preemptions = 0
-        self.scheduler.spec_stats = SpecDecodeStats()
+        if self.pipeline.spec_stats is not None:
+            self.pipeline.spec_stats = SpecDecodeStats()
 
     def stats(self) -> dict[str, float]:
         """Gauges for monitoring: queue lengths, KV usage, prefix-cache hit rate; with
         speculative decoding, its counts (`SpecDecodeStats.as_dict`)."""
         used = self.allocator.num_blocks - self.allocator.num_free_blocks
+        spec_stats = self.pipeline.spec_stats
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting) + self.structured_outputs.num_compiling,
@@ -271,5 +275,5 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_requests_added": self.num_requests_added,
             "num_steps": self.num_steps,
-            **(self.scheduler.spec_stats.as_dict() if self.speculator is not None else {}),
+            **(spec_stats.as_dict() if spec_stats is not None else {}),
         }

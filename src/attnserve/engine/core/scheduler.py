@@ -35,60 +35,18 @@ parallel-sampling sibling copy it first (copy-on-write).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from attnserve.config import SchedulerConfig
 from attnserve.engine.core.block_allocator import BlockAllocator, OutOfBlocksError
 from attnserve.engine.core.priority import enqueue_by_priority, priority_order
-from attnserve.engine.core.sequence import Sequence, SequenceStatus
-from attnserve.engine.core.speculator import SpecDecodeStats
-from attnserve.step_types import BlockPairs, SampleOutput, TokenLogprobs, is_prefill
+from attnserve.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from attnserve.engine.core.sequence import Sequence, SequenceStatus, draws_of
+from attnserve.step_types import SampleOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(init=False)  # not frozen: one is built per scheduled sequence per step
-class ScheduledSequence:
-    """A sequence and how many new tokens it computes this step, of which the last
-    `len(spec_token_ids)` are draft tokens to verify (speculative decoding). `samples` and
-    `is_prefill` are fixed when it is scheduled (they describe the step, not the sequence's
-    later state); a step with drafts is a prefill to the attention layers (a query of several
-    tokens)."""
-
-    seq: Sequence
-    num_new_tokens: int
-    spec_token_ids: list[int]
-    samples: bool  # the step reaches the sequence's last token, so a next token is drawn
-    is_prefill: bool
-
-    def __init__(
-        self, seq: Sequence, num_new_tokens: int, spec_token_ids: list[int] | None = None
-    ) -> None:
-        self.seq = seq
-        self.num_new_tokens = num_new_tokens
-        self.spec_token_ids = spec_token_ids or []
-        computed = seq.num_computed_tokens
-        self.samples = computed + num_new_tokens - len(self.spec_token_ids) == seq.num_tokens
-        self.is_prefill = is_prefill(num_new_tokens, computed)
-
-    @property
-    def num_target_tokens(self) -> int:
-        """The new tokens that are the sequence's own (not drafts)."""
-        return self.num_new_tokens - len(self.spec_token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    swap_in: BlockPairs = field(default_factory=list)  # (host block, device block)
-    swap_out: BlockPairs = field(default_factory=list)  # (device block, host block)
-    copies: BlockPairs = field(default_factory=list)  # (device src, device dst)
-    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler itself
-    draft_seq_ids: list[int] = field(default_factory=list)  # a draft model proposes for these
 
 
 class Scheduler:
@@ -108,8 +66,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
-        self.spec_stats = SpecDecodeStats()
-        self.num_lookahead_tokens = 0  # positions a draft model writes past a step
         self.num_steps = 0  # `schedule` calls so far
 
     @property
@@ -163,7 +119,6 @@ class Scheduler:
         if self.num_preemptions == preemptions_before and not self.swapped:
             self._admit_waiting(out, budget)
         out.scheduled.sort(key=lambda item: not item.is_prefill)
-        self._look_ahead(out)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, decodes: bool) -> int:
@@ -223,18 +178,6 @@ class Scheduler:
         if max_tokens is not None and seq.num_output_tokens + ahead >= max_tokens:
             return True
         return len(seq.token_ids) + ahead >= self.config.max_model_len
-
-    def _look_ahead(self, out: SchedulerOutput) -> None:
-        """Blocks for `num_lookahead_tokens` positions past each drawing sequence's step, where
-        free: a draft model writes its drafts' keys there before the next step (none taken
-        when the pool is short: the drafts stop where the blocks do)."""
-        if not self.num_lookahead_tokens:
-            return
-        for item in out.scheduled:
-            if item.samples:
-                end = item.seq.num_computed_tokens + item.num_new_tokens
-                with contextlib.suppress(OutOfBlocksError):
-                    item.seq.block_table.ensure_capacity(end + self.num_lookahead_tokens)
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens `seq` carries into this step (taken from it): as many as the token
@@ -402,9 +345,13 @@ class Scheduler:
             if result.prompt_logprobs:
                 seq.prompt_logprobs += result.prompt_logprobs
             if item.spec_token_ids:
-                touched.append(
-                    self._accept_verified(seq, result, item.spec_token_ids, eos_token_ids)
+                seq.append_verified(
+                    draws_of(result),
+                    item.spec_token_ids,
+                    lambda s: self._finish_reason(s, eos_token_ids) is not None,
                 )
+                seq.spec_token_ids = result.draft_token_ids or []
+                touched.append(seq)
             elif result.token_ids:
                 touched += self._accept(seq, result)
         for seq in touched:
@@ -414,7 +361,7 @@ class Scheduler:
         return touched
 
     def _accept(self, seq: Sequence, result: SampleOutput) -> list[Sequence]:
-        draws = _draws(result)
+        draws = draws_of(result)
         seq.resolve_pending(*draws[0])
         seq.spec_token_ids = result.draft_token_ids or []
         if len(draws) == 1:
@@ -423,29 +370,6 @@ class Scheduler:
         position = self.running.index(seq) + 1
         self.running[position:position] = forks
         return [seq, *forks]
-
-    def _accept_verified(
-        self, seq: Sequence, result: SampleOutput, drafts: list[int], eos_token_ids: list[int]
-    ) -> Sequence:
-        """A verify step's tokens: the drafts the ranks accepted, then the token they drew,
-        appended one at a time until one ends the sequence. The accepted drafts are in the
-        cache already."""
-        tokens = result.token_ids
-        accepted = len(tokens) - 1
-        if tokens[:accepted] != drafts[:accepted]:
-            raise RuntimeError(f"sequence {seq.seq_id}: the ranks accepted tokens it did not draft")
-        self.spec_stats.record(len(drafts), accepted)
-        first, *rest = _draws(result)
-        seq.resolve_pending(*first)
-        for draw in rest:
-            if self._finish_reason(seq, eos_token_ids) is not None:
-                break
-            seq.append(*draw)
-            seq.num_step_tokens += 1
-        seq.num_computed_tokens += min(seq.num_step_tokens, accepted)
-        seq.block_table.commit_computed(seq.token_ids, seq.num_computed_tokens)
-        seq.spec_token_ids = result.draft_token_ids or []
-        return seq
 
     def _finish_reason(self, seq: Sequence, eos_token_ids: list[int]) -> str | None:
         params = seq.sampling_params
@@ -457,11 +381,3 @@ class Scheduler:
             if not params.ignore_eos and token in eos_token_ids:
                 return "stop"
         return "length" if self._ends_by_length(seq) else None
-
-
-def _draws(result: SampleOutput) -> list[tuple[int, float | None, TokenLogprobs | None]]:
-    """Each token of a result with its log-probability and top-k entries (None where none)."""
-    tokens = result.token_ids
-    chosen: list[float] | list[None] = result.token_logprobs or [None] * len(tokens)
-    top: list[TokenLogprobs] | list[None] = result.logprobs or [None] * len(tokens)
-    return list(zip(tokens, chosen, top, strict=True))

@@ -17,14 +17,24 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Callable
 
 from attnserve.engine.core.block_table import BlockTable
 from attnserve.engine.core.sequence_grammar import SequenceGrammar
 from attnserve.lora.request import LoRARequest
 from attnserve.sampling_params import SamplingParams
-from attnserve.step_types import TokenLogprobs
+from attnserve.step_types import SampleOutput, TokenLogprobs
 
 _seq_ids = itertools.count()
+Draw = tuple[int, float | None, TokenLogprobs | None]  # a token, its log-probability, its top-k
+
+
+def draws_of(result: SampleOutput) -> list[Draw]:
+    """Each token of a result with its log-probability and top-k entries (None where none)."""
+    tokens = result.token_ids
+    chosen: list[float] | list[None] = result.token_logprobs or [None] * len(tokens)
+    top: list[TokenLogprobs] | list[None] = result.logprobs or [None] * len(tokens)
+    return list(zip(tokens, chosen, top, strict=True))
 
 
 class SequenceStatus(enum.Enum):
@@ -112,6 +122,26 @@ class Sequence:
         self.token_ids.append(token)
         self._add_logprobs(logprob, top)
         self.step_cumulative_logprobs.append(self.cumulative_logprob)
+
+    def append_verified(
+        self, draws: list[Draw], drafts: list[int], ended: Callable[[Sequence], bool]
+    ) -> None:
+        """A verify step's `draws`: the drafts the ranks accepted, then the token they drew,
+        appended one at a time until one ends the sequence (`ended`). The accepted drafts are
+        in the cache already."""
+        accepted = len(draws) - 1
+        if [token for token, _, _ in draws[:accepted]] != drafts[:accepted]:
+            raise RuntimeError(
+                f"sequence {self.seq_id}: the ranks accepted tokens it did not draft"
+            )
+        self.resolve_pending(*draws[0])
+        for draw in draws[1:]:
+            if ended(self):
+                break
+            self.append(*draw)
+            self.num_step_tokens += 1
+        self.num_computed_tokens += min(self.num_step_tokens, accepted)
+        self.block_table.commit_computed(self.token_ids, self.num_computed_tokens)
 
     def _add_logprobs(self, logprob: float | None, top: TokenLogprobs | None) -> None:
         if logprob is not None:

@@ -1,18 +1,17 @@
-"""`Speculator`: the draft tokens of the running sequences between steps (speculative decoding),
-and `SpecDecodeStats`, the counts behind its metrics.
+"""`Speculator`: the engine's pace of speculative decoding — which running sequences draft after
+each step, and how many of the drafts the ranks proposed each keeps.
 
-After a step's tokens are read back, and while the batch is small (at most
-`disable_by_batch_size` sequences running), every running sequence that decodes gets up to
-`num_speculative_tokens` drafts from its own tokens (prompt lookup: `NgramProposer`), or keeps
-those the ranks' draft model proposed with the step's results (method "draft_model"), as many
-as fit. The scheduler then gives it 1 + K new tokens in the next step: its last token and the
-drafts, which the ranks verify in one forward pass, sending back the drafts they accept and one
-token more.
-A sequence gets no drafts while a draw of it is still on the device (async scheduling), while a
+While the batch is small (at most `disable_by_batch_size` sequences running), every running
+sequence that is not paused drafts (`pace`: the plan's `draft_seq_ids`); the ranks' proposer
+(`spec_decode`: prompt lookup or a draft model) sets up to `num_speculative_tokens` drafts of each
+on its result, and the sequence keeps as many as fit (`take_drafts`). The scheduler then gives it
+1 + K new tokens in the next step: its last token and the drafts, which the ranks verify in one
+forward pass, sending back the drafts they accept and one token more. A draft model writes its
+drafts' keys past the step, so the sequences that draft get blocks for those positions where
+free (`num_lookahead_tokens`).
+A sequence keeps no drafts while a draw of it is still on the device (async scheduling), while a
 grammar constrains it (its mask would have to follow each draft), or where the drafts and the
-token after them would run past `max_tokens` or `max_model_len`. Each sequence's tokens are
-mirrored in a growing numpy array, extended with the new tokens only, so a lookup does not
-convert the whole history every step.
+token after them would run past `max_tokens` or `max_model_len`.
 
 Speculation also steps aside where drafts fail (`DraftPace`): each sequence's drafts are scored
 against the tokens that followed them, and a sequence whose recent drafts were nearly all wrong
@@ -24,81 +23,17 @@ moving average over rounds, each weighing 1/8), one wholly wrong round pauses a 
 once, so a draft that fails everyone costs each sequence one round, not four.
 
 A step in which some sequence drafts runs synchronously; while none may draft, steps overlap
-as without speculation, a draft model is not asked to propose at all, and it computes only for
-the sequences that draft.
+as without speculation, and a draft model computes only for the sequences that draft.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
+import contextlib
 
 from attnserve.config import SpeculativeConfig
+from attnserve.engine.core.block_allocator import OutOfBlocksError
+from attnserve.engine.core.scheduler import SchedulerOutput
 from attnserve.engine.core.sequence import Sequence, SequenceStatus
-from attnserve.spec_decode.ngram_proposer import NgramProposer
-
-SPEC_DECODE_COUNTS = (
-    "spec_decode_num_drafts",
-    "spec_decode_num_draft_tokens",
-    "spec_decode_num_accepted_tokens",
-)
-
-
-def spec_decode_stats(
-    num_drafts: float, num_draft_tokens: float, num_accepted_tokens: float
-) -> dict[str, float]:
-    """The counts under their `SPEC_DECODE_COUNTS` names, the share of draft tokens accepted,
-    and the mean number of tokens a verified sequence gained per step (the accepted drafts and
-    the token drawn after them)."""
-    values = (num_drafts, num_draft_tokens, num_accepted_tokens)
-    counts = dict(zip(SPEC_DECODE_COUNTS, values, strict=True))
-    return counts | {
-        "spec_decode_acceptance_rate": num_accepted_tokens / max(num_draft_tokens, 1),
-        "spec_decode_mean_acceptance_length": (
-            1 + num_accepted_tokens / num_drafts if num_drafts else 0.0
-        ),
-    }
-
-
-@dataclass
-class SpecDecodeStats:
-    """Counts since the engine started (or `reset_stats`): verify steps of one sequence with
-    drafts (`num_drafts`), the draft tokens they carried and the ones accepted."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    def record(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted_tokens
-
-    def as_dict(self) -> dict[str, float]:
-        return spec_decode_stats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
-
-
-class _History:
-    """A sequence's tokens as a numpy array that grows by doubling."""
-
-    __slots__ = ("length", "tokens")
-
-    def __init__(self) -> None:
-        self.tokens = np.zeros(256, dtype=np.int64)
-        self.length = 0
-
-    def sync(self, token_ids: list[int]) -> np.ndarray:
-        """The array view of `token_ids`, of which the first `length` are held already."""
-        end = len(token_ids)
-        if end > len(self.tokens):
-            grown = np.zeros(max(end, 2 * len(self.tokens)), dtype=np.int64)
-            grown[: self.length] = self.tokens[: self.length]
-            self.tokens = grown
-        if end > self.length:
-            self.tokens[self.length : end] = token_ids[self.length :]
-        self.length = end
-        return self.tokens[:end]
 
 
 class DraftPace:
@@ -160,14 +95,10 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = (  # None: a draft model on the ranks proposes
-            NgramProposer(
-                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-            )
-            if config.method == "ngram"
-            else None
+        # positions a draft model writes past a step (its drafts' keys)
+        self.num_lookahead_tokens = (
+            config.num_speculative_tokens if config.method == "draft_model" else 0
         )
-        self._histories: dict[int, _History] = {}  # seq id -> its tokens
         self._paces: dict[int, DraftPace] = {}  # seq id -> how its drafts fared
         self.recent_acceptance = 1.0  # of all sequences' rounds, each weighing ROUND_WEIGHT
 
@@ -181,21 +112,28 @@ class Speculator:
             s.seq_id for s in running if s.seq_id not in paces or paces[s.seq_id].may_draft(step)
         ]
 
-    def propose(self, running: list[Sequence], step: int) -> None:
-        """Set each running sequence's drafts for the step after engine step `step` (none where
-        it gets none), having scored its last drafts."""
-        histories, self._histories = self._histories, {}
+    def pace(self, out: SchedulerOutput, running: list[Sequence], step: int) -> bool:
+        """Name the sequences that draft after scheduled step `out` (engine step `step`), with
+        blocks for the positions a draft model writes past the step where free; whether any
+        does."""
+        out.draft_seq_ids = self.drafting(running, step)
+        if self.num_lookahead_tokens and out.draft_seq_ids:
+            drafting = set(out.draft_seq_ids)
+            for item in out.scheduled:
+                if item.samples and item.seq.seq_id in drafting:
+                    end = item.seq.num_computed_tokens + item.num_new_tokens
+                    with contextlib.suppress(OutOfBlocksError):  # the drafts stop where blocks do
+                        item.seq.block_table.ensure_capacity(end + self.num_lookahead_tokens)
+        return bool(out.draft_seq_ids)
+
+    def take_drafts(self, running: list[Sequence], step: int) -> None:
+        """Keep as many of each running sequence's proposed drafts as fit for the step after
+        engine step `step` (none where it gets none), having scored its last drafts."""
         self._score(running, step)
         for seq in running:
             pace = self._paces[seq.seq_id]
             room = max(self._room(seq), 0) if pace.may_draft(step) else 0
-            if self.proposer is None:  # the draft model's, from the step's results
-                seq.spec_token_ids = seq.spec_token_ids[:room]
-            elif room < 1:
-                seq.spec_token_ids = []
-            else:
-                history = self._histories[seq.seq_id] = histories.get(seq.seq_id) or _History()
-                seq.spec_token_ids = self.proposer.propose(history.sync(seq.token_ids), room)
+            seq.spec_token_ids = seq.spec_token_ids[:room]
             pace.expect(seq.spec_token_ids, len(seq.token_ids))
 
     def _score(self, running: list[Sequence], step: int) -> None:

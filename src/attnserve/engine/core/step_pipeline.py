@@ -4,8 +4,9 @@ its draws put in place.
 At most one step is in flight. `launch` sends the scheduled step's plan down, then reads back
 the step before it (whose draws the new step may already be reading on the device: async
 scheduling), then counts the new step's tokens as computed; `drain` reads back the step in
-flight, if any. Reading back hands each sequence its draws (the scheduler forks and finishes
-them), then advances the grammars of constrained sequences.
+flight, if any. Reading back counts the drafts verified and accepted (speculative decoding:
+`spec_stats`), hands each sequence its draws (the scheduler forks and finishes them), then
+advances the grammars of constrained sequences.
 
 A step with constrained draws is launched in two halves: its forward pass first
 (`launch_forward`), then, once the step before is read back and the matchers have taken its
@@ -21,6 +22,7 @@ from attnserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from attnserve.engine.core.sequence import Sequence
 from attnserve.engine.core.step_planner import StepPlanner
 from attnserve.executor.executor_base import ExecutorBase
+from attnserve.spec_decode.metrics import SpecDecodeStats
 from attnserve.step_types import AsyncStepOutput
 
 
@@ -31,11 +33,13 @@ class StepPipeline:
         scheduler: Scheduler,
         structured_outputs: StructuredOutputManager,
         eos_token_ids: list[int],
+        spec_stats: SpecDecodeStats | None = None,
     ) -> None:
         self.executor = executor
         self.scheduler = scheduler
         self.structured_outputs = structured_outputs
         self.eos_token_ids = eos_token_ids
+        self.spec_stats = spec_stats
         self.planner = StepPlanner()
         self._in_flight: tuple[SchedulerOutput, AsyncStepOutput] | None = None
 
@@ -66,7 +70,11 @@ class StepPipeline:
             return []
         scheduled, future = self._in_flight
         self._in_flight = None
-        touched = self.scheduler.resolve(scheduled, future.result(), self.eos_token_ids)
+        results = future.result()
+        if self.spec_stats is not None:  # (a sequence ended meanwhile verified nothing)
+            drafts = [[] if i.seq.is_finished else i.spec_token_ids for i in scheduled.scheduled]
+            self.spec_stats.observe(drafts, results)
+        touched = self.scheduler.resolve(scheduled, results, self.eos_token_ids)
         for seq, reason in self.structured_outputs.advance(touched):
             self.scheduler.finish(seq, reason)
         return touched

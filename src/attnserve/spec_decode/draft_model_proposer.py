@@ -1,6 +1,6 @@
-"""`DraftProposer`: the draft model of speculative decoding on one rank — a second
-`ModelRunner`, of the draft model, whose KV cache holds as many blocks as the target's under the
-same block ids, and whose persistent batch takes in every step's plan and kept tokens.
+"""`DraftModelProposer`: speculative decoding's method "draft_model" on one rank — a second model
+runner, of the draft model, whose KV cache holds as many blocks as the target's under the same
+block ids, and whose persistent batch takes in every step's plan and kept tokens.
 
 The draft computes only for the sequences it drafts for (the plan's `draft_seq_ids`; none while
 the batch is large, none paused for failing): after the target's step it takes in the plan
@@ -9,14 +9,14 @@ it drafts for, it catches up — one forward pass over every token of the sequen
 its own cache (the step's new tokens, or everything since it last drafted, or the whole prompt),
 whose last token's logits give the first draft — and proposes the rest greedily: forward steps
 of one token each over its own cache, up to `num_speculative_tokens` drafts, as far as the
-sequence's blocks reach (the scheduler allocates that many positions ahead) and its length
-allows. Then it forgets its drafts again (`InputBatch.truncate`): the next step carries them to
+sequence's blocks reach (the engine reserves that many positions ahead) and its length
+allows. Then it forgets its drafts again (`DraftRows.truncate`): the next step carries them to
 the target to verify. A greedy draft proposes one token with certainty, so the verifier's
 accept-while-equal rule keeps the target's distribution exactly.
 
-A step that drafts for no sequence stays asynchronous: the engine launches it as usual, and the
-draft takes it in when its results are read back (`follow_later`), in launch order, at the
-latest before the next step that drafts (`take_in_pending`).
+A step that drafts for no sequence stays asynchronous: the worker launches it as usual, and the
+draft takes it in when its results are read back (`Proposer.follow_later`), in launch order, at
+the latest before the next step that drafts (`Proposer.take_in_pending`).
 
 Blocks shared through prefix caching may hold the target's keys for positions the draft never
 computed (it skipped the sequence that wrote them): the proposer keeps which full blocks its
@@ -26,73 +26,86 @@ in the draft only its cached prefix's leading valid blocks.
 
 from __future__ import annotations
 
-from collections import deque
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from attnserve.step_types import AsyncStepOutput, SampleOutput, StepPlan, StepResults
-from attnserve.worker.model_runner import ModelRunner
-from attnserve.worker.step_sampling import last_hidden
+from attnserve.spec_decode.draft_rows import DraftRows
+from attnserve.spec_decode.proposer import Proposer, TargetTokens, drafting_results
+from attnserve.step_types import StepPlan, StepResults
 
 
-class DraftProposer:
-    def __init__(self, runner: ModelRunner, num_speculative_tokens: int) -> None:
+class DraftBatch(Protocol):
+    """The draft runner's persistent batch (the worker's `InputBatch`)."""
+
+    block_size: int
+    max_tokens: int
+    num_tokens: np.ndarray
+    num_computed: np.ndarray
+    num_blocks: np.ndarray
+    block_tables: np.ndarray  # [slots, groups, max_blocks]
+    drafts: DraftRows
+
+    def slot_of(self, seq_id: int) -> int: ...
+
+
+class DraftRunner(Protocol):
+    """The draft model's runner as the proposer drives it (the worker's `ModelRunner`)."""
+
+    max_num_batched_tokens: int
+
+    @property
+    def input_batch(self) -> DraftBatch: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def apply_plan(self, plan: StepPlan) -> None: ...
+
+    def draft_step(self, plan: StepPlan, draw: bool, decode_rows_up_to: int) -> list[int]: ...
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, runner: DraftRunner, num_speculative_tokens: int) -> None:
+        super().__init__(num_speculative_tokens)
         self.runner = runner
-        self.num_speculative_tokens = num_speculative_tokens
         # a catch-up of the target's last round (its last token, the accepted drafts, the token
         # after them) runs as decode rows, as the target's verify step does
-        runner.input_batch.decode_rows_up_to = num_speculative_tokens + 2
+        self.decode_rows_up_to = num_speculative_tokens + 2
         self._valid = np.zeros(0, dtype=bool)  # block id -> the draft's keys fill it
         self._host_valid: dict[int, bool] = {}  # the same for swapped-out blocks
-        self._pending: deque[tuple[StepPlan, AsyncStepOutput]] = deque()  # not taken in yet
 
-    def follow_later(self, plan: StepPlan, launched: AsyncStepOutput) -> AsyncStepOutput:
-        """The launched step's results, which the draft takes in (without drafting) when they
-        are read, after every step launched before it."""
-        self._pending.append((plan, launched))
-        return _TakenInOnRead(self, launched)
+    def propose_drafts(self, plan: StepPlan, results: StepResults, target: TargetTokens) -> None:
+        self.follow(plan, results)
 
-    def take_in_pending(self, upto: AsyncStepOutput | None = None) -> None:
-        """Take in the steps launched by `follow_later`, oldest first, waiting for their
-        results: all of them, or those up to `upto` (none if it was taken in already)."""
-        if upto is not None and all(launched is not upto for _, launched in self._pending):
-            return
-        while self._pending:
-            plan, launched = self._pending.popleft()
-            self.follow(plan, launched.result())
-            if launched is upto:
-                return
+    def take_in(self, plan: StepPlan, results: StepResults) -> None:
+        self.follow(plan, results)
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan, results: StepResults) -> None:
-        """Take in the target's step, then set the result's `draft_token_ids` of each sequence
-        the plan drafts for (see the module docstring)."""
+        """Take in the target's step, then set the drafts of each sequence the plan drafts for
+        on its result (see the module docstring)."""
         self._move_validity(plan)
         self.runner.apply_plan(plan)
         batch = self.runner.input_batch
         for seq in plan.new_seqs:
-            batch.num_computed[batch.states[seq.seq_id].slot] = self._valid_prefix(
+            batch.num_computed[batch.slot_of(seq.seq_id)] = self._valid_prefix(
                 seq.block_ids, seq.num_computed_tokens
             )
-        batch.append_kept(plan.seq_ids, [None if r is None else r.token_ids for r in results])
-        wanted = set(plan.draft_seq_ids)
-        rows = [
-            row
-            for row, seq_id in enumerate(plan.seq_ids)
-            if seq_id in wanted and results[row] is not None
-        ]
-        drafts = self._propose([plan.seq_ids[row] for row in rows])
-        for row, tokens in zip(rows, drafts, strict=True):
-            result = results[row]
-            if result is not None:
-                result.draft_token_ids = tokens
+        batch.drafts.append_kept(
+            plan.seq_ids, [None if r is None else r.token_ids for r in results]
+        )
+        drafting = drafting_results(plan, results)
+        drafts = self._propose([seq_id for seq_id, _ in drafting])
+        for (_, result), tokens in zip(drafting, drafts, strict=True):
+            result.draft_token_ids = tokens
 
     def _move_validity(self, plan: StepPlan) -> None:
         """Blocks keep what the draft computed through swaps and copies; blocks newly given to
         a sequence hold nothing of it yet."""
         if len(self._valid) == 0:
-            self._valid = np.zeros(self.runner.cache_engine.num_blocks, dtype=bool)
+            self._valid = np.zeros(self.runner.num_blocks, dtype=bool)
         valid = self._valid
         for device_block, host_block in plan.blocks_to_swap_out:
             self._host_valid[host_block] = bool(valid[device_block])
@@ -127,7 +140,7 @@ class DraftProposer:
         """Each sequence's drafts: the catch-up pass, then greedy one-token steps of the draft
         over its cache, undone after."""
         batch = self.runner.input_batch
-        slots = np.fromiter((batch.states[s].slot for s in seq_ids), np.int64, len(seq_ids))
+        slots = np.fromiter(map(batch.slot_of, seq_ids), np.int64, len(seq_ids))
         room = self._room(slots)
         drafts: list[list[int]] = [[] for _ in seq_ids]
         active = [i for i in range(len(seq_ids)) if room[i] > 0]
@@ -138,15 +151,12 @@ class DraftProposer:
             behind = batch.num_tokens[slots] - batch.num_computed[slots]
             active = _prefills_first([i for i in active if room[i] > ahead], behind)
             plan = StepPlan([seq_ids[i] for i in active], behind[active].tolist())
-            step, hidden = self.runner.forward_plan(plan)
-            logits = self.runner.model.compute_logits(last_hidden(hidden, step))
-            drawn: list[int] = logits.argmax(dim=-1).tolist()
-            batch.accept_results(step, [SampleOutput([token]) for token in drawn])
+            drawn = self.runner.draft_step(plan, True, self.decode_rows_up_to)
             for i, token in zip(active, drawn, strict=True):
                 drafts[i].append(token)
             if ahead == 0:
                 self._mark_valid(slots[active])
-        batch.truncate(slots, room)
+        batch.drafts.truncate(slots, room)
         return drafts
 
     def _catch_up(self, seq_ids: list[int], slots: np.ndarray) -> None:
@@ -162,10 +172,8 @@ class DraftProposer:
             if behind.sum() <= budget or not counts.any():
                 return
             chosen = _prefills_first(np.flatnonzero(counts).tolist(), counts)
-            step, _ = self.runner.forward_plan(
-                StepPlan([seq_ids[i] for i in chosen], counts[chosen].tolist())
-            )
-            batch.accept_results(step, [None] * len(chosen))
+            plan = StepPlan([seq_ids[i] for i in chosen], counts[chosen].tolist())
+            self.runner.draft_step(plan, False, self.decode_rows_up_to)
 
     def _mark_valid(self, slots: np.ndarray) -> None:
         """The blocks the draft's cache now fills for each slot's sequence (its computed
@@ -174,18 +182,6 @@ class DraftProposer:
         full = batch.num_computed[slots] // batch.block_size
         for slot, count in zip(slots.tolist(), full.tolist(), strict=True):
             self._valid[batch.block_tables[slot, 0, :count]] = True
-
-
-class _TakenInOnRead:
-    """A launched step's results; reading them makes the draft take the step in."""
-
-    def __init__(self, proposer: DraftProposer, launched: AsyncStepOutput) -> None:
-        self._proposer = proposer
-        self._launched = launched
-
-    def result(self) -> StepResults:
-        self._proposer.take_in_pending(upto=self._launched)
-        return self._launched.result()
 
 
 def _prefills_first(rows: list[int], counts: np.ndarray) -> list[int]:
