@@ -85,11 +85,9 @@ from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from attnserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from attnserve.entrypoints.openai.serving_engine import ClientDisconnected
 from attnserve.entrypoints.openai.serving_models import OpenAIServingModels, add_lora_routes
-from attnserve.entrypoints.openai.serving_models import OpenAIServingModels, add_lora_routes
 from attnserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from attnserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from attnserve.entrypoints.openai.tool_parsers import parser_for_chat_template
-from attnserve.lora.request import LoRAModulePath
 from attnserve.lora.request import LoRAModulePath
 from attnserve.version import __version__
 
@@ -172,8 +170,6 @@ def build_app(
     tokenization = OpenAIServingTokenization(engine, model_name, metrics, pool)
     _set_chat_template_options(options, chat, tokenization)
     completion.log_requests = chat.log_requests = not options.disable_log_requests
-    models = _serving_models(engine, model_name, options, metrics)
-    completion.models = chat.models = tokenization.models = models
     models = _serving_models(engine, model_name, options, metrics)
     completion.models = chat.models = tokenization.models = models
     ready = asyncio.Event()
@@ -300,18 +296,6 @@ def _set_chat_template_options(
         chat.reasoning_parser = reasoning_parser(options.reasoning_parser)
     trusted = options.trust_request_chat_template
     chat.trust_request_chat_template = tokenization.trust_request_chat_template = trusted
-
-
-def _serving_models(
-    engine: AsyncLLMEngine, model_name: str, options: ServerOptions, metrics: ServerMetrics
-) -> OpenAIServingModels:
-    """The base model and, with LoRA on, the adapters of --lora-modules (checked now)."""
-    processor = engine.engine.processor
-    checker = processor.lora_checker if engine.engine.config.lora_config is not None else None
-    max_model_len = engine.engine.model_config.max_model_len
-    return OpenAIServingModels(
-        model_name, max_model_len, checker, options.lora_modules, metrics.registry
-    )
 
 
 def _serving_models(
