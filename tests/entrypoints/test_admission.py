@@ -12,9 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
+from attnserve.config import FrontendArgs
 from attnserve.engine.arg_utils import EngineArgs
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
-from attnserve.entrypoints.openai.api_server import ServerOptions, build_app
+from attnserve.entrypoints.openai.api_server import build_app
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
 from tests.conftest import HANG_GUARD_S, TINY_LLAMA, _save_random_llama
@@ -71,7 +72,7 @@ def test_a_request_past_the_queue_bound_gets_503_with_retry_after(
 ) -> None:
     async def run() -> None:
         held = _HeldEngine(engine, monkeypatch)
-        app, _ = build_app(engine, "tiny", ServerOptions(max_queued_requests=1), warm=False)
+        app, _ = build_app(engine, "tiny", FrontendArgs(max_queued_requests=1), warm=False)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             body = {"prompt": [5, 6, 7], "max_tokens": 2}
@@ -106,7 +107,7 @@ def test_one_requests_prompts_share_its_prompt_token_budget(
     async def run() -> httpx.Response:
         held = _HeldEngine(engine, monkeypatch)
         held.release.set()
-        options = ServerOptions(max_request_prompt_tokens_in_flight=79)
+        options = FrontendArgs(max_request_prompt_tokens_in_flight=79)
         app, _ = build_app(engine, "tiny", options, warm=False)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

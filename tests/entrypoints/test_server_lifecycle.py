@@ -10,7 +10,6 @@ a challenge on 401, from a file, refused absence on a public address, refused em
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -25,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from attnserve.config.frontend import resolve_api_key
+from attnserve.config.frontend import FrontendArgs, resolve_api_key
 from attnserve.engine.core_client import EngineDeadError
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from tests.conftest import HANG_GUARD_S
@@ -290,9 +289,8 @@ def test_api_key_scheme_is_case_insensitive_and_401_challenges(tmp_path: Path) -
         server.stop()
 
 
-def _args(**given: Any) -> argparse.Namespace:
-    fields = {"api_key": None, "api_key_file": None, "host": "127.0.0.1", "allow_no_api_key": False}
-    return argparse.Namespace(**(fields | given))
+def _args(**given: Any) -> FrontendArgs:
+    return FrontendArgs(**given)
 
 
 def test_api_key_sources_and_a_public_address_without_one(tmp_path: Path) -> None:

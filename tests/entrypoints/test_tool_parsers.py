@@ -143,10 +143,10 @@ def test_the_parser_comes_from_the_chat_templates_tool_call_format(
     assert parser_for_chat_template(template) == parser
 
 
-def _serve_args(*flags: str) -> argparse.Namespace:
+def _serve_args(*flags: str) -> FrontendArgs:
     parser = argparse.ArgumentParser()
     FrontendArgs.add_cli_args(parser)
-    return parser.parse_args(list(flags))
+    return FrontendArgs.from_cli_args(parser.parse_args(list(flags)))
 
 
 def test_auto_tool_choice_takes_the_flag_then_the_template() -> None:

@@ -12,7 +12,6 @@ import argparse
 import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from attnserve.config.cli_args import add_cli_args, arg, from_cli_args
 from attnserve.lora.request import LoRAModulePath, parse_lora_module
@@ -179,18 +178,7 @@ class FrontendArgs:
         return from_cli_args(cls, args)
 
 
-class _KeyArgs(Protocol):
-    host: str
-    api_key: str | None
-    api_key_file: str | None
-    allow_no_api_key: bool
-
-
-class _ToolArgs(Protocol):
-    tool_call_parser: str | None
-
-
-def auto_tool_call_parser(args: _ToolArgs, detected: str | None) -> str | None:
+def auto_tool_call_parser(args: FrontendArgs, detected: str | None) -> str | None:
     """The parser for "auto" tool choice: --tool-call-parser, else the one the model's chat
     template calls for (`detected`); None when there is none: then the server's own tool-call
     format serves every model (`generic_tools`). --enable-auto-tool-choice is vLLM's switch,
@@ -198,7 +186,7 @@ def auto_tool_call_parser(args: _ToolArgs, detected: str | None) -> str | None:
     return args.tool_call_parser or detected
 
 
-def resolve_api_key(args: _KeyArgs, environ: dict[str, str]) -> str | None:
+def resolve_api_key(args: FrontendArgs, environ: dict[str, str]) -> str | None:
     """The key from --api-key, --api-key-file or $ATTNSERVE_API_KEY (one source only); ValueError
     for an empty key (given, but blank: the server would serve without one), an unreadable key
     file, two sources, or a non-loopback --host without a key (unless --allow-no-api-key)."""

@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -31,10 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from attnserve.config.engine_args import EngineArgs
 from attnserve.config.frontend import (
-    DEFAULT_MAX_ENGINE_CORE_RESTARTS,
-    DEFAULT_MAX_QUEUED_REQUESTS,
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_TOKENIZER_POOL_SIZE,
+    FrontendArgs,
     auto_tool_call_parser,
     is_loopback,
     resolve_api_key,
@@ -88,7 +85,6 @@ from attnserve.entrypoints.openai.serving_models import OpenAIServingModels, add
 from attnserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from attnserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from attnserve.entrypoints.openai.tool_parsers import parser_for_chat_template
-from attnserve.lora.request import LoRAModulePath
 from attnserve.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -120,52 +116,32 @@ _STREAM: dict[int | str, dict[str, Any]] = {
 }
 
 
-@dataclass(frozen=True)
-class ServerOptions:
-    """The server's own settings beyond the engine (`attnserve serve`'s flags)."""
-
-    api_key: str | None = None
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    tool_call_parser: str | None = None  # reads "auto" replies (None: the server's own format)
-    shutdown_timeout_s: float = 30.0
-    request_timeout_s: float | None = None
-    request_read_timeout_s: float = 30.0
-    restart_engine_core: bool = False
-    max_engine_core_restarts: int = DEFAULT_MAX_ENGINE_CORE_RESTARTS
-    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
-    max_request_prompt_tokens_in_flight: int | None = None  # None: half the KV cache
-    tokenizer_pool_size: int = DEFAULT_TOKENIZER_POOL_SIZE  # bodies, templates, tokenizing
-    reasoning_parser: str | None = None  # --reasoning-parser (None: no thinking split)
-    trust_request_chat_template: bool = False  # --trust-request-chat-template
-    disable_log_requests: bool = False  # --disable-log-requests
-    lora_modules: tuple[LoRAModulePath, ...] = ()  # --lora-modules (with --enable-lora)
-
-
 def build_app(
     engine: AsyncLLMEngine,
     model_name: str,
-    options: ServerOptions | None = None,
+    options: FrontendArgs | None = None,
     warm: bool = True,
 ) -> tuple[FastAPI, ServerLifecycle]:
     """The app and its lifecycle (`lifecycle`: drain, engine watch). Its start-up (lifespan)
     warms the engine, with `warm`, before /health says 200, and watches the engine core; its
     shutdown (after the drain, or once uvicorn has cut the connections) shuts the engine down,
-    so the engine core is stopped before the process exits."""
-    options = options or ServerOptions()
+    so the engine core is stopped before the process exits. `options`: the server's flags,
+    with the API key and tool-call parser resolved (`run_server`)."""
+    options = options or FrontendArgs()
     metrics = ServerMetrics(
         engine.latest_stats, lambda: not engine.errored, lambda: engine.engine.step_stats
     )
     lifecycle = ServerLifecycle(
         engine,
         metrics,
-        options.shutdown_timeout_s,
+        options.shutdown_timeout,
         options.restart_engine_core,
         options.max_engine_core_restarts,
     )
     pool = PreprocessPool(options.tokenizer_pool_size)
     completion = OpenAIServingCompletion(engine, model_name, metrics, pool)
     chat = OpenAIServingChat(engine, model_name, metrics, options.tool_call_parser, pool)
-    completion.request_timeout_s = chat.request_timeout_s = options.request_timeout_s
+    completion.request_timeout_s = chat.request_timeout_s = options.request_timeout
     completion.admission = chat.admission = _admission(engine, options, metrics)
     tokenization = OpenAIServingTokenization(engine, model_name, metrics, pool)
     _set_chat_template_options(options, chat, tokenization)
@@ -280,7 +256,7 @@ def build_app(
         return await tokenization.create_detokenize(body, raw)
 
     # the last added runs first: key, in-flight count, body size limit, then the body's deadline
-    app.add_middleware(BodyDeadlineMiddleware, timeout_s=options.request_read_timeout_s)
+    app.add_middleware(BodyDeadlineMiddleware, timeout_s=options.request_read_timeout)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
     app.add_middleware(InFlightMiddleware, lifecycle=lifecycle)
     if options.api_key:
@@ -289,7 +265,7 @@ def build_app(
 
 
 def _set_chat_template_options(
-    options: ServerOptions, chat: OpenAIServingChat, tokenization: OpenAIServingTokenization
+    options: FrontendArgs, chat: OpenAIServingChat, tokenization: OpenAIServingTokenization
 ) -> None:
     """--reasoning-parser and --trust-request-chat-template on the endpoints that use them."""
     if options.reasoning_parser is not None:
@@ -299,18 +275,18 @@ def _set_chat_template_options(
 
 
 def _serving_models(
-    engine: AsyncLLMEngine, model_name: str, options: ServerOptions, metrics: ServerMetrics
+    engine: AsyncLLMEngine, model_name: str, options: FrontendArgs, metrics: ServerMetrics
 ) -> OpenAIServingModels:
     """The base model and, with LoRA on, the adapters of --lora-modules (checked now)."""
     processor = engine.engine.processor
     checker = processor.lora_checker if engine.engine.config.lora_config is not None else None
     max_model_len = engine.engine.model_config.max_model_len
     return OpenAIServingModels(
-        model_name, max_model_len, checker, options.lora_modules, metrics.registry
+        model_name, max_model_len, checker, tuple(options.lora_modules or ()), metrics.registry
     )
 
 
-def _admission(engine: AsyncLLMEngine, options: ServerOptions, metrics: ServerMetrics) -> Admission:
+def _admission(engine: AsyncLLMEngine, options: FrontendArgs, metrics: ServerMetrics) -> Admission:
     prompt_tokens = options.max_request_prompt_tokens_in_flight
     admission = Admission(
         options.max_queued_requests,
@@ -353,12 +329,13 @@ def run_server(args: argparse.Namespace) -> int:
     a second SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args).with_server_defaults()
-    api_key = resolve_api_key(args, dict(os.environ))
+    frontend = FrontendArgs.from_cli_args(args)
+    api_key = resolve_api_key(frontend, dict(os.environ))
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     try:
-        use_chat_template(engine.tokenizer, args.chat_template)
+        use_chat_template(engine.tokenizer, frontend.chat_template)
         template = getattr(engine.tokenizer, "chat_template", None)
-        tool_call_parser = auto_tool_call_parser(args, parser_for_chat_template(template))
+        tool_call_parser = auto_tool_call_parser(frontend, parser_for_chat_template(template))
     except ValueError:
         engine.shutdown()
         raise
@@ -366,35 +343,19 @@ def run_server(args: argparse.Namespace) -> int:
         logger.info('"auto" tool choice on: replies read by the %s parser', tool_call_parser)
     else:
         logger.info("tools in the server's own format: listed in the prompt, calls constrained")
-    options = ServerOptions(
-        api_key=api_key,
-        max_request_bytes=args.max_request_bytes,
-        tool_call_parser=tool_call_parser,
-        shutdown_timeout_s=args.shutdown_timeout,
-        request_timeout_s=args.request_timeout,
-        request_read_timeout_s=args.request_read_timeout,
-        restart_engine_core=args.restart_engine_core,
-        max_engine_core_restarts=args.max_engine_core_restarts,
-        max_queued_requests=args.max_queued_requests,
-        max_request_prompt_tokens_in_flight=args.max_request_prompt_tokens_in_flight,
-        tokenizer_pool_size=args.tokenizer_pool_size,
-        reasoning_parser=args.reasoning_parser,
-        trust_request_chat_template=args.trust_request_chat_template,
-        disable_log_requests=args.disable_log_requests,
-        lora_modules=tuple(args.lora_modules or ()),
-    )
-    if options.api_key is None and not is_loopback(args.host):
-        logger.warning("serving on %s without an API key (--allow-no-api-key)", args.host)
-    name = args.served_model_name or served_model_name(engine_args)
+    options = dataclasses.replace(frontend, api_key=api_key, tool_call_parser=tool_call_parser)
+    if options.api_key is None and not is_loopback(options.host):
+        logger.warning("serving on %s without an API key (--allow-no-api-key)", options.host)
+    name = options.served_model_name or served_model_name(engine_args)
     app, lifecycle = build_app(engine, name, options)
     freeze_startup_objects()  # the modules and engine state built so far stay
-    logger.info("serving %r on http://%s:%d", name, args.host, args.port)
-    protocol = server_protocol(args.request_read_timeout)
+    logger.info("serving %r on http://%s:%d", name, options.host, options.port)
+    protocol = server_protocol(options.request_read_timeout)
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
-        log_level=args.uvicorn_log_level,
+        host=options.host,
+        port=options.port,
+        log_level=options.uvicorn_log_level,
         http=protocol,
         timeout_graceful_shutdown=int(ANSWERS_OUT_S),
     )
