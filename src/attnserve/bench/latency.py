@@ -13,6 +13,9 @@ With TPOT, its bound (bench/bound.py, at the copy bandwidth and matmul rate meas
 same run): the batch's decode steps 1 .. output len − 1, each reading every weight it needs
 (`ModelShape.step_weight_bytes` of the batch) and the K and V of every sequence's context, and
 taking max(bytes / copy rate, FLOPs / matmul rate); their mean, against the median TPOT.
+
+With `--num-loras N` (and `--enable-lora`), the batch's requests take N random LoRA adapters of
+`--lora-rank` in turn (bench/lora.py), each read in the warm-up.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from attnserve.bench.bound import ModelShape, Rates, measure_rates, workload_bound
+from attnserve.bench.lora import add_lora_arguments, random_lora_requests
 from attnserve.bench.common import (
     check_output_files,
     check_positive,
@@ -36,8 +40,10 @@ from attnserve.bench.common import (
     spec_decode_figures,
     sync,
 )
+from attnserve.bench.lora import add_lora_arguments, random_lora_requests
 from attnserve.config import EngineArgs
 from attnserve.engine.llm_engine import LLMEngine
+from attnserve.lora.request import LoRARequest
 from attnserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -66,9 +72,15 @@ class BatchTimes:
 _request_ids = itertools.count()
 
 
-def time_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> BatchTimes:
-    """Run `prompts` at once (greedy, `ignore_eos`, `output_len` tokens each), streamed, and
-    note when each request's first and last tokens come out."""
+def time_batch(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    output_len: int,
+    loras: tuple[LoRARequest, ...] = (),
+) -> BatchTimes:
+    """Run `prompts` at once (greedy, `ignore_eos`, `output_len` tokens each; request i with
+    LoRA adapter i of `loras` in turn, if any), streamed, and note when each request's first
+    and last tokens come out."""
     params = SamplingParams(
         temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
@@ -77,8 +89,9 @@ def time_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> 
     last: dict[str, float] = {}
     sync()
     started = time.perf_counter()
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, params)
+    for i, (request_id, prompt) in enumerate(zip(ids, prompts, strict=True)):
+        lora = loras[i % len(loras)] if loras else None
+        engine.add_request(request_id, prompt, params, lora_request=lora)
     while len(last) < len(ids):
         outputs = engine.step()
         now = time.perf_counter() - started
@@ -97,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="output tokens")
     parser.add_argument("--num-iters", type=int, default=3, help="timed iterations")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the figures")
+    add_lora_arguments(parser)
     parser.set_defaults(handler=main)
 
 
@@ -160,13 +174,17 @@ def _figures(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         length, size = args.input_len, args.batch_size
         return [[rng.randrange(vocab) for _ in range(length)] for _ in range(size)]
 
+    loras = tuple(random_lora_requests(args, engine.model_config))
     progress("warm-up")
-    time_batch(engine, prompts(), args.output_len)
+    warm_up = prompts()
+    if loras:  # one request per adapter: each is read from disk now
+        time_batch(engine, warm_up[:1] * len(loras), 2, loras)
+    time_batch(engine, warm_up, args.output_len, loras)
     before = engine.stats()
     batches = []
     for iteration in range(args.num_iters):
         progress(f"iteration {iteration + 1} of {args.num_iters}")
-        batches.append(time_batch(engine, prompts(), args.output_len))
+        batches.append(time_batch(engine, prompts(), args.output_len, loras))
     e2e = [b.e2e for b in batches]
     result: dict[str, Any] = {
         "model": engine.model_config.model,
@@ -175,6 +193,7 @@ def _figures(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        **({"num_loras": args.num_loras, "lora_rank": args.lora_rank} if loras else {}),
     }
     result |= _ms_summary("prefill", [b.prefill for b in batches])
     if args.output_len > 1:

@@ -50,16 +50,14 @@ def write_random_adapter(folder: Path, targets: LoRATargets, rank: int, seed: in
     return folder
 
 
-def with_random_loras(
-    workload: Workload, args: argparse.Namespace, model_config: ModelConfig
-) -> Workload:
-    """`workload` with its requests spread over `--num-loras` random adapters (kept in a
-    temporary folder for the life of the process); unchanged without."""
+def random_lora_requests(args: argparse.Namespace, model_config: ModelConfig) -> list[LoRARequest]:
+    """`--num-loras` random adapters of `--lora-rank` for the model, written to a temporary
+    folder kept for the life of the process (none without `--num-loras`)."""
     if not args.num_loras:
-        return workload
+        return []
     targets = LoRATargets.of_model(model_config)
     root = Path(tempfile.mkdtemp(prefix="attnserve-bench-lora-"))
-    requests = [
+    return [
         LoRARequest(
             f"lora{i}",
             i + 1,
@@ -67,6 +65,15 @@ def with_random_loras(
         )
         for i in range(args.num_loras)
     ]
-    return replace(
-        workload, lora_requests=[requests[i % len(requests)] for i in range(len(workload.prompts))]
-    )
+
+
+def with_random_loras(
+    workload: Workload, args: argparse.Namespace, model_config: ModelConfig
+) -> Workload:
+    """`workload` with its requests spread over `--num-loras` random adapters in turn;
+    unchanged without."""
+    requests = random_lora_requests(args, model_config)
+    if not requests:
+        return workload
+    spread = [requests[i % len(requests)] for i in range(len(workload.prompts))]
+    return replace(workload, lora_requests=spread)
