@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 from attnserve.bench.bound import ModelShape, Rates, measure_rates, workload_bound
-from attnserve.bench.lora import add_lora_arguments, random_lora_requests
 from attnserve.bench.common import (
     check_output_files,
     check_positive,
