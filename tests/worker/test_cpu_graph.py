@@ -6,6 +6,7 @@ and runs eagerly."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -112,3 +113,23 @@ def test_a_new_thread_count_captures_the_graphs_again(default_llm: LLM) -> None:
         assert all(graphs.graphs[size][0] is not captured[size][0] for size in captured)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_batch_past_sixteen_replays_a_padded_bucket(default_llm: LLM, eager_llm: LLM) -> None:
+    """21 sequences run in the 24-sequence bucket (3 padded rows): the same greedy tokens as the
+    eager engine's."""
+    rng = random.Random(1)
+    prompts: list[Any] = [
+        {"prompt_token_ids": [rng.randrange(1000) for _ in range(rng.randrange(5, 30))]}
+        for _ in range(21)
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=3 + i % 3, ignore_eos=True) for i in range(21)
+    ]
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    replayed = tokens(default_llm)
+    assert 24 in _runner(default_llm).graphs.graphs
+    assert replayed == tokens(eager_llm)
