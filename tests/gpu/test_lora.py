@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from attnserve import LLM, LoRARequest, SamplingParams
+from attnserve.lora.layers import column_slices
 from attnserve.lora.punica import add_lora_torch
 from attnserve.lora.triton_ops import add_lora_triton
 from tests.conftest import TINY_LLAMA, hf_greedy
@@ -21,6 +22,10 @@ pytestmark = pytest.mark.cuda
 
 SLOTS, RANK, HIDDEN = 8, 16, 4096
 QKV = [(0, 4096), (4096, 1024), (5120, 1024)]
+
+
+def _columns() -> torch.Tensor:
+    return column_slices(QKV, 6144, torch.device("cuda"))
 
 
 def _case(tokens: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -55,7 +60,7 @@ def _order(slots: torch.Tensor) -> torch.Tensor:
 def test_kernels_against_float64(tokens: int, dtype: torch.dtype) -> None:
     x, base, a, b, slots = _case(tokens, dtype)
     want = _reference(x, base, a, b, slots)
-    got = add_lora_triton(x, base.clone(), (slots, _order(slots)), a, b, QKV).double()
+    got = add_lora_triton(x, base.clone(), (slots, _order(slots)), a, b, _columns()).double()
     torch_path = add_lora_torch(x, base.clone(), slots, a, b, QKV).double()
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -65,20 +70,20 @@ def test_kernels_against_float64(tokens: int, dtype: torch.dtype) -> None:
 
 def test_kernels_replay_from_a_cuda_graph_with_new_slots() -> None:
     x, base, a, b, slots = _case(64, torch.bfloat16)
-    order = _order(slots)
+    order, columns = _order(slots), _columns()
     fresh = base.clone()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    add_lora_triton(x, base.clone(), (slots, order), a, b, QKV)  # compiled before the capture
+    add_lora_triton(x, base.clone(), (slots, order), a, b, columns)  # compiled before the capture
     with torch.cuda.graph(graph):
-        out = add_lora_triton(x, fresh, (slots, order), a, b, QKV)
+        out = add_lora_triton(x, fresh, (slots, order), a, b, columns)
     new_slots = torch.flip(slots, (0,))
     slots.copy_(new_slots)
     order.copy_(_order(new_slots))
     fresh.copy_(base)
     graph.replay()
     torch.cuda.synchronize()
-    eager = add_lora_triton(x, base.clone(), (slots, order), a, b, QKV)
+    eager = add_lora_triton(x, base.clone(), (slots, order), a, b, columns)
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
 
 

@@ -13,7 +13,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # already so via conftest; import-order proof
 
-from attnserve.lora.layers import LoRAIndices, LoRALinear  # noqa: E402
+from attnserve.lora.layers import (  # noqa: E402
+    LoRAIndices,
+    LoRALinear,
+    column_slices,
+)
 from attnserve.lora.peft import LoRAWeights  # noqa: E402
 from attnserve.lora.punica import add_lora_torch  # noqa: E402
 from attnserve.model.layers.linear import QKVParallelLinear, RowParallelLinear  # noqa: E402
@@ -23,9 +27,10 @@ SLOTS, RANK = 3, 8
 SLICES = [(0, 24), (24, 8), (32, 8)]  # q, k, v widths of a merged projection
 
 
-def _stacks(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _stacks(dtype: torch.dtype, seed: int, inputs: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    lora_a = torch.randn(SLOTS, len(SLICES) * RANK, 32, generator=gen).to(dtype)
+    lora_a = torch.randn(SLOTS, len(SLICES) * RANK, inputs, generator=gen) / inputs**0.5
+    lora_a = lora_a.to(dtype)
     lora_b = torch.randn(SLOTS, 40, RANK, generator=gen).to(dtype)
     return lora_a.to(DEVICE), lora_b.to(DEVICE)
 
@@ -51,18 +56,20 @@ SLOT_CASES = {
 }
 
 
+# 1,100 inputs: the shrink splits K over 4 programs, the last with a partial tile
+@pytest.mark.parametrize("inputs", [32, 1100])
 @pytest.mark.parametrize("case", SLOT_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kernel", ["torch", "triton", "triton-sorted"])
 def test_batched_products_equal_each_rows_own_adapter(
-    kernel: str, dtype: torch.dtype, case: str
+    kernel: str, dtype: torch.dtype, case: str, inputs: int
 ) -> None:
     if kernel.startswith("triton"):
         pytest.importorskip("triton")
-    lora_a, lora_b = _stacks(dtype, seed=1)
+    lora_a, lora_b = _stacks(dtype, seed=1, inputs=inputs)
     slots = SLOT_CASES[case]
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(len(slots), 32, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(len(slots), inputs, generator=gen).to(dtype).to(DEVICE)
     base = torch.randn(len(slots), 40, generator=gen).to(dtype).to(DEVICE)
     indices = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
     expected = _reference(x, base, slots, lora_a, lora_b)
@@ -74,7 +81,8 @@ def test_batched_products_equal_each_rows_own_adapter(
         order = torch.arange(len(slots), dtype=torch.int32, device=DEVICE)
         if kernel == "triton-sorted":
             order = torch.argsort(indices, stable=True).to(torch.int32)
-        got = add_lora_triton(x, base.clone(), (indices, order), lora_a, lora_b, SLICES)
+        columns = column_slices(SLICES, base.shape[1], base.device)
+        got = add_lora_triton(x, base.clone(), (indices, order), lora_a, lora_b, columns)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), expected, atol=tol * 10, rtol=tol)
     base_rows = [t for t, slot in enumerate(slots) if slot < 0]

@@ -163,8 +163,12 @@ def test_kernel_matches_reference(
 @pytest.mark.parametrize(
     ("tokens", "top_k", "config"),
     [
-        (1, 3, DecodeMoEConfig(32, 16, 32, num_warps=2)),  # masked column tails, several K tiles
-        (4, 2, DecodeMoEConfig(16, 64, 16)),
+        (
+            1,
+            3,
+            DecodeMoEConfig(32, 32, 16, 32, num_warps=2),
+        ),  # masked column tails, several K tiles
+        (4, 2, DecodeMoEConfig(16, 16, 64, 16)),
         (8, 4, None),
     ],
 )
@@ -184,8 +188,8 @@ def test_decode_kernels_match_reference(
     torch.testing.assert_close(out, moe_reference(x, w13, w2, weights, ids), **TOL[torch.float16])
     expected = _float64_moe(x, w13, w2, weights, ids)
     torch.testing.assert_close(out.double(), expected, **TOL[torch.float16])
-    with pytest.raises(ValueError, match="block_k must be a power of two"):
-        DecodeMoEConfig(block_k=48)
+    with pytest.raises(ValueError, match="block_k_down must be a power of two"):
+        DecodeMoEConfig(block_k_down=48)
 
 
 def test_kernel_edge_cases() -> None:

@@ -86,6 +86,17 @@ def layer_slices(base: Linear, modules: tuple[str, ...]) -> list[LoRASlice]:
     return [LoRASlice(modules[0], 0, base.out_features, start)]
 
 
+def column_slices(spans: list[tuple[int, int]], width: int, device: torch.device) -> torch.Tensor:
+    """[width] int32: the slice of each output column (`spans`: each slice's first column and
+    width, in order, covering every column)."""
+    col_slice = torch.full((width,), -1, dtype=torch.int32)
+    for j, (start, size) in enumerate(spans):
+        col_slice[start : start + size] = j
+    if bool((col_slice < 0).any()):
+        raise ValueError(f"LoRA slices {spans} leave columns of {width} uncovered")
+    return col_slice.to(device)
+
+
 class LoRALinear:
     """The adapters of `max_loras` slots for one base projection, added to its output."""
 
@@ -110,6 +121,7 @@ class LoRALinear:
             max_loras, base.out_features, self.rank, dtype=dtype, device=device
         )
         self.spans = [(part.offset, part.size) for part in self.slices]
+        self.col_slice = column_slices(self.spans, base.out_features, device)
 
     @property
     def num_bytes(self) -> int:
@@ -134,7 +146,7 @@ class LoRALinear:
         if use_triton(out):
             from attnserve.lora.triton_ops import add_lora_triton
 
-            return add_lora_triton(x, out, slots, self.lora_a, self.lora_b, self.spans)
+            return add_lora_triton(x, out, slots, self.lora_a, self.lora_b, self.col_slice)
         if not self.indices.active:  # the torch path runs eagerly: no graph records this
             return out
         return add_lora_torch(x, out, slots[0], self.lora_a, self.lora_b, self.spans)

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnserve.model.layers.fused_moe_decode import MAX_PAIRS_PER_EXPERT, decode_experts
 from attnserve.model.layers.fused_moe_routing import AlignedRoutes, align_block_size
 
 
@@ -191,7 +192,8 @@ def fused_experts(
     """hidden [T, H], w13 [E, 2·I, H] (gate rows, then up rows), w2 [E, H, I], topk_weights and
     topk_ids [T, top_k] -> Σ over each token's top-k of weight · w2[e] · (silu(gate_e·x) ·
     up_e·x), [T, H] in hidden's dtype. (Under tensor parallelism I is this rank's share and the
-    result a partial sum, to be all-reduced.)"""
+    result a partial sum, to be all-reduced.) With no `config` and at most MAX_PAIRS_PER_EXPERT
+    routed pairs per expert, the matrix-vector path of `fused_moe_decode` runs instead."""
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     if w13.shape[1] != 2 * inter or not w13.shape[2] == hidden.shape[1] == w2.shape[1]:
@@ -199,6 +201,8 @@ def fused_experts(
     if num_tokens == 0:
         return torch.zeros_like(hidden)
     num_pairs = num_tokens * top_k
+    if config is None and num_pairs <= MAX_PAIRS_PER_EXPERT * num_experts:
+        return decode_experts(hidden.contiguous(), w13, w2, topk_weights, topk_ids)
     config = config or default_config(num_pairs, num_experts)
     routes = align_block_size(topk_ids, num_experts, config.block_m)
     hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()

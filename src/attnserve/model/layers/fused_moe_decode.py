@@ -15,10 +15,10 @@ program per (expert block, column block), too few to keep every SM streaming wei
 
 Two launches, every weight row read once per pair that routes to it (at decode sizes pairs
 rarely share an expert), and enough programs to fill the card. `attnserve bench moe` times it
-beside the grouped GEMMs (its `attnserve-decode` rows); the engine switches to it only once that
-measurement on a GPU says where it wins (not yet made: `fused_experts` still runs the grouped
-GEMMs at every size). CUDA-graph safe: the grids depend
-only on the number of tokens and the shapes. Without a GPU the kernels run through Triton's
+beside the grouped GEMMs (its `attnserve-decode` rows); `fused_moe.fused_experts` takes this
+path up to MAX_PAIRS_PER_EXPERT routed pairs per expert, where it is ahead on an H100
+(docs/benchmarks.md, MoE section). CUDA-graph safe: the grids depend only on the number of
+tokens and the shapes. Without a GPU the kernels run through Triton's
 interpreter (TRITON_INTERPRET=1, set before this module is imported).
 """
 
@@ -30,19 +30,28 @@ import torch
 import triton
 import triton.language as tl
 
+# The decode path wins where pairs rarely share an expert: on the H100 (2026-12-05) it took
+# Qwen3-30B-A3B's 8 / 16 / 32 pairs over 128 experts in 0.80 / 0.84 / 0.97x the grouped GEMMs'
+# time and Mixtral-8x7B's 2 pairs over 8 in 1.0x, but 32 pairs over 8 in 2.1x.
+MAX_PAIRS_PER_EXPERT = 0.25
+
 
 @dataclass(frozen=True)
 class DecodeMoEConfig:
-    """Tile sizes and launch settings of the two matrix-vector kernels."""
+    """Tile sizes and launch settings of the two matrix-vector kernels. The defaults are the
+    fastest of a tile sweep on an H100 (2026-12-05) at Qwen3-30B-A3B's and Mixtral-8x7B's shapes,
+    1 to 4 tokens: narrow down tiles with long K tiles, as the down kernel's K loop runs top_k
+    times per program."""
 
     block_n_gate_up: int = 16
-    block_n_down: int = 16
-    block_k: int = 256
+    block_k_gate_up: int = 256
+    block_n_down: int = 4
+    block_k_down: int = 512
     num_warps: int = 4
     num_stages: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("block_n_gate_up", "block_n_down", "block_k"):
+        for name in ("block_n_gate_up", "block_k_gate_up", "block_n_down", "block_k_down"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"DecodeMoEConfig.{name} must be a power of two, got {value}")
@@ -149,13 +158,13 @@ def decode_experts(
     _gate_up_kernel[grid](
         hidden, w13, ids, intermediate, inter, size,
         hidden.stride(0), w13.stride(0), w13.stride(1), intermediate.stride(0),
-        TOP_K=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k, **launch,
+        TOP_K=top_k, BLOCK_N=config.block_n_gate_up, BLOCK_K=config.block_k_gate_up, **launch,
     )  # fmt: skip
     out = torch.empty_like(hidden)
     grid = (num_tokens, triton.cdiv(size, config.block_n_down))
     _down_kernel[grid](
         intermediate, w2, ids, topk_weights.flatten().contiguous(), out, size, inter,
         intermediate.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=config.block_n_down, BLOCK_K=config.block_k, **launch,
+        TOP_K=top_k, BLOCK_N=config.block_n_down, BLOCK_K=config.block_k_down, **launch,
     )  # fmt: skip
     return out
