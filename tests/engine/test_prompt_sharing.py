@@ -12,6 +12,7 @@ from attnserve.engine.core.scheduler import ScheduledSequence, Scheduler
 from attnserve.engine.core.sequence import Sequence
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import SampleOutput
+from tests.engine.scheduler_steps import record_step
 
 BUDGET = 512
 THRESHOLD = 100
@@ -41,7 +42,7 @@ def _add(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 2) -> Sequen
 
 def _step(s: Scheduler) -> list[ScheduledSequence]:
     out = s.schedule()
-    s.update(out, [SampleOutput([7]) if i.samples else None for i in out.scheduled], [0])
+    record_step(s, out, [SampleOutput([7]) if i.samples else None for i in out.scheduled], [0])
     return out.scheduled
 
 

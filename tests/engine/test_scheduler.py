@@ -15,6 +15,7 @@ from attnserve.engine.core.sequence import Sequence, SequenceStatus
 from attnserve.engine.core.step_planner import StepPlanner
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import SampleOutput
+from tests.engine.scheduler_steps import record_step
 
 EOS = 0
 
@@ -59,7 +60,7 @@ def _step(s: Scheduler) -> list[ScheduledSequence]:
         SampleOutput([7] * (1 + item.seq.num_forks_pending)) if item.samples else None
         for item in out.scheduled
     ]
-    s.update(out, results, [EOS])
+    record_step(s, out, results, [EOS])
     return out.scheduled
 
 
@@ -127,7 +128,7 @@ def test_plan_puts_prefills_before_decodes() -> None:
     planner = StepPlanner()
     out = s.schedule()
     planner.plan(out)
-    s.update(out, [SampleOutput([7])], [EOS])
+    record_step(s, out, [SampleOutput([7])], [EOS])
     b = _add(s, "b", 5)
     plan = planner.plan(s.schedule())
     assert plan.seq_ids == [b.seq_id, a.seq_id] and plan.num_new_tokens == [5, 1]
@@ -170,7 +171,7 @@ def test_stop_token_and_eos_finish_with_stop() -> None:
     s = _scheduler()
     seq = Sequence("x", [1, 2], SamplingParams(max_tokens=9), BlockTable(s.allocator, 4))
     s.add(seq)
-    s.update(s.schedule(), [SampleOutput([EOS])], [EOS])
+    record_step(s, s.schedule(), [SampleOutput([EOS])], [EOS])
     assert seq.finish_reason == "stop" and seq.output_token_ids == [EOS]
 
 
@@ -216,7 +217,9 @@ def test_swap_preemption_moves_blocks_out_and_back() -> None:
         out = s.schedule()
         swapped_out += len(out.swap_out)
         swapped_in += len(out.swap_in)
-        s.update(out, [SampleOutput([7]) if i.samples else None for i in out.scheduled], [EOS])
+        record_step(
+            s, out, [SampleOutput([7]) if i.samples else None for i in out.scheduled], [EOS]
+        )
     assert swapped_out > 0 and swapped_in == swapped_out
     assert old.output_token_ids == new.output_token_ids == [7] * 6
     assert s.allocator.num_free_blocks == 4 and s.swap_allocator is not None

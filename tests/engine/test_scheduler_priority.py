@@ -17,6 +17,7 @@ from attnserve.engine.core.sequence import Sequence, SequenceStatus
 from attnserve.engine.llm_engine import LLMEngine
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import SampleOutput
+from tests.engine.scheduler_steps import record_step
 
 BLOCK = 4
 
@@ -39,7 +40,7 @@ def _step(s: Scheduler) -> list[str]:
     """One step; the request ids it scheduled."""
     out = s.schedule()
     results = [SampleOutput([7]) if item.samples else None for item in out.scheduled]
-    s.update(out, results, [0])
+    record_step(s, out, results, [0])
     return [item.seq.request_id for item in out.scheduled]
 
 

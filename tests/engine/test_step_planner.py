@@ -13,6 +13,7 @@ from attnserve.engine.core.sequence import Sequence
 from attnserve.engine.core.step_planner import StepPlanner
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import BlockUpdate, SampleOutput, StepPlan
+from tests.engine.scheduler_steps import record_step
 
 EOS = 0
 
@@ -34,8 +35,8 @@ def _run(s: Scheduler, planner: StepPlanner) -> StepPlan:
     out = s.schedule()
     plan = planner.plan(out)
     draws = [SampleOutput([7] * (1 + i.seq.num_forks_pending)) for i in out.scheduled]
-    s.update(
-        out, [d if i.samples else None for d, i in zip(draws, out.scheduled, strict=True)], [EOS]
+    record_step(
+        s, out, [d if i.samples else None for d, i in zip(draws, out.scheduled, strict=True)], [EOS]
     )
     return plan
 

@@ -12,6 +12,7 @@ from attnserve.engine.core.sequence import Sequence
 from attnserve.lora.request import LoRARequest
 from attnserve.sampling_params import SamplingParams
 from attnserve.step_types import SampleOutput
+from tests.engine.scheduler_steps import record_step
 
 
 def _add(s: Scheduler, rid: str, lora: int) -> Sequence:
@@ -34,7 +35,7 @@ def test_a_step_takes_at_most_max_loras_adapters() -> None:
         assert len(adapters) <= 2
         assert {i.seq.request_id for i in out.scheduled} >= {"r3", "r7"} - finished  # base rows
         results = [SampleOutput([7]) if item.samples else None for item in out.scheduled]
-        s.update(out, results, [0])
+        record_step(s, out, results, [0])
         finished |= {i.seq.request_id for i in out.scheduled if i.seq.finish_reason}
     assert finished == {f"r{i}" for i in range(9)}
 

@@ -311,13 +311,6 @@ class Scheduler:
         else:
             self.waiting.appendleft(seq)
 
-    def update(
-        self, out: SchedulerOutput, results: list[SampleOutput | None], eos_token_ids: list[int]
-    ) -> list[Sequence]:
-        """Record one step's results at once: `advance`, then `resolve`."""
-        self.advance(out)
-        return self.resolve(out, results, eos_token_ids)
-
     def advance(self, out: SchedulerOutput) -> None:
         """The step's new tokens are in the cache (or on their way there): count them, register
         newly full blocks, free what window layers no longer read, and count each draw as
