@@ -5,7 +5,9 @@ workload's requests spread over them in turn (vLLM's benchmark spreads them at r
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -52,11 +54,12 @@ def write_random_adapter(folder: Path, targets: LoRATargets, rank: int, seed: in
 
 def random_lora_requests(args: argparse.Namespace, model_config: ModelConfig) -> list[LoRARequest]:
     """`--num-loras` random adapters of `--lora-rank` for the model, written to a temporary
-    folder kept for the life of the process (none without `--num-loras`)."""
+    folder removed when the process exits (none without `--num-loras`)."""
     if not args.num_loras:
         return []
     targets = LoRATargets.of_model(model_config)
     root = Path(tempfile.mkdtemp(prefix="attnserve-bench-lora-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     return [
         LoRARequest(
             f"lora{i}",
