@@ -1,6 +1,8 @@
-"""PEFT adapters written by hand (peft is not installed here): `adapter_config.json` and
-`adapter_model.safetensors` in PEFT's layout and names, random weights; and the reference model
-with an adapter merged into its weights (W + scaling · B A), saved as an HF checkpoint."""
+"""PEFT adapters written by hand: `adapter_config.json` and `adapter_model.safetensors` in PEFT's
+layout and names, random weights, any config options (the malformed and unsupported adapters of
+test_peft.py among them); and the reference model with an adapter merged into its weights
+(W + scaling · B A), saved as an HF checkpoint. Without a model to wrap they are quick for the
+many tests that need adapters; test_peft_reference.py checks the engine against peft itself."""
 
 from __future__ import annotations
 
