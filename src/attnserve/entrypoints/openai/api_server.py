@@ -78,9 +78,9 @@ from attnserve.entrypoints.openai.protocol_tokenization import (
     TokenizeResponse,
 )
 from attnserve.entrypoints.openai.reasoning_parsers import reasoning_parser
+from attnserve.entrypoints.openai.replies import ClientDisconnected
 from attnserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from attnserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from attnserve.entrypoints.openai.serving_engine import ClientDisconnected
 from attnserve.entrypoints.openai.serving_models import OpenAIServingModels, add_lora_routes
 from attnserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from attnserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization

@@ -7,8 +7,8 @@ from typing import Generic, TypeVar
 
 from pydantic import BaseModel
 
+from attnserve.entrypoints.openai.deltas import Delta
 from attnserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
-from attnserve.entrypoints.openai.serving_engine import Delta
 
 ChunkT = TypeVar("ChunkT", bound=BaseModel)
 

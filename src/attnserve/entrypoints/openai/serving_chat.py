@@ -16,6 +16,7 @@ from starlette.responses import StreamingResponse
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
 from attnserve.entrypoints.openai.chat_template import TemplateOptions, template_options
 from attnserve.entrypoints.openai.chunk_renderer import ChunkRenderer, usage
+from attnserve.entrypoints.openai.deltas import Choice, Delta, finite, new_id, top_k
 from attnserve.entrypoints.openai.errors import ApiError
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.preprocess import PreprocessPool
@@ -34,14 +35,7 @@ from attnserve.entrypoints.openai.protocol import (
     PromptLogprobsJson,
 )
 from attnserve.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningStream
-from attnserve.entrypoints.openai.serving_engine import (
-    Choice,
-    Delta,
-    OpenAIServing,
-    finite,
-    new_id,
-    top_k,
-)
+from attnserve.entrypoints.openai.serving_engine import OpenAIServing
 from attnserve.entrypoints.openai.structured import constraint_field
 from attnserve.entrypoints.openai.tool_choice import ToolPlan, tool_plan
 from attnserve.entrypoints.openai.tool_parsers import ToolCallStream, merged_calls

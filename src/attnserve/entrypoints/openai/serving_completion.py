@@ -15,20 +15,14 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from attnserve.entrypoints.openai.chunk_renderer import ChunkRenderer, usage
+from attnserve.entrypoints.openai.deltas import Choice, Delta, finite, new_id, top_k
 from attnserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
 )
-from attnserve.entrypoints.openai.serving_engine import (
-    Choice,
-    Delta,
-    OpenAIServing,
-    finite,
-    new_id,
-    top_k,
-)
+from attnserve.entrypoints.openai.serving_engine import OpenAIServing
 from attnserve.entrypoints.openai.structured import constraint_field
 from attnserve.entrypoints.openai.vllm_fields import (
     check_vllm_fields,

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from attnserve.entrypoints.openai.deltas import finite
 from attnserve.entrypoints.openai.errors import ApiError
 from attnserve.entrypoints.openai.protocol import (
     PromptLogprob,
     PromptLogprobsJson,
     SamplingRequest,
 )
-from attnserve.entrypoints.openai.serving_engine import finite
 from attnserve.outputs import PromptLogprobs
 
 LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")  # the counts a request asks
