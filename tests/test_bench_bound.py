@@ -36,7 +36,7 @@ def test_shape_figures_by_hand() -> None:
     assert SHAPE.decoder_matmul_params == 2 * (192 + 384) == 1152
     assert SHAPE.lm_head_params == 256
     # norms: 2 per layer + the final one, 8 each
-    assert SHAPE.weight_bytes == (1152 + 40 + 256) * 2 == 2896
+    assert SHAPE.step_weight_bytes(1) == (1152 + 40 + 256) * 2 == 2896
     assert SHAPE.kv_bytes_per_token == 2 * 2 * 1 * 4 * 2 == 32
     assert SHAPE.attention_flops_per_pair == 4 * 2 * 2 * 4 == 64
 
@@ -57,12 +57,11 @@ def test_moe_shape_figures_by_hand() -> None:
     assert MOE.expert_params == 144
     assert MOE.decoder_matmul_params == 2 * 192 + 384 + 32 + 2 * 144 == 1088
     shared = 2 * 192 + 384 + 32 + 40 + 256
-    assert MOE.weight_bytes == (shared + 4 * 144) * 2
     # uniform routing of 2 of 4 experts: 2 experts for one token, 4·(1 - 1/4) = 3 for two
     assert MOE.experts_read(1) == pytest.approx(2) and MOE.experts_read(2) == pytest.approx(3)
     assert MOE.step_weight_bytes(1) == pytest.approx((shared + 2 * 144) * 2)
-    assert MOE.step_weight_bytes(1000) == pytest.approx(MOE.weight_bytes)
-    assert SHAPE.step_weight_bytes(7) == SHAPE.weight_bytes
+    assert MOE.step_weight_bytes(1000) == pytest.approx((shared + 4 * 144) * 2)  # every expert
+    assert SHAPE.step_weight_bytes(7) == SHAPE.step_weight_bytes(1)
 
 
 def test_moe_shape_matches_the_parameters_of_a_checkpoint(tmp_path: Path) -> None:
@@ -71,7 +70,8 @@ def test_moe_shape_matches_the_parameters_of_a_checkpoint(tmp_path: Path) -> Non
     shape = ModelShape.from_config(config)
     embedding = config.vocab_size * config.hidden_size
     params = sum(p.numel() for p in hf_model.parameters())
-    assert shape.weight_bytes == (params - embedding) * config.dtype.itemsize
+    every_expert = shape.step_weight_bytes(10**6)
+    assert every_expert == pytest.approx((params - embedding) * config.dtype.itemsize)
     assert (shape.sparse_layers, shape.num_experts, shape.top_k) == (config.num_layers, 4, 2)
 
 
@@ -144,7 +144,7 @@ def test_shape_matches_the_parameters_of_the_preset() -> None:
     model = LlamaForCausalLM(config.hf_config)
     embedding = config.vocab_size * config.hidden_size  # untied: gathered, not read whole
     params = sum(p.numel() for p in model.parameters())
-    assert shape.weight_bytes == (params - embedding) * config.dtype.itemsize
+    assert shape.step_weight_bytes(1) == (params - embedding) * config.dtype.itemsize
     assert shape.kv_dtype_bytes == 1
 
 

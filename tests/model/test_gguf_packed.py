@@ -22,9 +22,7 @@ from attnserve.model.quantization.gguf_cpu import (
     KERNELS_ENV,
     NativeWeight,
     kernels,
-    native_dequantize,
     native_library,
-    native_mm,
 )
 from attnserve.model.quantization.gguf_torch import TorchPackedWeight
 
@@ -70,7 +68,7 @@ def test_blocks_dequantize_like_gguf(qtype: str, n: int, k: int) -> None:
     assert torch.equal(weight[1:, 32:].dequantize(), expected[1:, 32:])
     for isa in ("avx2", "avx512"):
         if kernels(isa) is not None:
-            assert torch.equal(native_dequantize(weight, isa), expected)
+            assert torch.equal(NativeWeight(weight, isa).dequantize(), expected)
 
 
 def test_columns_split_only_on_blocks() -> None:
@@ -112,7 +110,7 @@ def test_native_kernel_against_rounded_reference(
 ) -> None:
     raw = _raw(qtype, n, k, seed=7 * n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    got = native_mm(x, from_blocks(qtype, raw, (n, k)), isa).double()
+    got = NativeWeight(from_blocks(qtype, raw, (n, k)), isa).mm(x).double()
     reference, bound = _rounded_reference(x, qtype, raw, n, k)
     torch.testing.assert_close(got, reference, atol=1e-5 * reference.abs().max().item(), rtol=0)
     exact = x.double() @ _dequantized(qtype, raw).t()

@@ -133,12 +133,6 @@ class ModelShape:
         return self._shared_weight_bytes + experts * self.dtype_bytes
 
     @property
-    def weight_bytes(self) -> int:
-        """Bytes of all the weights a forward pass may read (every expert)."""
-        experts = self.sparse_layers * self.num_experts * self.expert_params
-        return self._shared_weight_bytes + experts * self.dtype_bytes
-
-    @property
     def _shared_weight_bytes(self) -> int:
         norms = (2 * self.num_layers + 1) * self.hidden_size
         matmul = self.matmul_weight_bytes or self.dtype_bytes

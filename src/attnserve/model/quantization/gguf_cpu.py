@@ -155,13 +155,3 @@ class NativeWeight:
 
     def dequantize(self) -> torch.Tensor:
         return self.dequantize_into(0, torch.empty(self.rows, self.cols, dtype=torch.float32))
-
-
-def native_mm(x: torch.Tensor, weight: GGUFWeight, isa: str | None = None) -> torch.Tensor:
-    """x [M, K] times `weight` [N, K] transposed, float32 [M, N] (see `NativeWeight.mm`)."""
-    return NativeWeight(weight, isa).mm(x)
-
-
-def native_dequantize(weight: GGUFWeight, isa: str | None = None) -> torch.Tensor:
-    """The float32 weight [N, K], rounded as `gguf.quants.dequantize` rounds it."""
-    return NativeWeight(weight, isa).dequantize()

@@ -21,7 +21,6 @@ from attnserve.model.quantization.base import QuantizationConfig
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("gguf", "fp8", "none")
-CHECKPOINT_KINDS = ("gguf", "fp8")
 
 
 def check_quantization(value: str | None) -> None:
