@@ -127,7 +127,7 @@ def test_a_draft_model_leaves_steps_without_drafts_asynchronous(
     in, in launch order; once two sequences are left they draft, and the outputs are as
     without speculation."""
     model = str(tiny_llama_dir)
-    launched: list[StepPlan] = []  # the target's steps (the draft's passes are `forward_plan`)
+    launched: list[StepPlan] = []  # the target's steps (the draft's passes are `draft_step`)
     taken_in: list[tuple[StepPlan, int]] = []  # each step the draft took in, and launches then
     execute_async, follow = ModelRunner.execute_async, DraftModelProposer.follow
 
@@ -293,11 +293,11 @@ def test_a_draft_model_whose_drafts_fail_steps_aside(
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     want, _ = generate(model, PROMPTS[:1], params)
     forwards = []
-    forward_plan = ModelRunner.forward_plan  # the draft's passes (the target's are `execute`)
+    draft_step = ModelRunner.draft_step  # the draft's passes (the target's are `execute`)
     monkeypatch.setattr(
         ModelRunner,
-        "forward_plan",
-        lambda runner, plan, *rows: forwards.append(plan) or forward_plan(runner, plan, *rows),
+        "draft_step",
+        lambda runner, plan, *args: forwards.append(plan) or draft_step(runner, plan, *args),
     )
     got, stats = generate(model, PROMPTS[:1], params, speculative_config=spec)
     assert_same_outputs(got, want)

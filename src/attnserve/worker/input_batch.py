@@ -292,17 +292,26 @@ class InputBatch:
             self.last_sampled[step.draw_slots] = first_draws
         return PendingDraws(drew, positions, self.generation[drew].copy())
 
-    def accept_results(self, step: PreparedStep, results: StepResults) -> None:
-        """Count a step as computed and take in the tokens its sampling rows kept (each row's
-        draws, or after drafts the drafts accepted and one more), all known on the host."""
-        kept = [results[row] for row in step.sample_rows]
+    def commit(
+        self, step: PreparedStep, first_draws: torch.Tensor | None, results: StepResults | None
+    ) -> PendingDraws:
+        """Take a sampled step in, once: its tokens counted as computed (`advance`) and its
+        sampling rows' first draws known to the device (`first_draws`; from `results` where
+        None). With `results` (read on the host) those draws are written on the host too
+        (`record`), and after drafts each row takes the drafts it accepted and the token drawn
+        after them. Answers where the first draws go on the host, for a step read later."""
+        if results is None:
+            return self.advance(step, first_draws)
+        rows = step.sample_rows
+        kept = [results[row] for row in rows]
         firsts = [result.token_ids[0] for result in kept if result is not None]
-        pending = self.advance(step, device_tensor(firsts, self.device))
+        if first_draws is None and firsts:
+            first_draws = device_tensor(firsts, self.device)
+        pending = self.advance(step, first_draws)
         self.record(pending, firsts)
         if step.drafts is not None:
-            rows = step.sample_rows
-            drafts = [step.drafts[row] for row in rows]
-            self.drafts.take_verified(step.slots[rows], drafts, kept)
+            self.drafts.take_verified(step.slots[rows], [step.drafts[row] for row in rows], kept)
+        return pending
 
     def record(self, pending: PendingDraws, tokens: list[int]) -> None:
         """Write a resolved step's first draws into the host arrays, where their sequences

@@ -10,13 +10,17 @@ first use compiles at start-up) and `capture_graphs` (`worker.graphs`: decode-on
 whole-model graphs, on CUDA and, up to 8 sequences, on the CPU; on CUDA steps that carry prompt
 tokens, up to 2,048, replay the piecewise graphs of their token count).
 
-Each step it applies the plan to its `InputBatch` (what changed since the last one), which gives
-the step's `StepLayout` (the model's positions come from it; the builders make the attention
-metadata from it), token ids and sampling rows. It never looks at the metadata or the cache
-layout itself. `execute_async` returns without waiting for the step's draws (a `StepFuture`);
-the next step takes the tokens it needs from them on the device. A step may also be launched in
-two halves: `launch_forward` runs the forward pass and returns a `ForwardPass`, whose `sample`
-takes the token bitmask computed meanwhile and launches the draws (`worker/step_sampling.py`).
+A step (`execute_async`) reads top to bottom: `prepare` applies the plan to its `InputBatch`
+(what changed since the last one), which gives the step's `StepLayout` (the model's positions
+come from it; the builders make the attention metadata from it), token ids and sampling rows;
+`forward` runs the model (from graphs where they fit); `StepSampling.sample` draws (or
+verifies drafts); `StepSampling.commit` takes the draws into the batch, once
+(`InputBatch.commit`). It never looks at the metadata or the cache layout itself.
+`execute_async` returns without waiting for the step's draws (a `StepFuture`); the next step
+takes the tokens it needs from them on the device. A step may also be launched in two halves:
+`launch_forward` prepares and runs the forward pass and returns a `ForwardPass`, whose `sample`
+takes the token bitmask computed meanwhile, then samples and commits
+(`worker/step_sampling.py`).
 """
 
 from __future__ import annotations
@@ -273,24 +277,28 @@ class ModelRunner:
         """Run one step; return each sequence's draws (None where nothing is drawn)."""
         return self.execute_async(plan).result()
 
+    @torch.inference_mode()
     def execute_async(self, plan: StepPlan) -> StepFuture:
-        """Launch one step under its plan's token bitmask; its draws stay on the device until
-        the future's `result()`."""
-        return self._forward_pass(plan).sample(plan.token_bitmask)
-
-    def launch_forward(self, plan: StepPlan) -> ForwardPass:
-        """Launch one step's forward pass; its draws wait for the pass's `sample`, which takes
-        the step's token bitmask (computed meanwhile). No other step is launched before."""
-        self._unsampled = self._forward_pass(plan)
-        return self._unsampled
+        """One step, top to bottom: its inputs (`prepare`), the model's pass (`forward`), its
+        draws under the plan's token bitmask (`StepSampling.sample`), their one commit into the
+        batch (`StepSampling.commit`). The draws stay on the device until the future's
+        `result()`."""
+        step = self.prepare(plan)
+        hidden = self.forward(step)
+        draws = self.sampling.sample(step, hidden, plan.token_bitmask)
+        return self.sampling.commit(step, draws)
 
     @torch.inference_mode()
-    def _forward_pass(self, plan: StepPlan) -> ForwardPass:
-        step = self._prepare(plan)
-        return ForwardPass(self.sampling, step, self._forward(step))
+    def launch_forward(self, plan: StepPlan) -> ForwardPass:
+        """`execute_async` in two halves: prepare and forward now, sample and commit in the
+        pass's `sample`, which takes the step's token bitmask (computed meanwhile). No other
+        step is launched before."""
+        step = self.prepare(plan)
+        self._unsampled = ForwardPass(self.sampling, step, self.forward(step))
+        return self._unsampled
 
-    def _prepare(self, plan: StepPlan, decode_rows_up_to: int = 1) -> PreparedStep:
-        """The plan applied (`apply_plan`), then the step's inputs."""
+    def prepare(self, plan: StepPlan, decode_rows_up_to: int = 1) -> PreparedStep:
+        """The plan applied (`apply_plan`), then the step's inputs from the batch."""
         if self._unsampled is not None and not self._unsampled.sampled:
             raise RuntimeError("a step was launched before the step before it was sampled")
         self.apply_plan(plan)
@@ -311,26 +319,18 @@ class ModelRunner:
         self.input_batch.apply(plan)
 
     @torch.inference_mode()
-    def forward_plan(
-        self, plan: StepPlan, decode_rows_up_to: int = 1
-    ) -> tuple[PreparedStep, torch.Tensor]:
-        """Apply `plan` and run its forward pass (the KV cache takes its tokens): the step and
-        its new tokens' final hidden states; nothing is drawn, nothing counted as computed."""
-        step = self._prepare(plan, decode_rows_up_to)
-        return step, self._forward(step)
-
-    @torch.inference_mode()
     def draft_step(self, plan: StepPlan, draw: bool, decode_rows_up_to: int) -> list[int]:
-        """A draft model's pass (`DraftModelProposer`): `plan` run and counted as computed, a
-        pass of at most `decode_rows_up_to` tokens a sequence as decode rows; with `draw`, each
-        sequence's greedy next token, taken in and returned."""
-        step, hidden = self.forward_plan(plan, decode_rows_up_to)
+        """A draft model's pass (`DraftModelProposer`): `plan` run and committed, a pass of at
+        most `decode_rows_up_to` tokens a sequence as decode rows; with `draw`, each sequence's
+        greedy next token, taken in and returned."""
+        step = self.prepare(plan, decode_rows_up_to)
+        hidden = self.forward(step)
         if not draw:
-            self.input_batch.accept_results(step, [None] * len(plan.seq_ids))
+            self.input_batch.commit(step, None, None)
             return []
         logits = self.model.compute_logits(last_hidden(hidden, step))
         drawn: list[int] = logits.argmax(dim=-1).tolist()
-        self.input_batch.accept_results(step, [SampleOutput([token]) for token in drawn])
+        self.input_batch.commit(step, None, [SampleOutput([token]) for token in drawn])
         return drawn
 
     @torch.inference_mode()
@@ -340,11 +340,11 @@ class ModelRunner:
         sequences dropped after: for measuring how close two configurations of one model run
         (`attnserve bench kv-quality`)."""
         try:
-            return self._forward(self._prepare(plan))
+            return self.forward(self.prepare(plan))
         finally:
             self.input_batch.release([seq.seq_id for seq in plan.new_seqs])
 
-    def _forward(self, step: PreparedStep) -> torch.Tensor:
+    def forward(self, step: PreparedStep) -> torch.Tensor:
         """Final hidden states of the step's new tokens (sequence i's at query_start_loc[i] ..
         query_start_loc[i + 1] - 1), from graphs when they fit: a decode step's whole graph,
         or a step with prompts from the piecewise graphs of its token count."""

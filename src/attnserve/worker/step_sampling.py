@@ -1,5 +1,6 @@
-"""The second half of a step on one rank: from the forward pass's final hidden states to the
-step's draws (`StepSampling`), and `ForwardPass`, a step between its two halves.
+"""The second half of a step on one rank (`StepSampling`): from the forward pass's final hidden
+states to the step's draws (`sample`, giving `StepDraws`), then their one commit into the batch
+(`commit`); and `ForwardPass`, a step between its two halves.
 
 `ModelRunner.launch_forward` launches a step's forward pass and hands back a `ForwardPass`
 (a `LaunchedForward`); its `sample` takes the step's token bitmask (structured outputs) and
@@ -7,7 +8,7 @@ launches the draws, which come back as a `StepFuture`. So the engine fills a ste
 the host while the device runs the step's forward pass (the bitmask follows the previous step's
 tokens, read back meanwhile), and the device waits for the host only for what is left of that
 work when the forward pass ends. A step is sampled once; until then the runner launches no other
-step (the batch counts a step's tokens, `InputBatch.advance`, only once it is sampled).
+step (the batch counts a step's tokens, `InputBatch.commit`, only once it is sampled).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -22,7 +24,7 @@ import torch
 from attnserve.host_copy import device_tensor
 from attnserve.profiling import SAMPLING_RANGE, marked
 from attnserve.spec_decode.verifier import VerifyRows
-from attnserve.step_types import SampleOutput, StepResults, TokenBitmask
+from attnserve.step_types import StepResults, TokenBitmask
 from attnserve.worker.input_batch import InputBatch, PreparedStep
 from attnserve.worker.prompt_logprobs import add_prompt_logprobs
 from attnserve.worker.sampler import Sampler
@@ -53,11 +55,23 @@ def last_hidden(hidden: torch.Tensor, step: PreparedStep) -> torch.Tensor:
     return hidden[step.sample_tokens]
 
 
+@dataclass(frozen=True)
+class StepDraws:
+    """A sampled step's draws, not yet taken into the batch: each sampling row's first draw on
+    the device (None where the results give them), and either the results on the host or the
+    draws still on the device (the rows that drew, their tokens and log-probabilities)."""
+
+    first_draws: torch.Tensor | None
+    results: StepResults | None = None
+    on_device: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
+
+
 class StepSampling:
     """How this rank turns a step's final hidden states into its draws: logits of the sampling
     rows, the sampler (on `sampling_threads`), drafts verified where the step carries them,
-    prompt log-probabilities, and the batch brought up to date. It holds nothing of the model
-    runner that holds it (no cycle: the engine freezes the garbage collector's objects)."""
+    prompt log-probabilities (`sample`); then the batch brought up to date (`commit`). It holds
+    nothing of the model runner that holds it (no cycle: the engine freezes the garbage
+    collector's objects)."""
 
     def __init__(
         self,
@@ -71,23 +85,20 @@ class StepSampling:
         self.input_batch = input_batch
         self.sampling_threads = functools.partial(sampling_threads, device)
 
-    def draw(
+    def sample(
         self, step: PreparedStep, hidden: torch.Tensor, token_bitmask: TokenBitmask | None
-    ) -> StepFuture:
-        """Launch the step's draws; they stay on the device until the future's `result()`
-        where one token each is drawn and nothing more is asked of them."""
-        num_seqs = len(step.states)
-        starts: list[int] = step.layout.query_start_loc.tolist()
+    ) -> StepDraws:
+        """The step's draws (drafts verified where it carries them, prompt log-probabilities
+        added), the batch left as it is (`commit` takes them in). Where one token each is
+        drawn and nothing more is asked of them, they stay on the device."""
         rows = step.sample_rows
         if not rows:
-            results: StepResults = [None] * num_seqs
-            self._add_prompt_logprobs(step, hidden, starts, results)
-            self.input_batch.advance(step, None)
-            return StepFuture(num_seqs, ready=results)
+            return StepDraws(
+                None, self._with_prompt_logprobs(step, hidden, [None] * len(step.states))
+            )
         if step.drafts is not None:
-            results = self._verify(step, step.drafts, hidden, token_bitmask)
-            self._add_prompt_logprobs(step, hidden, starts, results)
-            return StepFuture(num_seqs, ready=results)
+            verified = self._verify(step, step.drafts, hidden, token_bitmask)
+            return StepDraws(None, self._with_prompt_logprobs(step, hidden, verified))
         logits = self.compute_logits(last_hidden(hidden, step))
         with marked(SAMPLING_RANGE), self.sampling_threads():
             draw = self.sampler.draw(logits, step.sampling, step.sampling_metadata, token_bitmask)
@@ -95,19 +106,24 @@ class StepSampling:
         one_draw_each = len(tokens) == len(rows)
         firsts = tokens if one_draw_each else tokens[self._first_draws(draw.counts, tokens)]
         if one_draw_each and draw.top is None and not self.input_batch.prompt_logprob_seqs:
-            pending = self.input_batch.advance(step, firsts)
-            record = functools.partial(self.input_batch.record, pending)
-            return StepFuture(num_seqs, (rows, tokens, draw.token_logprobs), on_tokens=record)
-        results = [None] * num_seqs
+            return StepDraws(firsts, on_device=(rows, tokens, draw.token_logprobs))
+        results: StepResults = [None] * len(step.states)
         drawn = self.sampler.split(
             tokens.tolist(), draw.token_logprobs.tolist(), draw.top, draw.counts
         )
         for row, result in zip(rows, drawn, strict=True):
             results[row] = result
-        self._add_prompt_logprobs(step, hidden, starts, results)
-        pending = self.input_batch.advance(step, firsts)
-        self.input_batch.record(pending, [result.token_ids[0] for result in drawn])
-        return StepFuture(num_seqs, ready=results)
+        return StepDraws(firsts, self._with_prompt_logprobs(step, hidden, results))
+
+    def commit(self, step: PreparedStep, draws: StepDraws) -> StepFuture:
+        """Take the sampled step into the batch, once (`InputBatch.commit`); its results, or a
+        future of draws still on the device, which writes them on the host when it reads them
+        (`InputBatch.record`)."""
+        pending = self.input_batch.commit(step, draws.first_draws, draws.results)
+        if draws.results is not None:
+            return StepFuture(len(step.states), ready=draws.results)
+        record = functools.partial(self.input_batch.record, pending)
+        return StepFuture(len(step.states), draws.on_device, on_tokens=record)
 
     def _verify(
         self,
@@ -116,9 +132,9 @@ class StepSampling:
         hidden: torch.Tensor,
         token_bitmask: TokenBitmask | None,
     ) -> StepResults:
-        """A verify step's results (`spec_decode.verifier`), the batch brought up to date.
-        `hidden` holds the step's new tokens in order (sequence i's end at the running sum of
-        `step.num_new_tokens`), however the step's layout grouped them."""
+        """A verify step's results (`spec_decode.verifier`): the drafts each row keeps and the
+        token after them. `hidden` holds the step's new tokens in order (sequence i's end at
+        the running sum of `step.num_new_tokens`), however the step's layout grouped them."""
         rows = step.sample_rows
         ends: list[int] = step.num_new_tokens.cumsum()[rows].tolist()
         verify = VerifyRows.of(step.sampling, [drafts[row] for row in rows], ends)
@@ -132,7 +148,6 @@ class StepSampling:
         results: StepResults = [None] * len(step.states)
         for row, result in zip(rows, verify.kept(drawn), strict=True):
             results[row] = result
-        self.input_batch.accept_results(step, results)
         return results
 
     @staticmethod
@@ -140,15 +155,14 @@ class StepSampling:
         """Where each row's first draw lies among `tokens` (each row's draws in a run)."""
         return device_tensor([0, *accumulate(counts)][:-1], tokens.device)
 
-    def _add_prompt_logprobs(
-        self,
-        step: PreparedStep,
-        hidden: torch.Tensor,
-        starts: list[int],
-        results: list[SampleOutput | None],
-    ) -> None:
+    def _with_prompt_logprobs(
+        self, step: PreparedStep, hidden: torch.Tensor, results: StepResults
+    ) -> StepResults:
+        """`results`, with prompt log-probabilities where sequences ask for them."""
         if self.input_batch.prompt_logprob_seqs:
+            starts: list[int] = step.layout.query_start_loc.tolist()
             add_prompt_logprobs(self.compute_logits, step, hidden, starts, results)
+        return results
 
 
 class ForwardPass:
@@ -171,4 +185,5 @@ class ForwardPass:
         hidden, self._hidden = self._hidden, None
         if hidden is None:
             raise RuntimeError("this step's draws were launched already")
-        return self._sampling.draw(self._step, hidden, token_bitmask)
+        draws = self._sampling.sample(self._step, hidden, token_bitmask)
+        return self._sampling.commit(self._step, draws)
