@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
+from attnserve.entrypoints.openai.deltas import new_id
 from attnserve.entrypoints.openai.errors import ApiError
 from attnserve.entrypoints.openai.prompt_bound import prompt_bound
 from attnserve.entrypoints.openai.protocol import SamplingRequest
@@ -26,6 +27,7 @@ from attnserve.entrypoints.openai.sampling_defaults import (
 )
 from attnserve.entrypoints.openai.serving_models import OpenAIServingModels
 from attnserve.entrypoints.openai.structured import structured_outputs
+from attnserve.entrypoints.openai.vllm_fields import check_vllm_fields, response_id
 from attnserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -59,9 +61,13 @@ class RequestChecks:
         if refused is not None:
             raise ApiError(400, refused[1], refused[0], "unsupported_parameter")
 
-    def check_request(self, request: SamplingRequest, request_id: str) -> None:
-        """`check_model`; 400 for stream options without a stream. Logs the `user` it names."""
+    def accept(self, request: SamplingRequest, prefix: str) -> str:
+        """The request's response id (`prefix-...`, see `response_id`) once the request passed
+        `check_model` and `check_vllm_fields`; 400 for stream options without a stream. Logs
+        the `user` it names."""
+        request_id = response_id(prefix, request, new_id(prefix))
         self.check_model(request)
+        check_vllm_fields(request, self.max_model_len, self.max_logprobs, self.scheduling_policy)
         options = request.stream_options
         if options is not None and not request.stream:
             raise ApiError(400, "stream_options needs stream: true", "stream_options")
@@ -70,6 +76,7 @@ class RequestChecks:
             raise ApiError(400, message, "stream_options.continuous_usage_stats")
         if request.user is not None and self.log_requests:
             logger.info("%s for user %r", request_id, request.user)
+        return request_id
 
     def check_length(self, text: str, param: str) -> None:
         """400 (without tokenizing it) for a text too long for the context however the

@@ -16,7 +16,7 @@ from starlette.responses import StreamingResponse
 from attnserve.engine.async_llm_engine import AsyncLLMEngine
 from attnserve.entrypoints.openai.chat_template import TemplateOptions, template_options
 from attnserve.entrypoints.openai.chunk_renderer import ChunkRenderer, usage
-from attnserve.entrypoints.openai.deltas import Choice, Delta, finite, new_id, top_k
+from attnserve.entrypoints.openai.deltas import Choice, Delta, finite, top_k
 from attnserve.entrypoints.openai.errors import ApiError
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.preprocess import PreprocessPool
@@ -36,13 +36,10 @@ from attnserve.entrypoints.openai.protocol import (
 )
 from attnserve.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningStream
 from attnserve.entrypoints.openai.serving_engine import OpenAIServing
-from attnserve.entrypoints.openai.structured import constraint_field
 from attnserve.entrypoints.openai.tool_choice import ToolPlan, tool_plan
 from attnserve.entrypoints.openai.tool_parsers import ToolCallStream, merged_calls
 from attnserve.entrypoints.openai.vllm_fields import (
-    check_vllm_fields,
     prompt_logprobs_json,
-    response_id,
     shown_token,
     truncated,
 )
@@ -125,18 +122,12 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw: Request
     ) -> ChatCompletionResponse | StreamingResponse:
         received = time.monotonic()
-        request_id = response_id("chatcmpl", request, new_id("chatcmpl"))
-        self.check_request(request, request_id)
-        check_vllm_fields(request, self.max_model_len, self.max_logprobs, self.scheduling_policy)
+        request_id = self.accept(request, "chatcmpl")
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         k = (request.top_logprobs or 0) if request.logprobs else None
         plan, prompt, params, thinking = await self.off_loop(raw, self._prepare, request, k)
-        constraint = constraint_field(request)
-        lora = self.models.lora_request(request.model)
-        stream = self.generate(
-            [prompt], params, request_id, received, constraint, request.priority, lora
-        )
+        stream = self.generate(request, [prompt], params, request_id, received)
         chunks = None
         if request.stream:
             chunks = _ChunkRenderer(self, request, request_id, [prompt], plan, thinking)

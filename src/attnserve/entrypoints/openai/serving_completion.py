@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from attnserve.entrypoints.openai.chunk_renderer import ChunkRenderer, usage
-from attnserve.entrypoints.openai.deltas import Choice, Delta, finite, new_id, top_k
+from attnserve.entrypoints.openai.deltas import Choice, Delta, finite, top_k
 from attnserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -23,11 +23,8 @@ from attnserve.entrypoints.openai.protocol import (
     CompletionResponse,
 )
 from attnserve.entrypoints.openai.serving_engine import OpenAIServing
-from attnserve.entrypoints.openai.structured import constraint_field
 from attnserve.entrypoints.openai.vllm_fields import (
-    check_vllm_fields,
     prompt_logprobs_json,
-    response_id,
     shown_token,
     truncated,
 )
@@ -49,19 +46,13 @@ class OpenAIServingCompletion(OpenAIServing):
         self, request: CompletionRequest, raw: Request
     ) -> CompletionResponse | StreamingResponse:
         received = time.monotonic()
-        request_id = response_id("cmpl", request, new_id("cmpl"))
-        self.check_request(request, request_id)
-        check_vllm_fields(request, self.max_model_len, self.max_logprobs, self.scheduling_policy)
+        request_id = self.accept(request, "cmpl")
         given = _prompt_list(request.prompt)
         for prompt in given:
             if isinstance(prompt, str) and request.truncate_prompt_tokens is None:
                 self.check_length(prompt, "prompt")
         prompts, params, echo = await self.off_loop(raw, self._prepare, request, given)
-        constraint = constraint_field(request)
-        lora = self.models.lora_request(request.model)
-        stream = self.generate(
-            prompts, params, request_id, received, constraint, request.priority, lora
-        )
+        stream = self.generate(request, prompts, params, request_id, received)
         chunks = None
         if request.stream:
             chunks = _ChunkRenderer(self, request, request_id, prompts, echo)

@@ -29,8 +29,10 @@ from attnserve.entrypoints.openai.errors import ApiError
 from attnserve.entrypoints.openai.merge_streams import Batch, merge_streams, one_stream
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.preprocess import LARGE_JOB_BYTES, PreprocessPool
+from attnserve.entrypoints.openai.protocol import SamplingRequest
 from attnserve.entrypoints.openai.replies import Chunks, respond
 from attnserve.entrypoints.openai.request_checks import RequestChecks
+from attnserve.entrypoints.openai.structured import constraint_field
 from attnserve.lora.request import LoRARequest
 from attnserve.outputs import RequestOutput
 from attnserve.sampling_params import SamplingParams
@@ -67,21 +69,19 @@ class OpenAIServing(RequestChecks):
 
     def generate(
         self,
+        request: SamplingRequest,
         prompts: list[list[int]],
         params: SamplingParams,
         request_id: str,
         received: float,
-        constraint: str | None = None,
-        priority: int = 0,
-        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[list[Delta], None]:
-        """Each engine output of the call's prompts, as deltas; ApiError for a failure (a
-        constraint the compiler refuses is named by `constraint`, the field it came from).
-        `received`: when the call's handler started (time.monotonic()); the prompts are ready
-        now. `priority`: the engine requests' (lower runs earlier); `lora_request`: their
-        LoRA adapter."""
+        """Each engine output of the call's prompts, as deltas, under the request's priority
+        (lower runs earlier) and LoRA adapter (its `model`); ApiError for a failure (a
+        constraint the compiler refuses is named by the field it came from). `received`: when
+        the call's handler started (time.monotonic()); the prompts are ready now."""
         times = (received, time.monotonic())
-        engine_request = (priority, lora_request)
+        engine_request = (request.priority, self.models.lora_request(request.model))
+        constraint = constraint_field(request)
         return self._deltas(prompts, params, request_id, times, constraint, engine_request)
 
     async def respond(
