@@ -139,15 +139,14 @@ def build_app(
         options.max_engine_core_restarts,
     )
     pool = PreprocessPool(options.tokenizer_pool_size)
-    completion = OpenAIServingCompletion(engine, model_name, metrics, pool)
-    chat = OpenAIServingChat(engine, model_name, metrics, options.tool_call_parser, pool)
+    models = _serving_models(engine, model_name, options, metrics)
+    completion = OpenAIServingCompletion(engine, models, metrics, pool)
+    chat = OpenAIServingChat(engine, models, metrics, pool, options.tool_call_parser)
     completion.request_timeout_s = chat.request_timeout_s = options.request_timeout
     completion.admission = chat.admission = _admission(engine, options, metrics)
-    tokenization = OpenAIServingTokenization(engine, model_name, metrics, pool)
+    tokenization = OpenAIServingTokenization(engine, models, metrics, pool)
     _set_chat_template_options(options, chat, tokenization)
     completion.log_requests = chat.log_requests = not options.disable_log_requests
-    models = _serving_models(engine, model_name, options, metrics)
-    completion.models = chat.models = tokenization.models = models
     ready = asyncio.Event()
     if not warm:
         ready.set()

@@ -38,11 +38,12 @@ class RequestChecks:
 
     log_requests = True  # per-request log lines (off: --disable-log-requests)
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, models: OpenAIServingModels) -> None:
+        """`models`: the server's (the base model and its LoRA adapters)."""
         self.engine = engine
-        self.model_name = model_name
+        self.models = models
+        self.model_name = models.base_model
         config = engine.engine.model_config
-        self.models = OpenAIServingModels(model_name, config.max_model_len)
         self.max_model_len = config.max_model_len
         self.vocab_size = config.vocab_size
         self.prompt_bound = prompt_bound(self.tokenizer)

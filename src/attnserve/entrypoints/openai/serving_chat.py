@@ -36,6 +36,7 @@ from attnserve.entrypoints.openai.protocol import (
 )
 from attnserve.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningStream
 from attnserve.entrypoints.openai.serving_engine import OpenAIServing
+from attnserve.entrypoints.openai.serving_models import OpenAIServingModels
 from attnserve.entrypoints.openai.tool_choice import ToolPlan, tool_plan
 from attnserve.entrypoints.openai.tool_parsers import ToolCallStream, merged_calls
 from attnserve.entrypoints.openai.vllm_fields import (
@@ -108,14 +109,14 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
         engine: AsyncLLMEngine,
-        model_name: str,
+        models: OpenAIServingModels,
         metrics: ServerMetrics,
+        pool: PreprocessPool,
         tool_call_parser: str | None = None,
-        pool: PreprocessPool | None = None,
     ) -> None:
         """`tool_call_parser`: the server's parser for "auto" tool choice (None: the server's
         own tool-call format, `generic_tools`)."""
-        super().__init__(engine, model_name, metrics, pool)
+        super().__init__(engine, models, metrics, pool)
         self.tool_call_parser = tool_call_parser
 
     async def create_chat_completion(

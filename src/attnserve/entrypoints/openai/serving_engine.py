@@ -32,6 +32,7 @@ from attnserve.entrypoints.openai.preprocess import LARGE_JOB_BYTES, PreprocessP
 from attnserve.entrypoints.openai.protocol import SamplingRequest
 from attnserve.entrypoints.openai.replies import Chunks, respond
 from attnserve.entrypoints.openai.request_checks import RequestChecks
+from attnserve.entrypoints.openai.serving_models import OpenAIServingModels
 from attnserve.entrypoints.openai.structured import constraint_field
 from attnserve.lora.request import LoRARequest
 from attnserve.outputs import RequestOutput
@@ -48,15 +49,15 @@ class OpenAIServing(RequestChecks):
     def __init__(
         self,
         engine: AsyncLLMEngine,
-        model_name: str,
+        models: OpenAIServingModels,
         metrics: ServerMetrics,
-        pool: PreprocessPool | None = None,
+        pool: PreprocessPool,
     ) -> None:
-        """`pool`: the server's, shared by its endpoints (None: one of this endpoint's own)."""
-        super().__init__(engine, model_name)
+        """`models`, `metrics`, `pool`: the server's, shared by its endpoints."""
+        super().__init__(engine, models)
         self.metrics = metrics
         self.admission = Admission()  # the server's own: set by `build_app`
-        self.pool = pool or PreprocessPool()
+        self.pool = pool
 
     async def off_loop(
         self, raw: Request, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
