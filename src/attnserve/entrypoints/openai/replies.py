@@ -10,12 +10,13 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
-from typing import Protocol, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from attnserve.entrypoints.openai.chunk_renderer import ChunkRenderer
 from attnserve.entrypoints.openai.deltas import Choice, Delta
 from attnserve.entrypoints.openai.errors import ApiError, error_body
 from attnserve.entrypoints.openai.latency_breakdown import LatencyBreakdown
@@ -28,18 +29,10 @@ class ClientDisconnected(Exception):
     """The client closed the connection before its response was ready."""
 
 
-class Chunks(Protocol):
-    """A streamed call's chunks (`chunk_renderer.ChunkRenderer`)."""
-
-    def render(self, deltas: list[Delta]) -> list[str]: ...
-
-    def usage_chunk(self, tokens: int) -> str | None: ...
-
-
 async def respond(
     raw: Request,
     stream: AsyncGenerator[list[Delta], None],
-    chunks: Chunks | None,
+    chunks: ChunkRenderer[Any] | None,
     num_choices: int,
     build: Callable[[list[Choice], int], ResponseT],
     breakdown: LatencyBreakdown,

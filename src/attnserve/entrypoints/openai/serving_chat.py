@@ -35,6 +35,7 @@ from attnserve.entrypoints.openai.protocol import (
     PromptLogprobsJson,
 )
 from attnserve.entrypoints.openai.reasoning_parsers import ReasoningParser, ReasoningStream
+from attnserve.entrypoints.openai.replies import respond
 from attnserve.entrypoints.openai.serving_engine import OpenAIServing
 from attnserve.entrypoints.openai.serving_models import OpenAIServingModels
 from attnserve.entrypoints.openai.tool_choice import ToolPlan, tool_plan
@@ -145,7 +146,7 @@ class OpenAIServingChat(OpenAIServing):
                 prompt_logprobs=self._prompt_logprobs(request, choices),
             )
 
-        return await self.respond(raw, stream, chunks, request.n, build)
+        return await respond(raw, stream, chunks, request.n, build, self.metrics.breakdown)
 
     def _prompt_logprobs(
         self, request: ChatCompletionRequest, choices: list[Choice]

@@ -22,6 +22,7 @@ from attnserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from attnserve.entrypoints.openai.replies import respond
 from attnserve.entrypoints.openai.serving_engine import OpenAIServing
 from attnserve.entrypoints.openai.vllm_fields import (
     prompt_logprobs_json,
@@ -65,7 +66,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 usage=usage(prompts, tokens),
             )
 
-        return await self.respond(raw, stream, chunks, len(prompts) * request.n, build)
+        num_choices = len(prompts) * request.n
+        return await respond(raw, stream, chunks, num_choices, build, self.metrics.breakdown)
 
     def _prepare(
         self, request: CompletionRequest, given: list[str | list[int]]

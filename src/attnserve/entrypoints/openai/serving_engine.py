@@ -18,19 +18,16 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import ParamSpec, TypeVar
 
-from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
 
 from attnserve.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestEndedError
 from attnserve.entrypoints.openai.admission import Admission
-from attnserve.entrypoints.openai.deltas import Choice, Delta
+from attnserve.entrypoints.openai.deltas import Delta
 from attnserve.entrypoints.openai.errors import ApiError
 from attnserve.entrypoints.openai.merge_streams import Batch, merge_streams, one_stream
 from attnserve.entrypoints.openai.metrics import ServerMetrics
 from attnserve.entrypoints.openai.preprocess import LARGE_JOB_BYTES, PreprocessPool
 from attnserve.entrypoints.openai.protocol import SamplingRequest
-from attnserve.entrypoints.openai.replies import Chunks, respond
 from attnserve.entrypoints.openai.request_checks import RequestChecks
 from attnserve.entrypoints.openai.serving_models import OpenAIServingModels
 from attnserve.entrypoints.openai.structured import constraint_field
@@ -40,7 +37,6 @@ from attnserve.sampling_params import SamplingParams
 
 P = ParamSpec("P")
 T = TypeVar("T")
-ResponseT = TypeVar("ResponseT", bound=BaseModel)
 
 
 class OpenAIServing(RequestChecks):
@@ -84,17 +80,6 @@ class OpenAIServing(RequestChecks):
         engine_request = (request.priority, self.models.lora_request(request.model))
         constraint = constraint_field(request)
         return self._deltas(prompts, params, request_id, times, constraint, engine_request)
-
-    async def respond(
-        self,
-        raw: Request,
-        stream: AsyncGenerator[list[Delta], None],
-        chunks: Chunks | None,
-        num_choices: int,
-        build: Callable[[list[Choice], int], ResponseT],
-    ) -> ResponseT | StreamingResponse:
-        """`replies.respond`, its chunk writes timed in the server's latency breakdown."""
-        return await respond(raw, stream, chunks, num_choices, build, self.metrics.breakdown)
 
     async def _deltas(
         self,
