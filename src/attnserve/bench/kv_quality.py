@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from attnserve.attention import attention_layers
-from attnserve.bench.common import check_output_files, print_scalars, progress, write_json
+from attnserve.bench.common import check_output_files, progress, report
 from attnserve.config import KV_CACHE_DTYPES, EngineArgs
 from attnserve.model.quantization.resolve import QUANTIZATION_METHODS
 from attnserve.step_types import NewSequence, StepPlan
@@ -219,8 +219,4 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    result = benchmark(args)
-    print_scalars(result)
-    if args.json:
-        write_json(args.json, result, args)
-    return 0
+    return report(benchmark(args), args)

@@ -23,13 +23,7 @@ from typing import Any
 
 import torch
 
-from attnserve.bench.common import (
-    check_output_files,
-    check_positive,
-    print_scalars,
-    progress,
-    write_json,
-)
+from attnserve.bench.common import check_output_files, check_positive, progress, report
 from attnserve.config import EngineArgs
 from attnserve.entrypoints.llm import LLM
 from attnserve.model.default_model import embedded_gguf_path
@@ -146,10 +140,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     result = benchmark(args)
-    print_scalars(result)
+    report(result, args)
     for key in ("attnserve_tok_s", "llama_cpp_tok_s", "ratio"):
         if key in result:
             print(f"{key} per round: " + ", ".join(f"{v:.2f}" for v in result[key]))
-    if args.json:
-        write_json(args.json, result, args)
     return 0

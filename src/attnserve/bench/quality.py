@@ -18,7 +18,7 @@ import random
 import statistics
 from typing import Any
 
-from attnserve.bench.common import check_output_files, print_scalars, progress, write_json
+from attnserve.bench.common import check_output_files, progress, report
 from attnserve.config import EngineArgs
 from attnserve.entrypoints.llm import LLM
 from attnserve.model.quantization.resolve import QUANTIZATION_METHODS
@@ -165,8 +165,6 @@ def _print_partings(partings: list[dict[str, Any]]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     result = benchmark(args)
-    print_scalars(result)
+    report(result, args)
     _print_partings(result["partings"])
-    if args.json:
-        write_json(args.json, result, args)
     return 0

@@ -38,13 +38,12 @@ from attnserve.bench.common import (
     Workload,
     check_output_files,
     positive_ints,
-    print_scalars,
     progress,
+    report,
     run_engine,
     spec_decode_figures,
     sync,
     timed_generate,
-    write_json,
 )
 from attnserve.bench.llamacpp_batch import llama_cpp_batched_figures
 from attnserve.bench.lora import add_lora_arguments, with_random_loras
@@ -351,13 +350,11 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         require_matplotlib()  # fail before the run, not after it
     result, breakdown = benchmark(args)
-    print_scalars(result)
+    report(result, args)
     if breakdown is not None:
         print(format_breakdown(breakdown))
     if result.get("sweep"):
         _print_sweep(result["sweep"])
-    if args.json:
-        write_json(args.json, result, args)
     if args.plot:
         title = f"{result['model']} on {result['device']} ({result['backend']})"
         plot_throughput(args.plot, title, breakdown, result.get("sweep", []))
