@@ -104,12 +104,14 @@ def _expand_kernel(  # type: ignore[no-untyped-def]
         tl.store(out_at, (base + acc).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _k_splits(blocks: int, in_features: int) -> int:
-    """How many shrink programs share each block's K: enough for about TARGET_PROGRAMS in all,
-    each walking at least MIN_K_PER_SPLIT inputs (whole BLOCK_K tiles)."""
+def _k_splits(blocks: int, in_features: int) -> tuple[int, int]:
+    """How many shrink programs share each block's K, and the inputs each walks: enough for
+    about TARGET_PROGRAMS in all, each walking at least MIN_K_PER_SPLIT inputs (whole BLOCK_K
+    tiles)."""
     tiles = triton.cdiv(in_features, BLOCK_K)
     wanted = max(1, min(triton.cdiv(TARGET_PROGRAMS, blocks), in_features // MIN_K_PER_SPLIT))
-    return triton.cdiv(tiles, triton.cdiv(tiles, wanted))
+    tiles_per_split = triton.cdiv(tiles, wanted)
+    return triton.cdiv(tiles, tiles_per_split), tiles_per_split * BLOCK_K
 
 
 def add_lora_triton(
@@ -131,8 +133,7 @@ def add_lora_triton(
     blocks_m = triton.cdiv(tokens, BLOCK_M)
     block_n = min(64, max(16, triton.next_power_of_2(rows_a)))
     blocks_n = triton.cdiv(rows_a, block_n)
-    splits = _k_splits(blocks_m * blocks_n, in_features)
-    k_per_split = triton.cdiv(triton.cdiv(in_features, BLOCK_K), splits) * BLOCK_K
+    splits, k_per_split = _k_splits(blocks_m * blocks_n, in_features)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     shrunk = torch.empty(splits, tokens, rows_a, dtype=torch.float32, device=x.device)
     _shrink_kernel[(blocks_m, blocks_n, splits)](
