@@ -11,8 +11,9 @@ copy rate, 2 · 3 · H · I FLOPs per routed pair / the bf16 matmul rate), both 
 (the copy rate counts bytes read + written, as `bench kernels` does); reported as the fraction of
 the ceiling reached. Outputs are checked against the torch reference path (max abs error).
 Up to DECODE_MAX_PAIRS routed pairs a second row, `attnserve-decode`, times the matrix-vector
-path (`fused_moe_decode.decode_experts`: two launches, no sort) beside the grouped GEMMs, to
-decide where the engine should switch to it.
+path (`fused_moe_decode.decode_experts`: two launches, no sort) beside the grouped GEMMs (the
+`attnserve` row, timed with an explicit config), to check `fused_moe_decode.MAX_PAIRS_PER_EXPERT`,
+where the engine switches between them.
 `--sweep` also times a grid of kernel tiles at each size (within `--budget-s`), to retune the
 tile table of `fused_moe.default_config`.
 """

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16  # tokens a program takes (tl.dot's smallest tile)
-BLOCK_K = 64
+BLOCK_K = 64  # shrink: inputs a tile
+BLOCK_O = 64  # expand: output columns a program
 MIN_K_PER_SPLIT = 256  # a shrink program walks at least this many inputs
 TARGET_PROGRAMS = 256  # split K until the shrink has about this many programs
 
@@ -141,10 +142,10 @@ def add_lora_triton(
         x.stride(0), lora_a.stride(0), lora_a.stride(1), shrunk.stride(0), shrunk.stride(1),
         PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
     )  # fmt: skip
-    _expand_kernel[(blocks_m, triton.cdiv(width, 64))](
+    _expand_kernel[(blocks_m, triton.cdiv(width, BLOCK_O))](
         shrunk, lora_b, indices, order, col_slice, out, tokens, width, rank, splits,
         shrunk.stride(0), shrunk.stride(1), lora_b.stride(0), lora_b.stride(1), out.stride(0),
-        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_O=64,
+        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_O=BLOCK_O,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
     )  # fmt: skip
     return out

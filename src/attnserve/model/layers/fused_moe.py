@@ -201,11 +201,11 @@ def fused_experts(
     if num_tokens == 0:
         return torch.zeros_like(hidden)
     num_pairs = num_tokens * top_k
+    hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
     if config is None and num_pairs <= MAX_PAIRS_PER_EXPERT * num_experts:
-        return decode_experts(hidden.contiguous(), w13, w2, topk_weights, topk_ids)
+        return decode_experts(hidden, w13, w2, topk_weights, topk_ids)
     config = config or default_config(num_pairs, num_experts)
     routes = align_block_size(topk_ids, num_experts, config.block_m)
-    hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
     intermediate = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(hidden, w13, intermediate, routes, None, top_k, config)
     per_pair = torch.empty(num_pairs, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
