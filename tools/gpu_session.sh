@@ -28,9 +28,10 @@
 #                then LLM.generate of the same requests, and their ratio (needs the fastapi,
 #                uvicorn and pydantic wheels in .whl/)
 #
-# Wheels the machine lacks (flashinfer-python 0.6.1 and its needs) are carried in .whl/ and
-# installed into /tmp/site. Each phase writes $OUT/PHASE.log (kernels and throughput also
-# PHASE.json); $OUT/summary.txt lists each phase's exit status and seconds: 8 files at most.
+# Wheels the machine lacks (flashinfer-python 0.6.1, flash-attn-4 and their needs) are carried in
+# .whl/ and installed into /tmp/site (tools/README.md says how). Each phase writes
+# $OUT/PHASE.log (kernels and throughput also PHASE.json); $OUT/summary.txt lists each phase's
+# exit status and seconds: 8 files at most.
 # The exit status is non-zero if a phase failed or ran out of time.
 #
 # Knobs (environment). The time limits add up to 550 s, so a full run ends inside ~9 minutes:
@@ -54,11 +55,17 @@ export OUT="${OUT:-/tmp/gpu_session_out}"  # the fp8kv phase writes under it
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
-export FLASHINFER_WORKSPACE_BASE=/tmp/fiws  # one JIT cache for every phase
+export ATTNSERVE_CACHE_DIR=/tmp/attnserve-cache  # the kernel libraries' JIT caches too
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:src
+    # cutlass-dsl's libraries (flash-attn-4's compiler; ~92 MB) come in two parts, .fa4a/ and
+    # .fa4b/, carried by two calls on the same warm machine; joined once both are here
+    if [ -f .fa4a/cu13part.aa ] && [ -f .fa4b/cu13part.ab ] && [ ! -f /tmp/site/.cu13 ]; then
+        cat .fa4a/cu13part.aa .fa4b/cu13part.ab | tar -xJ -C /tmp/site && touch /tmp/site/.cu13
+    fi
+    # the .pth that cutlass-dsl installs is not read from a --target folder
+    export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:src
 else
     export PYTHONPATH=src
 fi
@@ -80,6 +87,7 @@ env_report() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
     python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
+    python3 -c "import flash_attn.cute as fa; print('flash-attn-4', fa.__version__)"
     python3 -m attnserve.cli backends --model qwen3-0.6b --dtype bfloat16 --device cuda
 }
 

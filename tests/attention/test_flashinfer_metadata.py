@@ -1,13 +1,13 @@
 """FLASHINFER's page metadata on the CPU (it needs no flashinfer until a wrapper is planned): the
-CSR groups of a mixed step and of a padded CUDA-graph decode step, and the slot writes, against
-values computed by hand."""
+CSR groups of a mixed step and of a padded CUDA-graph decode step against values computed by
+hand, and the decode kernel choice per GQA group size."""
 
 from __future__ import annotations
 
 import torch
 
-from attnserve.attention import build_step_layout
-from attnserve.attention.backends.flashinfer import SlotWrites, paged_groups
+from attnserve.attention import AttentionSpec, build_step_layout
+from attnserve.attention.backends.flashinfer import paged_groups, use_tensor_cores
 from attnserve.worker.graphs import pad_for_graph
 
 
@@ -31,10 +31,6 @@ def test_mixed_step_csr() -> None:
     assert _ints(decode.kv_indptr) == [0, 2, 3]
     assert _ints(decode.kv_indices) == [7, 0, 2]
     assert _ints(decode.kv_last_page_len) == [1, 3]
-    writes = SlotWrites.from_slot_mapping(layout.slot_mapping, 4)
-    assert writes.blocks.tolist()[:3] == [3, 1, 1] and writes.offsets.tolist()[:3] == [3, 0, 1]
-    assert writes.blocks.tolist()[-2:] == [0, 2] and writes.offsets.tolist()[-2:] == [0, 2]
-    assert not writes.keep_old.any() and writes.source.tolist() == list(range(13))
 
 
 def test_graph_decode_step_is_padded_with_one_token_sequences() -> None:
@@ -43,9 +39,14 @@ def test_graph_decode_step_is_padded_with_one_token_sequences() -> None:
     assert decode is not None and prefill is None
     assert _ints(decode.qo_indptr) == [0, 1, 2, 3, 4]
     assert _ints(decode.kv_indptr) == [0, 2, 3, 4, 5]
-    assert _ints(decode.kv_indices) == [5, 2, 9, 0, 0]  # padding reads block 0 ...
+    assert _ints(decode.kv_indices) == [5, 2, 9, 0, 0]  # padding reads block 0
     assert _ints(decode.kv_last_page_len) == [3, 2, 1, 1]
-    writes = SlotWrites.from_slot_mapping(pad_for_graph(layout, 4).slot_mapping, 4)
-    # ... and writes nothing: padding rewrites the first real token's slot with its own values
-    assert writes.source.tolist() == [0, 1, 0, 0]
-    assert writes.blocks.tolist() == [2, 9, 2, 2] and writes.offsets.tolist() == [2, 1, 2, 2]
+
+
+def test_tensor_core_decode_from_groups_of_four() -> None:
+    def spec(num_heads: int, num_kv_heads: int) -> AttentionSpec:
+        return AttentionSpec(num_heads, num_kv_heads, 128, torch.bfloat16)
+
+    assert not use_tensor_cores(spec(16, 8))  # Qwen3-0.6B
+    assert use_tensor_cores(spec(32, 8))  # Llama-3-8B
+    assert use_tensor_cores(spec(32, 1)) and not use_tensor_cores(spec(12, 4))

@@ -145,6 +145,20 @@ def test_fp8_cache_write_scales_each_head_saturates_and_skips_padding() -> None:
     assert all(not got[b, :, :, o].any() for b, o in untouched)
 
 
+def test_cache_write_into_a_token_major_cache_through_its_transposed_view() -> None:
+    kv_heads, head_size, block_size = 2, 32, 4
+    cache = torch.zeros(3, 2, block_size, kv_heads, head_size, device=DEVICE)  # FlashAttention's
+    key, value = torch.randn(3, kv_heads, head_size), torch.randn(3, kv_heads, head_size)
+    slots = torch.tensor([6, -1, 1])
+    reshape_and_cache(key.to(DEVICE), value.to(DEVICE), cache.transpose(2, 3), slots.to(DEVICE))
+    got = cache.cpu()
+    assert torch.equal(got[1, 0, 2], key[0]) and torch.equal(got[1, 1, 2], value[0])
+    assert torch.equal(got[0, 0, 1], key[2]) and torch.equal(got[0, 1, 1], value[2])
+    got[1, :, 2] = 0
+    got[0, :, 1] = 0
+    assert not got.any()  # padding (slot -1) wrote nothing
+
+
 @pytest.mark.parametrize(
     "case",
     [

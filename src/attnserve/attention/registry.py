@@ -21,6 +21,7 @@ _registry: dict[str, type[AttentionBackend] | str] = {
     "TRITON": "attnserve.attention.backends.triton:TritonBackend",
     "FLASHINFER": "attnserve.attention.backends.flashinfer:FlashInferBackend",
     "FLEX_ATTENTION": "attnserve.attention.backends.flex:FlexAttentionBackend",
+    "FLASH_ATTN": "attnserve.attention.backends.flash_attn:FlashAttnBackend",
 }
 _entry_points_loaded = False
 

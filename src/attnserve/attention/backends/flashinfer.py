@@ -1,13 +1,19 @@
 """FLASHINFER: paged attention through the `flashinfer` package's batch wrappers (CUDA only).
 
-KV layout (FlashInfer's NHD): [num_blocks, 2, block_size, num_kv_heads, head_size]. The builder
-turns the step's layout into FlashInfer's CSR page metadata (qo_indptr, kv_indptr, kv_indices,
-kv_last_page_len), one set for the prefill sequences and one for the decodes, owns the workspace
-buffer and the wrappers (BatchPrefillWithPagedKVCacheWrapper, BatchDecodeWithPagedKVCacheWrapper)
-and plans them in `build`, from its spec (heads, head size, window, soft-cap, dtypes): the
-metadata carries the planned wrappers, and every layer of the spec runs them. Plans use the
-default scale 1/sqrt(head_size); a layer with another scale scales its queries to match.
-Captured decode steps use the decode wrapper's CUDA-graph mode (see `WrapperPool`).
+KV layout (FlashInfer's HND, TRITON's too): [num_blocks, 2, num_kv_heads, block_size, head_size],
+each KV head's page contiguous; new keys/values go in through the Triton cache write
+(`triton_cache.reshape_and_cache`, which skips padding slots). The builder turns the step's
+layout into FlashInfer's CSR page metadata (qo_indptr, kv_indptr, kv_indices, kv_last_page_len),
+one set for the prefill sequences and one for the decodes, owns the workspace buffer and the
+wrappers (BatchPrefillWithPagedKVCacheWrapper, BatchDecodeWithPagedKVCacheWrapper) and plans
+them in `build`, from its spec (heads, head size, window, soft-cap, dtypes): the metadata
+carries the planned wrappers, and every layer of the spec runs them. Plans use the default
+scale 1/sqrt(head_size); a layer with another scale scales its queries to match.
+Captured decode steps use the decode wrapper's CUDA-graph mode (see `WrapperPool`). Decodes
+of GQA groups of 4 or more query heads per KV head run FlashInfer's tensor-core decode (what
+FlashInfer and vLLM choose there); smaller groups its CUDA-core kernel. Kernels are compiled
+just in time into attnserve's cache (~/.cache/attnserve/kernels/flashinfer, unless
+FLASHINFER_WORKSPACE_BASE is set), once per machine, only the variants a model's specs need.
 
 Features, as flashinfer 0.6.1's paged wrappers provide them: sliding window (window_left) and
 logits soft-cap, in fp16/bf16, head sizes 64/128/256. Not ALiBi: the wrappers apply a fixed
@@ -33,10 +39,35 @@ from attnserve.attention.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
+from attnserve.attention.backends.utils import use_project_kernel_cache
 from attnserve.attention.layout import StepLayout
 from attnserve.host_copy import to_device
 
+try:
+    from attnserve.attention.ops.triton_cache import reshape_and_cache
+
+    _TRITON_ERROR: str | None = None
+except ImportError as error:
+    _TRITON_ERROR = f"triton (its KV-cache write) cannot be imported: {error}"
+
 WORKSPACE_BYTES = 128 * 1024 * 1024
+KV_LAYOUT = "HND"
+# query heads per KV head from which decode runs FlashInfer's tensor-core (prefill) kernel: the
+# CUDA-core decode kernel rereads each KV page once per query head group
+TENSOR_CORE_MIN_GROUP = 4
+
+
+def use_tensor_cores(spec: AttentionSpec) -> bool:
+    """Whether decodes of `spec` take the tensor-core kernel (GQA groups of 4 or more)."""
+    return spec.num_heads // spec.num_kv_heads >= TENSOR_CORE_MIN_GROUP
+
+
+def _import_flashinfer() -> Any:
+    """flashinfer, its JIT cache pointed into attnserve's cache (built once per machine)."""
+    use_project_kernel_cache("FLASHINFER_WORKSPACE_BASE", "flashinfer")
+    import flashinfer
+
+    return flashinfer
 
 
 @dataclass(frozen=True)
@@ -59,8 +90,8 @@ class WrapperPool:
     bucket size, whose page metadata lives in fixed device buffers that `plan` refills before
     each replay."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, tensor_cores: bool) -> None:
+        self.device, self.tensor_cores = device, tensor_cores
         self._workspace: torch.Tensor | None = None
         self._wrappers: tuple[Any, Any] | None = None
         self._graph_wrappers: dict[int, Any] = {}
@@ -72,20 +103,22 @@ class WrapperPool:
         return self._workspace
 
     def get(self, graph_size: int | None = None) -> tuple[Any, Any]:
-        import flashinfer
-
+        flashinfer = _import_flashinfer()
         if self._wrappers is None:
             self._wrappers = (
-                flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace(), "NHD"),
-                flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace(), "NHD"),
+                flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace(), KV_LAYOUT),
+                flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace(), KV_LAYOUT, use_tensor_cores=self.tensor_cores
+                ),
             )
         if graph_size is None:
             return self._wrappers
         if graph_size not in self._graph_wrappers:
             self._graph_wrappers[graph_size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace(),
-                "NHD",
+                KV_LAYOUT,
                 use_cuda_graph=True,
+                use_tensor_cores=self.tensor_cores,
                 paged_kv_indptr_buffer=self._int32_buffer(graph_size + 1),
                 paged_kv_indices_buffer=self.graph_kv_indices,
                 paged_kv_last_page_len_buffer=self._int32_buffer(graph_size),
@@ -102,7 +135,6 @@ class FlashInferMetadata(AttentionMetadata):
     decode: PagedGroup | None
     prefill_wrapper: Any  # planned for `prefill` (unused without prefills)
     decode_wrapper: Any  # planned for `decode` (unused without decodes)
-    writes: SlotWrites  # where each new token's key/value goes
 
 
 class Planner:
@@ -167,90 +199,38 @@ def _paged_group(
     )
 
 
-@dataclass(frozen=True)
-class SlotWrites:
-    """Where each new token's key/value goes in the NHD cache, computed on the host and with a
-    fixed shape for slot -1: a padding token rewrites the first real token's slot with that
-    token's own values (when no token is real, everything rewrites slot 0 with its current
-    contents)."""
-
-    source: torch.Tensor  # [T] the token whose key/value is written
-    blocks: torch.Tensor  # [T] target block
-    offsets: torch.Tensor  # [T] target offset in the block
-    keep_old: torch.Tensor  # [T, 1, 1] true only when no token is real
-
-    @classmethod
-    def from_slot_mapping(cls, slot_mapping: torch.Tensor, block_size: int) -> SlotWrites:
-        real = slot_mapping >= 0
-        first_real = torch.argmax(real.to(torch.int32))  # 0 when no token is real
-        tokens = torch.arange(slot_mapping.shape[0])
-        source = torch.where(real, tokens, first_real)
-        slots = slot_mapping[source]
-        target = slots.clamp(min=0)
-        return cls(source, target // block_size, target % block_size, (slots < 0)[:, None, None])
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.source, self.blocks, self.offsets, self.keep_old
-
-    def write(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        for half, new in ((0, key), (1, value)):
-            rows = new.view(-1, *kv_cache.shape[3:])[self.source].to(kv_cache.dtype)
-            old = kv_cache[self.blocks, half, self.offsets]
-            kv_cache[self.blocks, half, self.offsets] = torch.where(self.keep_old, old, rows)
-
-
 class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
-    """Plans its pool's wrappers for its spec in every `build`."""
+    """Plans its pool's wrappers for its spec in every `build`, once per step for every layer
+    of the spec, on the host, outside any captured graph."""
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str) -> None:
         super().__init__(spec, device)
-        self.pool = WrapperPool(self.device)
+        self.pool = WrapperPool(self.device, use_tensor_cores(spec))
         kv_dtype = FlashInferBackend.get_kv_cache_torch_dtype(spec.kv_cache_dtype, spec.dtype)
         self.planner = Planner(spec, kv_dtype)
-        self._graph_writes: SlotWrites | None = None
         self._graph_slot_mapping: torch.Tensor | None = None
 
     def build(self, layout: StepLayout) -> FlashInferMetadata:
-        writes = SlotWrites.from_slot_mapping(layout.slot_mapping, self.block_size)
-        device_writes = SlotWrites(*(to_device(t, self.device) for t in writes.tensors()))
-        common = layout.common_metadata(self.device)
-        return self._planned(layout, common, self.pool.get(), device_writes)
+        return self._planned(layout, layout.common_metadata(self.device), self.pool.get())
 
     def init_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
-        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=self.device)
-
-        self._graph_slot_mapping = zeros(max_num_seqs)
-        self._graph_writes = SlotWrites(
-            zeros(max_num_seqs),
-            zeros(max_num_seqs),
-            zeros(max_num_seqs),
-            zeros(max_num_seqs, 1, 1, dtype=torch.bool),
+        self._graph_slot_mapping = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        self.pool.graph_kv_indices = torch.zeros(
+            max_num_seqs * max_blocks_per_seq, dtype=torch.int32, device=self.device
         )
-        self.pool.graph_kv_indices = zeros(max_num_seqs * max_blocks_per_seq, dtype=torch.int32)
 
     def build_for_graph(self, layout: StepLayout) -> FlashInferMetadata:
-        """Padded decode metadata: the slot writes go into the fixed buffers, and the bucket's
+        """Padded decode metadata: the slot mapping goes into its fixed buffer, and the bucket's
         graph decode wrapper is planned (into its fixed buffers) before the replay."""
-        buffers, slot_buffer = self._graph_writes, self._graph_slot_mapping
-        if buffers is None or slot_buffer is None:
+        if self._graph_slot_mapping is None:
             raise RuntimeError("call init_graph_buffers before build_for_graph")
-        size = layout.num_seqs
-        host = SlotWrites.from_slot_mapping(layout.slot_mapping, self.block_size)
-        writes = SlotWrites(*(t[:size] for t in buffers.tensors()))
-        for buffer, values in zip(writes.tensors(), host.tensors(), strict=True):
-            buffer.copy_(values, non_blocking=True)
-        slot_mapping = slot_buffer[:size]
+        slot_mapping = self._graph_slot_mapping[: layout.num_seqs]
         slot_mapping.copy_(layout.slot_mapping, non_blocking=True)
         common = {**layout.common_metadata(self.device), "slot_mapping": slot_mapping}
-        return self._planned(layout, common, self.pool.get(size), writes)
+        return self._planned(layout, common, self.pool.get(layout.num_seqs))
 
     def _planned(
-        self,
-        layout: StepLayout,
-        common: dict[str, Any],
-        wrappers: tuple[Any, Any],
-        writes: SlotWrites,
+        self, layout: StepLayout, common: dict[str, Any], wrappers: tuple[Any, Any]
     ) -> FlashInferMetadata:
         prefill, decode = paged_groups(layout, self.block_size, self.device)
         if prefill is not None:
@@ -263,7 +243,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             decode=decode,
             prefill_wrapper=wrappers[0],
             decode_wrapper=wrappers[1],
-            writes=writes,
         )
 
 
@@ -284,7 +263,9 @@ class FlashInferImpl(AttentionImpl[FlashInferMetadata]):
         attn_metadata: FlashInferMetadata,
     ) -> torch.Tensor:
         meta = attn_metadata
-        meta.writes.write(kv_cache, key, value)
+        k = key.view(-1, self.num_kv_heads, self.head_size)
+        v = value.view(-1, self.num_kv_heads, self.head_size)
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         q = query.view(-1, self.num_heads, self.head_size)
         if self.query_scale != 1.0:
             q = q * self.query_scale
@@ -320,10 +301,10 @@ class FlashInferBackend(AttentionBackend):
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+        return (num_blocks, 2, num_kv_heads, block_size, head_size)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
         if importlib.util.find_spec("flashinfer") is None:
             return "flashinfer is not installed"
-        return None
+        return _TRITON_ERROR

@@ -1,15 +1,18 @@
 """Helpers the concrete backends share, and only they use: the dense query grid of backends that
 pad queries into [B, Q] batches, the plain-torch slot write of KV layouts whose K and V planes
-flatten to [slots, Hkv, D], and the block table as the kernels' int32."""
+flatten to [slots, Hkv, D], the block table as the kernels' int32, and the project-named cache
+that just-in-time-compiling kernel libraries build into."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from attnserve.attention.layout import StepLayout
 from attnserve.host_copy import to_device
+from attnserve.native.build import cache_root
 
 
 @dataclass(frozen=True)
@@ -58,3 +61,10 @@ def int32_block_table(layout: StepLayout, device: torch.device | str) -> torch.T
     """The layout's [B, W] block table as int32 (the kernels' type) on `device`, in one
     transfer."""
     return to_device(layout.block_table.to(torch.int32), device)
+
+
+def use_project_kernel_cache(env_var: str, library: str) -> None:
+    """Point a kernel library's JIT cache (its variable `env_var`) into attnserve's cache root
+    (~/.cache/attnserve/kernels/LIBRARY, or under $ATTNSERVE_CACHE_DIR), so its kernels are
+    built once per machine; a value the user set wins. Call before the library's import."""
+    os.environ.setdefault(env_var, str(cache_root() / "kernels" / library))

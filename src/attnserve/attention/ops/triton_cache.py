@@ -29,6 +29,7 @@ def _reshape_and_cache_kernel(  # type: ignore[no-untyped-def]
     stride_cache_block,
     stride_cache_kv,
     stride_cache_head,
+    stride_cache_slot,
     scales_ptr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
@@ -44,7 +45,7 @@ def _reshape_and_cache_kernel(  # type: ignore[no-untyped-def]
     dims = tl.arange(0, HEAD_PAD)
     written = (slots >= 0)[:, None] & (dims < HEAD_SIZE)[None, :]
     rows = (slots // BLOCK_SIZE) * stride_cache_block + head * stride_cache_head
-    dst = cache_ptr + (rows + (slots % BLOCK_SIZE) * HEAD_SIZE)[:, None] + dims[None, :]
+    dst = cache_ptr + (rows + (slots % BLOCK_SIZE) * stride_cache_slot)[:, None] + dims[None, :]
     src = tokens.to(tl.int64)[:, None]
     key = tl.load(key_ptr + src * stride_key_tok + head * HEAD_SIZE + dims[None, :], mask=written)
     value = tl.load(
@@ -95,13 +96,17 @@ def reshape_and_cache(
 ) -> None:
     """Write key/value [T, Hkv, D] into `kv_cache` [num_blocks, 2, Hkv, block_size, D] at
     `slot_mapping` [T] (flat slot = block * block_size + offset; -1 = skip); an fp8 cache
-    stores them divided by `kv_scales` [2, Hkv] (keys' row, values' row; None: 1.0)."""
+    stores them divided by `kv_scales` [2, Hkv] (keys' row, values' row; None: 1.0). The cache
+    may be a strided view (FlashAttention's [.., block_size, Hkv, D] blocks, transposed) as long
+    as each head's row of D values is contiguous."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
     if key.stride()[1:] != (head_size, 1) or value.stride()[1:] != (head_size, 1):
         raise ValueError("key/value must be contiguous within each token's heads")
     storage = cache_storage(kv_cache)
+    if storage.stride(4) != 1:
+        raise ValueError("the cache's head_size axis must be contiguous")
     block_t = 16 if key.is_cuda else 128  # the CPU interpreter's cost is per program
     grid = (triton.cdiv(num_tokens, block_t), num_kv_heads)
     _reshape_and_cache_kernel[grid](
@@ -115,6 +120,7 @@ def reshape_and_cache(
         storage.stride(0),
         storage.stride(1),
         storage.stride(2),
+        storage.stride(3),
         scales_operand(kv_scales, kv_cache, slot_mapping),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
