@@ -1,5 +1,6 @@
 """The step-time breakdown: the classifier on synthetic and real profiles, and on engine steps
-(through the attention and sampling ranges the engine marks)."""
+(through the attention and sampling ranges the engine marks): a few decode steps, or one step in
+N of a whole run."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from attnserve.bench.breakdown import (
     kernel_records,
     op_records,
     profile_engine,
+    profile_run,
 )
 from attnserve.bench.common import Workload
-from attnserve.profiling import ATTENTION_RANGE, SAMPLING_RANGE
+from attnserve.profiling import ATTENTION_RANGE, NATIVE_RANGE, SAMPLING_RANGE
+from attnserve.sampling_params import SamplingParams
 
 RECORDS = [
     OpRecord("aten::bmm", (ATTENTION_RANGE, "LlamaAttention"), 300.0),  # the range wins
@@ -37,6 +40,14 @@ def test_category_follows_ranges_then_matmul_ops() -> None:
         "sampling",
         "other",
     ]
+
+
+def test_a_native_call_is_the_work_of_the_range_around_it() -> None:
+    """CPU_NATIVE's attention kernel is one native call inside the attention range: attention;
+    a native call outside the attention and sampling ranges (a packed matmul) is "native"."""
+    inside = OpRecord(NATIVE_RANGE, (ATTENTION_RANGE, "LlamaAttention"), 50.0)
+    outside = OpRecord(NATIVE_RANGE, ("aten::linear", "LlamaMLP"), 50.0)
+    assert [category(inside), category(outside)] == ["attention", "native"]
 
 
 def test_attribute_sums_to_the_step_time() -> None:
@@ -91,6 +102,48 @@ def test_engine_steps_have_attention_and_sampling() -> None:
     for name in ("attention", "matmul", "sampling"):
         assert breakdown.ms[name] > 0, name
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_whole_run_profiled_one_step_in_n() -> None:
+    """Every step of the run is one of the sampled run's: floor(steps / N) of them profiled,
+    prompt-bearing ones among the rest; each request runs to its end."""
+    from attnserve.entrypoints.llm import LLM
+
+    llm = LLM(
+        "llama-tiny",
+        load_format="dummy",
+        device="cpu",
+        enforce_eager=True,
+        kv_cache_memory_bytes=8 << 20,
+        attention_backend="CPU_NATIVE",
+    )
+    engine = llm.llm_engine
+    workload = Workload([[5] * 20, [7] * 9, [9] * 33], [12, 5, 9])
+    before = engine.stats()["num_steps"]
+    breakdown = profile_run(engine, workload, every=4)
+    steps = engine.stats()["num_steps"] - before
+    assert steps >= 12 and breakdown.steps == steps // 4
+    assert breakdown.ms["attention"] > 0  # the native attention kernel's calls
+    assert sum(breakdown.share(c) for c in CATEGORIES) == pytest.approx(1.0)
+    assert breakdown.scope == "step of the whole run"
+    assert "time per step of the whole run, 3 profiled steps" in format_breakdown(breakdown)
+    assert not engine.has_unfinished_requests()
+    every_step = profile_run(engine, workload, every=1)
+    assert every_step.steps == steps and "profiler overhead" in every_step.source
+
+
+def test_a_sampled_run_refuses_bad_settings() -> None:
+    from attnserve.entrypoints.llm import LLM
+
+    llm = LLM("llama-tiny", load_format="dummy", device="cpu", kv_cache_memory_bytes=8 << 20)
+    workload = Workload([[5] * 8], [3])
+    with pytest.raises(ValueError, match="N >= 1, got 0"):
+        profile_run(llm.llm_engine, workload, every=0)
+    with pytest.raises(ValueError, match="fewer than the 50 a profile needs"):
+        profile_run(llm.llm_engine, workload, every=50)
+    llm.llm_engine.add_request("busy", [5] * 8, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="from a fresh start"):
+        profile_run(llm.llm_engine, workload, every=2)
 
 
 def _span(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args: int) -> dict:

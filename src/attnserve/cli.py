@@ -327,6 +327,10 @@ BENCHMARKS = {
         "attnserve.bench.families",
         "every preset family's standard workload and batch-1/8 latency against their bounds",
     ),
+    "backends": (
+        "attnserve.bench.backends",
+        "each attention backend's end-to-end tok/s and attention share on each workload kind",
+    ),
 }
 
 

@@ -1,18 +1,22 @@
 """Where an engine step's time goes: attention, matmuls, sampling, other device work, and host
-overhead, from a few engine steps under `torch.profiler`.
+overhead, from engine steps under `torch.profiler`.
 
-Steps are profiled once every prompt is prefilled (decode with the whole batch). Work is
+`profile_engine` profiles a few steps once every prompt is prefilled (decode with the whole batch);
+`profile_run` runs a whole workload from a fresh start and profiles one step in every N
+(`torch.profiler.schedule`), so steps that carry prompt tokens count in proportion. Work is
 attributed by where it was launched, never by kernel or backend names: work under the
-`ATTENTION_RANGE`, `SAMPLING_RANGE` or `NATIVE_RANGE` record_function range
-(attnserve.profiling; the last is one call of a native C kernel, on the CPU, whose time no torch
-op shows) belongs to the innermost such range; otherwise work that is, or runs under, a matmul
-op (aten::mm, addmm, linear, ...) is a matmul; everything else is "other". On the host an op's
-time is its CPU self time, placed by the profiler's op tree. On a GPU the time is each kernel's,
-placed by the ranges and ops open on the launching thread when its launch call ran (read from
-the profile's Chrome trace, which links every kernel to its launch, whichever library launched
-it); run the engine eagerly, since CUDA graphs hide their kernels (and CPU graphs their native
-calls). Host overhead = wall time per step, timed over as many steps without the profiler, minus
-that busy time (0 when the profiler's figures exceed it).
+`ATTENTION_RANGE` or `SAMPLING_RANGE` record_function range (attnserve.profiling) belongs to the
+innermost of them; other work under the `NATIVE_RANGE` (one call of a native C kernel, on the CPU,
+whose time no torch op shows) is "native" (a native attention kernel, CPU_NATIVE's, is attention);
+otherwise work that is, or runs under, a matmul op (aten::mm, addmm, linear, ...) is a matmul;
+everything else is "other". On the host an op's time is its CPU self time, placed by the profiler's
+op tree. On a GPU the time is each kernel's, placed by the ranges and ops open on the launching
+thread when its launch call ran (read from the profile's Chrome trace, which links every kernel to
+its launch, whichever library launched it); run the engine eagerly, since CUDA graphs hide their
+kernels (and CPU graphs their native calls). Host overhead = wall time per step minus that busy time
+(0 when the profiler's figures exceed it): for `profile_engine`, timed over as many steps without
+the profiler; for `profile_run`, the mean of the same run's unprofiled steps (with N = 1, of the
+profiled ones, profiler overhead included: the breakdown's source says so).
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.autograd.profiler_util import FunctionEvent
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
 from attnserve.bench.common import Workload, sampling_params, sync
 from attnserve.engine.llm_engine import LLMEngine
@@ -62,6 +68,7 @@ class Breakdown:
     step_ms: float
     ms: dict[str, float]  # per step, one entry per CATEGORIES
     source: str
+    scope: str = "decode step"  # the steps profiled: "time per {scope}"
 
     def share(self, category: str) -> float:
         return self.ms[category] / self.step_ms if self.step_ms else 0.0
@@ -73,19 +80,26 @@ class Breakdown:
             "ms_per_step": self.ms,
             "share": {c: self.share(c) for c in CATEGORIES},
             "source": self.source,
+            "scope": self.scope,
         }
 
 
 def category(record: OpRecord) -> str:
     """The category of CATEGORIES (host excepted) that `record`'s time belongs to."""
     chain = (record.name, *record.ancestors)
-    for name in chain:
-        if name in _RANGES:
-            return _RANGES[name]
+    ranges = [_RANGES[name] for name in chain if name in _RANGES]
+    if ranges:  # a native call inside the attention or sampling range is that range's work
+        return next((found for found in ranges if found != "native"), "native")
     return "matmul" if any(name in MATMUL_OPS for name in chain) else "other"
 
 
-def attribute(records: Iterable[OpRecord], steps: int, wall_ms: float, source: str) -> Breakdown:
+def attribute(
+    records: Iterable[OpRecord],
+    steps: int,
+    wall_ms: float,
+    source: str,
+    scope: str = "decode step",
+) -> Breakdown:
     """Per-step milliseconds per category; host = `wall_ms` per step minus the busy time."""
     if steps < 1:
         raise ValueError(f"the breakdown needs at least one step, got {steps}")
@@ -94,7 +108,7 @@ def attribute(records: Iterable[OpRecord], steps: int, wall_ms: float, source: s
         ms[category(record)] += record.busy_us / 1000 / steps
     busy = sum(ms.values())
     ms["host"] = max(0.0, wall_ms - busy)
-    return Breakdown(steps, busy + ms["host"], ms, source)
+    return Breakdown(steps, busy + ms["host"], ms, source, scope)
 
 
 def _ancestors(event: FunctionEvent) -> tuple[str, ...]:
@@ -145,14 +159,20 @@ def kernel_records(trace: dict[str, Any]) -> list[OpRecord]:
     return records
 
 
-def _prefill_everything(engine: LLMEngine, workload: Workload) -> list[str]:
-    """Add the workload's requests and step until each has drawn its first token; their ids."""
+def _add_requests(engine: LLMEngine, workload: Workload) -> list[str]:
+    """Add the workload's requests (greedy, ignore_eos, each its output length); their ids."""
     ids = []
     for index, (prompt, params) in enumerate(
         zip(workload.prompts, sampling_params(workload), strict=True)
     ):
         ids.append(f"profile-{index}")
         engine.add_request(ids[-1], prompt, params)
+    return ids
+
+
+def _prefill_everything(engine: LLMEngine, workload: Workload) -> list[str]:
+    """Add the workload's requests and step until each has drawn its first token; their ids."""
+    ids = _add_requests(engine, workload)
     scheduler = engine.engine_core.scheduler
     while scheduler.waiting or any(s.num_output_tokens == 0 for s in scheduler.running):
         engine.step()
@@ -176,27 +196,85 @@ def profile_engine(engine: LLMEngine, workload: Workload, steps: int) -> Breakdo
     request_ids = _prefill_everything(engine, workload)
     _timed_steps(engine, 1)  # lets the first decode step's one-off work out of the figures
     timed, wall_ms = _timed_steps(engine, steps)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=_activities(on_device)) as prof:
         profiled, _ = _timed_steps(engine, steps)
     for request_id in request_ids:
         engine.abort_request(request_id)
     if not timed or not profiled:
         raise ValueError("the workload is too short for --profile-steps: use longer outputs")
+    return attribute(_profile_records(prof, on_device), profiled, wall_ms, _source(on_device))
+
+
+def _activities(on_device: bool) -> list[ProfilerActivity]:
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+
+
+def _source(on_device: bool) -> str:
+    return "GPU kernel time, engine run eagerly" if on_device else "CPU self time"
+
+
+def _profile_records(prof: profile, on_device: bool) -> list[OpRecord]:
+    """The records of a finished profile (of one schedule cycle, under `on_trace_ready`): its
+    kernels, from its Chrome trace, on a GPU; its host ops on the CPU."""
     if not on_device:
-        return attribute(op_records(prof.events()), profiled, wall_ms, "CPU self time")
+        return op_records(prof.events())
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as file:
-            trace = json.load(file)
-    source = "GPU kernel time, engine run eagerly"
-    return attribute(kernel_records(trace), profiled, wall_ms, source)
+            return kernel_records(json.load(file))
+
+
+@contextmanager
+def _every_nth_step(every: int, on_device: bool, records: list[OpRecord]) -> Iterator[profile]:
+    """A profiler that records steps every-1, 2*every-1, ... (counting from 0; `prof.step()`
+    after each) and adds each recorded step's records to `records` as its cycle ends. No step
+    is a warm-up, and each cycle's events are taken as it ends: torch's warnings about both
+    are silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Profiler won't be using warmup")
+        warnings.filterwarnings("ignore", "Warning: Profiler clears events")
+        with profile(
+            activities=_activities(on_device),
+            schedule=schedule(wait=every - 1, warmup=0, active=1),
+            on_trace_ready=lambda prof: records.extend(_profile_records(prof, on_device)),
+        ) as prof:
+            yield prof
+
+
+def profile_run(engine: LLMEngine, workload: Workload, every: int) -> Breakdown:
+    """The breakdown of a whole run of `workload` on an engine with no requests, one step in
+    every `every` profiled (see the module docstring)."""
+    if every < 1:
+        raise ValueError(f"profiling one step in every N needs N >= 1, got {every}")
+    if engine.has_unfinished_requests():
+        raise ValueError("profile_run runs a workload from a fresh start: requests are unfinished")
+    on_device = engine.config.device.type == "cuda"
+    records: list[OpRecord] = []
+    seconds, steps = [0.0, 0.0], [0, 0]  # [unprofiled, profiled]
+    _add_requests(engine, workload)
+    with _every_nth_step(every, on_device, records) as prof:
+        while True:
+            profiled = int(prof.current_action != ProfilerAction.NONE)
+            started = time.perf_counter()
+            engine.step()
+            seconds[profiled] += time.perf_counter() - started
+            steps[profiled] += 1
+            if not engine.has_unfinished_requests():
+                break  # no prof.step(): it would start recording a step that never runs
+            prof.step()
+    if not steps[1]:
+        raise ValueError(f"the run took {steps[0]} steps, fewer than the {every} a profile needs")
+    timed = 0 if steps[0] else 1
+    wall_ms = seconds[timed] * 1000 / steps[timed]
+    wall = "unprofiled steps' wall time" if steps[0] else "wall time with profiler overhead"
+    source = f"{_source(on_device)}, 1 step in {every} of the whole run; {wall}"
+    return attribute(records, steps[1], wall_ms, source, scope="step of the whole run")
 
 
 def format_breakdown(breakdown: Breakdown) -> str:
     lines = [
-        f"time per decode step, {breakdown.steps} profiled steps ({breakdown.source}):",
+        f"time per {breakdown.scope}, {breakdown.steps} profiled steps ({breakdown.source}):",
         f"  {'category':<10} {'ms/step':>9} {'share':>6}",
     ]
     for name in CATEGORIES:

@@ -134,26 +134,50 @@ def error_line(log: Path) -> str:
     return lines[-1].strip() if lines else "no output"
 
 
-def execute(run: Run, out_dir: Path, timeout: float) -> Row:
-    """One sub-run in a fresh process, as a row of the table."""
-    out, log = out_dir / f"{run.name}.json", out_dir / f"{run.name}.log"
-    command = [sys.executable, "-m", "attnserve.cli", "bench", run.benchmark, *run.arguments]
+@dataclass(frozen=True)
+class Outcome:
+    """How a `bench` sub-run ended: status ok, failed or timeout; its wall time, its command as
+    a person would type it, and its result (its JSON less "args") or why it has none."""
+
+    status: str
+    seconds: float
+    command: str
+    result: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def run_bench(
+    benchmark: str, arguments: list[str], out_dir: Path, name: str, timeout: float
+) -> Outcome:
+    """`attnserve bench BENCHMARK ARGUMENTS --json` in a fresh process, capped at `timeout`
+    seconds; its JSON and stderr log kept in `out_dir` as NAME.json and NAME.log."""
+    out, log = out_dir / f"{name}.json", out_dir / f"{name}.log"
+    command = [sys.executable, "-m", "attnserve.cli", "bench", benchmark, *arguments]
     command += ["--json", str(out)]
     out.unlink(missing_ok=True)  # a kept --out-dir's earlier result is not this run's
     status, seconds = run_command(command, timeout, log)
-    value_key, bound_key, fraction_key, unit = _FIGURES[run.benchmark]
     shown = shlex.join(["attnserve", *command[3:]])
-    row = Row(run.model, run.benchmark, run.batch_size, "ok", seconds, shown, unit)
     if status is None:
-        row.status, row.error = "timeout", f"no result after {timeout:g} s: {error_line(log)}"
-    elif status != 0 or not out.is_file():
-        row.status, row.error = "failed", f"exit status {status}: {error_line(log)}"
-    else:
-        result = json.loads(out.read_text())
-        result.pop("args", None)
-        row.result = result
-        row.value, row.bound = result.get(value_key), result.get(bound_key)
-        row.fraction_of_bound = result.get(fraction_key)
+        error = f"no result after {timeout:g} s: {error_line(log)}"
+        return Outcome("timeout", seconds, shown, error=error)
+    if status != 0 or not out.is_file():
+        return Outcome("failed", seconds, shown, error=f"exit status {status}: {error_line(log)}")
+    result = json.loads(out.read_text())
+    result.pop("args", None)
+    return Outcome("ok", seconds, shown, result)
+
+
+def execute(run: Run, out_dir: Path, timeout: float) -> Row:
+    """One sub-run in a fresh process, as a row of the table."""
+    outcome = run_bench(run.benchmark, run.arguments, out_dir, run.name, timeout)
+    value_key, bound_key, fraction_key, unit = _FIGURES[run.benchmark]
+    row = Row(
+        run.model, run.benchmark, run.batch_size, outcome.status, outcome.seconds,
+        outcome.command, unit, error=outcome.error, result=outcome.result,
+    )  # fmt: skip
+    if outcome.result is not None:
+        row.value, row.bound = outcome.result.get(value_key), outcome.result.get(bound_key)
+        row.fraction_of_bound = outcome.result.get(fraction_key)
     return row
 
 
@@ -165,14 +189,21 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-sizes must be >= 1, got {min(args.batch_sizes)}")
     if args.output_len < 2:
         raise ValueError("--output-len must be >= 2: time per output token needs two tokens")
-    try:
-        extra = shlex.split(args.extra_args)
-    except ValueError as error:
-        raise ValueError(f"--extra-args {args.extra_args!r}: {error}") from error
-    owned = [flag for flag in extra if flag.split("=")[0] in _OWN_FLAGS]
-    if owned:
-        raise ValueError(f"--extra-args: {owned[0]} is set by bench families itself")
+    extra_arguments(args.extra_args, _OWN_FLAGS, "families")
     check_output_files(args, "json")
+
+
+def extra_arguments(text: str, owned: tuple[str, ...], command: str) -> list[str]:
+    """`--extra-args` as arguments; ValueError if it does not split or sets a flag of `owned`
+    (those `bench COMMAND` sets itself)."""
+    try:
+        extra = shlex.split(text)
+    except ValueError as error:
+        raise ValueError(f"--extra-args {text!r}: {error}") from error
+    taken = [flag for flag in extra if flag.split("=")[0] in owned]
+    if taken:
+        raise ValueError(f"--extra-args: {taken[0]} is set by bench {command} itself")
+    return extra
 
 
 def _cell(row: Row | None) -> list[str]:
@@ -187,14 +218,14 @@ def _cell(row: Row | None) -> list[str]:
     return [*figures, f"{fraction:.1%}" if fraction is not None else "-"]
 
 
-def _aligned(lines: list[list[str]]) -> list[str]:
+def aligned(lines: list[list[str]]) -> list[str]:
     """The cells in columns: the first left-aligned, the others right-aligned."""
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    aligned = []
+    texts = []
     for line in lines:
         cells = [c.rjust(w) for c, w in zip(line, widths, strict=True)]
-        aligned.append("  ".join([line[0].ljust(widths[0]), *cells[1:]]))
-    return aligned
+        texts.append("  ".join([line[0].ljust(widths[0]), *cells[1:]]))
+    return texts
 
 
 def _label(row: Row | Run) -> str:
@@ -216,7 +247,7 @@ def format_table(rows: list[Row], batch_sizes: list[int]) -> str:
             line += _cell(mine.get(("latency", batch)))
         lines.append(line)
     failures = [f"{_label(row)}: {row.error}" for row in rows if row.status != "ok"]
-    return "\n".join(_aligned(lines) + failures)
+    return "\n".join(aligned(lines) + failures)
 
 
 def benchmark(args: argparse.Namespace, out_dir: Path) -> list[Row]:

@@ -8,8 +8,11 @@ submitted at once, after one warm-up. Also reported: the KV cache's size in toke
 tokens per engine step of the timed run (about the sequences a step runs: the cache's hold under
 KV pressure) and its preemptions; the workload's bound from the model's shape at the copy
 bandwidth and matmul rate measured first in the same run (bench/bound.py) and the fraction of it
-reached; the step-time breakdown of `--profile-steps` profiled decode steps (bench/breakdown.py;
-the engine is then rebuilt with `enforce_eager`, since CUDA and CPU graphs hide kernels).
+reached; the step-time breakdown of `--profile-steps` profiled decode steps and, with
+`--profile-run N`, of the whole workload run again with one step in N profiled (prompt-bearing
+steps in proportion; bench/breakdown.py), each on an engine rebuilt with `enforce_eager`, since
+CUDA and CPU graphs hide kernels (for `--profile-run` also when already eager: a fresh engine's
+prefix cache holds none of the workload, as at the timed run's start).
 Optional: HF transformers `generate` on the same weights (static batches) and, with it, on the
 CPU with a GGUF model where llama_cpp is installed, llama.cpp batched on the same workload
 (bench/llamacpp_batch.py); with `--shared-prefix`, the same engine with prefix caching off;
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 
 from attnserve.bench.bound import ModelShape, Rates, measure_rates, workload_bound
-from attnserve.bench.breakdown import Breakdown, format_breakdown, profile_engine
+from attnserve.bench.breakdown import Breakdown, format_breakdown, profile_engine, profile_run
 from attnserve.bench.common import (
     Workload,
     check_output_files,
@@ -223,6 +226,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--batch-sizes sweeps the length flags' workload, not a --workload kind")
     if args.profile_steps < 0:
         raise ValueError(f"--profile-steps must be >= 0, got {args.profile_steps}")
+    if args.profile_run < 0:
+        raise ValueError(f"--profile-run must be >= 0 (0: off), got {args.profile_run}")
     if args.plot and not (args.profile_steps or args.batch_sizes):
         raise ValueError(
             "--plot draws the breakdown or the sweep: use --profile-steps or --batch-sizes"
@@ -230,8 +235,21 @@ def _check(args: argparse.Namespace) -> None:
     check_output_files(args, "json", "plot")
 
 
-def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | None]:
-    """The figures (see the module docstring) and the breakdown, if profiled."""
+def _profiles(llm: LLM, workload: Workload, args: argparse.Namespace) -> dict[str, Breakdown]:
+    """The breakdowns asked for, by their result key, on an eager engine: the sampled whole run
+    first (while the prefix cache holds none of the workload), then the decode steps."""
+    breakdowns = {}
+    if args.profile_run:
+        progress(f"profiling one step in {args.profile_run} of the workload run again")
+        breakdowns["run_breakdown"] = profile_run(llm.llm_engine, workload, args.profile_run)
+    if args.profile_steps:
+        progress(f"profiling {args.profile_steps} decode steps")
+        breakdowns["breakdown"] = profile_engine(llm.llm_engine, workload, args.profile_steps)
+    return breakdowns
+
+
+def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Breakdown]]:
+    """The figures (see the module docstring) and the breakdowns profiled, by result key."""
     _check(args)
     structured = _json_schema(args)
     engine_args = EngineArgs.from_cli_args(args).with_offline_defaults()
@@ -288,14 +306,13 @@ def benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], Breakdown | Non
         result |= llama_cpp_batched_figures(
             args.model, device, workload, result["output_tokens_per_s"]
         )
-    if not args.profile_steps:
-        return result, None
-    if not engine_args.enforce_eager:
+    if not (args.profile_steps or args.profile_run):
+        return result, {}
+    if args.profile_run or not engine_args.enforce_eager:
         del llm
         llm = _eager_engine(engine_args, workload)
-    progress(f"profiling {args.profile_steps} decode steps")
-    breakdown = profile_engine(llm.llm_engine, workload, args.profile_steps)
-    return result | {"breakdown": breakdown.as_dict()}, breakdown
+    breakdowns = _profiles(llm, workload, args)
+    return result | {key: b.as_dict() for key, b in breakdowns.items()}, breakdowns
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -321,6 +338,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile-steps", type=int, default=8, help="decode steps to profile; 0: no breakdown"
     )
+    parser.add_argument(
+        "--profile-run", type=int, default=0, metavar="EVERY",
+        help="also run the workload again, profiling one step in EVERY; 0 (default): off",
+    )  # fmt: skip
     parser.add_argument(
         "--batch-sizes", type=positive_ints, default=[], metavar="B1,B2,...",
         help="also run the workload with each many requests, against its bound",
@@ -349,13 +370,13 @@ def _print_sweep(rows: list[dict[str, float]]) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.plot:
         require_matplotlib()  # fail before the run, not after it
-    result, breakdown = benchmark(args)
+    result, breakdowns = benchmark(args)
     report(result, args)
-    if breakdown is not None:
+    for breakdown in breakdowns.values():
         print(format_breakdown(breakdown))
     if result.get("sweep"):
         _print_sweep(result["sweep"])
     if args.plot:
         title = f"{result['model']} on {result['device']} ({result['backend']})"
-        plot_throughput(args.plot, title, breakdown, result.get("sweep", []))
+        plot_throughput(args.plot, title, breakdowns.get("breakdown"), result.get("sweep", []))
     return 0
