@@ -61,8 +61,15 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         --target /tmp/site .whl/*.whl || exit 1
     # cutlass-dsl's libraries (flash-attn-4's compiler; ~92 MB) come in two parts, .fa4a/ and
     # .fa4b/, carried by two calls on the same warm machine; joined once both are here
-    if [ -f .fa4a/cu13part.aa ] && [ -f .fa4b/cu13part.ab ] && [ ! -f /tmp/site/.cu13 ]; then
-        cat .fa4a/cu13part.aa .fa4b/cu13part.ab | tar -xJ -C /tmp/site && touch /tmp/site/.cu13
+    # (unpacked by Python's tarfile: the image may have no xz); pip --upgrade replaces the
+    # package's folder, so they are unpacked again after every install
+    if [ -f .fa4a/cu13part.aa ] && [ -f .fa4b/cu13part.ab ]; then
+        cat .fa4a/cu13part.aa .fa4b/cu13part.ab | python3 -c 'import sys, tarfile
+tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall("/tmp/site")' || exit 1
+        echo "cutlass-dsl cu13 libraries unpacked"
+    elif compgen -G ".whl/nvidia_cutlass_dsl*.whl" >/dev/null; then
+        echo "warning: cutlass-dsl without its cu13 libraries (.fa4a/ and .fa4b/): flashinfer" \
+            "and flash-attn-4 fail to import" >&2
     fi
     # the .pth that cutlass-dsl installs is not read from a --target folder
     export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:src
