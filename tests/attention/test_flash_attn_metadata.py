@@ -1,9 +1,13 @@
 """FLASH_ATTN's metadata (built on the CPU; the operator runs on CUDA 9.0+ only) against values
-computed by hand, its layout as FlashAttention's paged k/v views, and why it is unavailable."""
+computed by hand, its layout as FlashAttention's paged k/v views, and why it (or FLASHINFER,
+whose library is just as just-in-time) is unavailable: not installed, or installed broken."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from attnserve.attention import (
     get_attn_backend,
     get_backend_cls,
 )
+from attnserve.attention.backends.utils import import_failure
 from attnserve.worker.graphs import pad_for_graph
 
 BLOCK = 4
@@ -67,3 +72,34 @@ def test_unavailable_without_flash_attn_4(monkeypatch: pytest.MonkeyPatch) -> No
     assert "flash-attn-4 is not installed" in (backend.unavailable_reason() or "")
     with pytest.raises(ValueError, match="FLASH_ATTN cannot serve"):
         get_attn_backend(AttentionSpec(4, 2, 64, torch.bfloat16), "FLASH_ATTN")
+
+
+def test_a_library_that_fails_to_import_is_a_reason_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "broken_kernel_library.py").write_text("raise RuntimeError('no CTK flavor')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reason = import_failure("broken_kernel_library")
+    assert reason is not None and "RuntimeError: no CTK flavor" in reason
+    assert import_failure("json") is None
+
+
+def test_flashinfer_that_fails_to_import_is_unavailable_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = get_backend_cls("FLASHINFER")
+    module = sys.modules[backend.__module__]
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, package: str | None = None) -> object:
+        return object() if name == "flashinfer" else real_find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(module, "import_failure", lambda name: f"{name} is broken")
+    monkeypatch.setenv("ATTNSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FLASHINFER_WORKSPACE_BASE", raising=False)
+    if module._TRITON_ERROR is not None:
+        pytest.skip(module._TRITON_ERROR)
+    assert backend.unavailable_reason() == "flashinfer is broken"
+    # its JIT cache goes into attnserve's cache, set before flashinfer's import
+    assert os.environ["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "kernels" / "flashinfer")

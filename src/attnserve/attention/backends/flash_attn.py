@@ -20,6 +20,7 @@ without it.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -34,7 +35,11 @@ from attnserve.attention.abstract import (
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
-from attnserve.attention.backends.utils import int32_block_table, use_project_kernel_cache
+from attnserve.attention.backends.utils import (
+    import_failure,
+    int32_block_table,
+    use_project_kernel_cache,
+)
 from attnserve.attention.layout import StepLayout
 from attnserve.host_copy import to_device
 
@@ -46,6 +51,7 @@ except ImportError as error:
     _TRITON_ERROR = f"triton (its KV-cache write) cannot be imported: {error}"
 
 MIN_COMPUTE_CAPABILITY = 9
+_KERNEL_MODULE = "flash_attn.cute"  # flash-attn-4's CuTe-DSL build
 
 
 @dataclass(frozen=True)
@@ -120,13 +126,16 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
         return to_device(host.to(torch.int32), self.device)
 
 
-def _varlen_attention() -> Any:
-    """flash_attn_varlen_func, its JIT cache on disk in attnserve's cache."""
+def _use_kernel_cache() -> None:
+    """FlashAttention's compiled kernels on disk in attnserve's cache (read at its import)."""
     use_project_kernel_cache("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "flash_attn")
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    from flash_attn.cute import flash_attn_varlen_func
 
-    return flash_attn_varlen_func
+
+def _varlen_attention() -> Any:
+    """flash_attn_varlen_func, its kernels cached on disk in attnserve's cache."""
+    _use_kernel_cache()
+    return importlib.import_module(_KERNEL_MODULE).flash_attn_varlen_func
 
 
 class FlashAttnImpl(AttentionImpl[FlashAttnMetadata]):
@@ -202,4 +211,7 @@ class FlashAttnBackend(AttentionBackend):
         major, minor = torch.cuda.get_device_capability()
         if major < MIN_COMPUTE_CAPABILITY:
             return f"needs compute capability 9.0 or newer, this GPU is {major}.{minor}"
-        return _TRITON_ERROR
+        if _TRITON_ERROR is not None:
+            return _TRITON_ERROR
+        _use_kernel_cache()
+        return import_failure(_KERNEL_MODULE)

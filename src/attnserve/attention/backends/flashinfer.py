@@ -39,7 +39,7 @@ from attnserve.attention.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.utils import use_project_kernel_cache
+from attnserve.attention.backends.utils import import_failure, use_project_kernel_cache
 from attnserve.attention.layout import StepLayout
 from attnserve.host_copy import to_device
 
@@ -307,4 +307,7 @@ class FlashInferBackend(AttentionBackend):
     def unavailable_reason(cls) -> str | None:
         if importlib.util.find_spec("flashinfer") is None:
             return "flashinfer is not installed"
-        return _TRITON_ERROR
+        if _TRITON_ERROR is not None:
+            return _TRITON_ERROR
+        use_project_kernel_cache("FLASHINFER_WORKSPACE_BASE", "flashinfer")
+        return import_failure("flashinfer")

@@ -1,10 +1,12 @@
 """Helpers the concrete backends share, and only they use: the dense query grid of backends that
 pad queries into [B, Q] batches, the plain-torch slot write of KV layouts whose K and V planes
-flatten to [slots, Hkv, D], the block table as the kernels' int32, and the project-named cache
-that just-in-time-compiling kernel libraries build into."""
+flatten to [slots, Hkv, D], the block table as the kernels' int32, the project-named cache
+that just-in-time-compiling kernel libraries build into, and whether such a library imports."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 from dataclasses import dataclass
 
@@ -68,3 +70,15 @@ def use_project_kernel_cache(env_var: str, library: str) -> None:
     (~/.cache/attnserve/kernels/LIBRARY, or under $ATTNSERVE_CACHE_DIR), so its kernels are
     built once per machine; a value the user set wins. Call before the library's import."""
     os.environ.setdefault(env_var, str(cache_root() / "kernels" / library))
+
+
+@functools.cache
+def import_failure(module: str) -> str | None:
+    """Why the installed `module` cannot be imported here (None: it imports), checked once per
+    process, so a broken install makes its backend unavailable with the reason instead of failing
+    the engine later."""
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # a broken install raises anything (RuntimeError, OSError, ...)
+        return f"{module} is installed but cannot be imported: {type(error).__name__}: {error}"
+    return None
