@@ -36,6 +36,7 @@ from attnserve.attention.abstract import (
     BackendCapabilities,
 )
 from attnserve.attention.backends.utils import (
+    DecodeGraphBuffers,
     import_failure,
     int32_block_table,
     use_project_kernel_cache,
@@ -65,17 +66,8 @@ class FlashAttnMetadata(AttentionMetadata):
     max_seq_len: int
 
 
-@dataclass(frozen=True)
-class _GraphBuffers:
-    block_table: torch.Tensor  # [S, max_blocks] int32
-    seq_lens: torch.Tensor  # [S] int32
-    slot_mapping: torch.Tensor  # [S] int64
-    query_start_loc: torch.Tensor  # [S + 1] int32: 0, 1, 2, ... (one token per sequence)
-    max_seq_len: int  # the longest context any replay may hold
-
-
 class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
-    _graph: _GraphBuffers | None = None
+    _graph: DecodeGraphBuffers | None = None
 
     def build(self, layout: StepLayout) -> FlashAttnMetadata:
         return FlashAttnMetadata(
@@ -88,38 +80,18 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
         )
 
     def init_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
-        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=self.device)
-
-        self._graph = _GraphBuffers(
-            block_table=zeros(max_num_seqs, max_blocks_per_seq),
-            seq_lens=zeros(max_num_seqs),
-            slot_mapping=zeros(max_num_seqs, dtype=torch.int64),
-            query_start_loc=torch.arange(max_num_seqs + 1, dtype=torch.int32, device=self.device),
-            max_seq_len=max_blocks_per_seq * self.block_size,
+        self._graph = DecodeGraphBuffers.allocate(
+            max_num_seqs, max_blocks_per_seq, self.block_size, self.device
         )
 
     def build_for_graph(self, layout: StepLayout) -> FlashAttnMetadata:
+        """The longest context is the key-length bound: the library's split choice at capture
+        must serve every replay."""
         buffers = self._graph
         if buffers is None:
             raise RuntimeError("call init_graph_buffers before build_for_graph")
-        size = layout.num_seqs
-        rows, width = slice(0, size), layout.block_table.shape[1]
-        buffers.block_table[rows, :width].copy_(
-            int32_block_table(layout, self.device), non_blocking=True
-        )
-        buffers.seq_lens[rows].copy_(layout.seq_lens, non_blocking=True)
-        buffers.slot_mapping[rows].copy_(layout.slot_mapping, non_blocking=True)
         return FlashAttnMetadata(
-            num_prefills=0,
-            num_prefill_tokens=0,
-            num_decode_tokens=size,
-            slot_mapping=buffers.slot_mapping[rows],
-            block_table=buffers.block_table[rows],
-            seq_lens=buffers.seq_lens[rows],
-            query_start_loc=buffers.query_start_loc[: size + 1],
-            max_query_len=1,
-            max_seq_len=buffers.max_seq_len,
+            **buffers.fill(layout, self.device), max_query_len=1, max_seq_len=buffers.max_seq_len
         )
 
     def _int32(self, host: torch.Tensor) -> torch.Tensor:

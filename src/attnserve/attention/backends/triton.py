@@ -26,7 +26,7 @@ from attnserve.attention.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.utils import int32_block_table
+from attnserve.attention.backends.utils import DecodeGraphBuffers, int32_block_table
 from attnserve.attention.kv_scales import KVCacheScales
 from attnserve.attention.layout import StepLayout
 from attnserve.host_copy import to_device
@@ -56,21 +56,10 @@ class TritonMetadata(AttentionMetadata):
     decode_num_splits: int  # key splits per decode sequence
 
 
-@dataclass(frozen=True)
-class _GraphBuffers:
-    """The device tensors captured decode steps read, sized for the largest bucket."""
-
-    block_table: torch.Tensor  # [S, max_blocks] int32
-    seq_lens: torch.Tensor  # [S] int32
-    slot_mapping: torch.Tensor  # [S] int64
-    query_start_loc: torch.Tensor  # [S + 1] int32: 0, 1, 2, ... (one token per sequence)
-    max_seq_len: int  # plans the split count: captured graphs must serve any context
-
-
 class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
     """The spec's `num_kv_heads` sizes the decode split plan."""
 
-    _graph: _GraphBuffers | None = None
+    _graph: DecodeGraphBuffers | None = None
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str) -> None:
         super().__init__(spec, device)
@@ -99,39 +88,20 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         )
 
     def init_graph_buffers(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
-        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=self.device)
-
-        self._graph = _GraphBuffers(
-            block_table=zeros(max_num_seqs, max_blocks_per_seq),
-            seq_lens=zeros(max_num_seqs),
-            slot_mapping=zeros(max_num_seqs, dtype=torch.int64),
-            query_start_loc=torch.arange(max_num_seqs + 1, dtype=torch.int32, device=self.device),
-            max_seq_len=max_blocks_per_seq * self.block_size,
+        self._graph = DecodeGraphBuffers.allocate(
+            max_num_seqs, max_blocks_per_seq, self.block_size, self.device
         )
 
     def build_for_graph(self, layout: StepLayout) -> TritonMetadata:
+        """Plans the split count for the longest context: captured graphs serve any."""
         buffers = self._graph
         if buffers is None:
             raise RuntimeError("call init_graph_buffers before build_for_graph")
-        size = layout.num_seqs
-        rows, width = slice(0, size), layout.block_table.shape[1]
-        buffers.block_table[rows, :width].copy_(
-            int32_block_table(layout, self.device), non_blocking=True
-        )
-        buffers.seq_lens[rows].copy_(layout.seq_lens, non_blocking=True)
-        buffers.slot_mapping[rows].copy_(layout.slot_mapping, non_blocking=True)
         return TritonMetadata(
-            num_prefills=0,
-            num_prefill_tokens=0,
-            num_decode_tokens=size,
-            slot_mapping=buffers.slot_mapping[rows],
-            block_table=buffers.block_table[rows],
-            seq_lens=buffers.seq_lens[rows],
-            query_start_loc=buffers.query_start_loc[: size + 1],
+            **buffers.fill(layout, self.device),
             max_query_len=0,
             max_prefill_context_len=0,
-            decode_num_splits=self._num_splits(size, buffers.max_seq_len),
+            decode_num_splits=self._num_splits(layout.num_seqs, buffers.max_seq_len),
         )
 
     def _int32(self, host: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Helpers the concrete backends share, and only they use: the dense query grid of backends that
 pad queries into [B, Q] batches, the plain-torch slot write of KV layouts whose K and V planes
-flatten to [slots, Hkv, D], the block table as the kernels' int32, the project-named cache
+flatten to [slots, Hkv, D], the block table as the kernels' int32, the fixed buffers that
+captured decode steps of block-table backends read, the project-named cache
 that just-in-time-compiling kernel libraries build into, and whether such a library imports."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import functools
 import importlib
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,6 +65,51 @@ def int32_block_table(layout: StepLayout, device: torch.device | str) -> torch.T
     """The layout's [B, W] block table as int32 (the kernels' type) on `device`, in one
     transfer."""
     return to_device(layout.block_table.to(torch.int32), device)
+
+
+@dataclass(frozen=True)
+class DecodeGraphBuffers:
+    """The device tensors captured decode steps of a block-table backend read, sized for the
+    largest bucket (`init_graph_buffers`), refilled before each replay (`fill`)."""
+
+    block_table: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32: context + the new token
+    slot_mapping: torch.Tensor  # [S] int64
+    query_start_loc: torch.Tensor  # [S + 1] int32: 0, 1, 2, ... (one token per sequence)
+    max_seq_len: int  # the longest context any replay may hold
+
+    @classmethod
+    def allocate(
+        cls, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+    ) -> DecodeGraphBuffers:
+        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(
+            block_table=zeros(max_num_seqs, max_blocks_per_seq),
+            seq_lens=zeros(max_num_seqs),
+            slot_mapping=zeros(max_num_seqs, dtype=torch.int64),
+            query_start_loc=torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device),
+            max_seq_len=max_blocks_per_seq * block_size,
+        )
+
+    def fill(self, layout: StepLayout, device: torch.device) -> dict[str, Any]:
+        """Copy a padded decode layout into the buffers; the metadata fields it gives: the
+        common ones and the buffers' views for its sequences."""
+        size = layout.num_seqs
+        rows, width = slice(0, size), layout.block_table.shape[1]
+        self.block_table[rows, :width].copy_(int32_block_table(layout, device), non_blocking=True)
+        self.seq_lens[rows].copy_(layout.seq_lens, non_blocking=True)
+        self.slot_mapping[rows].copy_(layout.slot_mapping, non_blocking=True)
+        return {
+            "num_prefills": 0,
+            "num_prefill_tokens": 0,
+            "num_decode_tokens": size,
+            "slot_mapping": self.slot_mapping[rows],
+            "block_table": self.block_table[rows],
+            "seq_lens": self.seq_lens[rows],
+            "query_start_loc": self.query_start_loc[: size + 1],
+        }
 
 
 def use_project_kernel_cache(env_var: str, library: str) -> None:
