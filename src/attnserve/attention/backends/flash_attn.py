@@ -39,10 +39,10 @@ from attnserve.attention.backends.utils import (
     DecodeGraphBuffers,
     import_failure,
     int32_block_table,
+    int32_on,
     use_project_kernel_cache,
 )
 from attnserve.attention.layout import StepLayout
-from attnserve.host_copy import to_device
 
 try:
     from attnserve.attention.ops.triton_cache import reshape_and_cache
@@ -73,8 +73,8 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
         return FlashAttnMetadata(
             **layout.common_metadata(self.device),
             block_table=int32_block_table(layout, self.device),
-            seq_lens=self._int32(layout.seq_lens),
-            query_start_loc=self._int32(layout.query_start_loc),
+            seq_lens=int32_on(layout.seq_lens, self.device),
+            query_start_loc=int32_on(layout.query_start_loc, self.device),
             max_query_len=int(layout.query_lens.max()),
             max_seq_len=int(layout.seq_lens.max()),
         )
@@ -93,9 +93,6 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder[FlashAttnMetadata]):
         return FlashAttnMetadata(
             **buffers.fill(layout, self.device), max_query_len=1, max_seq_len=buffers.max_seq_len
         )
-
-    def _int32(self, host: torch.Tensor) -> torch.Tensor:
-        return to_device(host.to(torch.int32), self.device)
 
 
 def _use_kernel_cache() -> None:

@@ -103,8 +103,8 @@ class WrapperPool:
         return self._workspace
 
     def get(self, graph_size: int | None = None) -> tuple[Any, Any]:
-        flashinfer = _import_flashinfer()
         if self._wrappers is None:
+            flashinfer = _import_flashinfer()
             self._wrappers = (
                 flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace(), KV_LAYOUT),
                 flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -114,16 +114,19 @@ class WrapperPool:
         if graph_size is None:
             return self._wrappers
         if graph_size not in self._graph_wrappers:
-            self._graph_wrappers[graph_size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace(),
-                KV_LAYOUT,
-                use_cuda_graph=True,
-                use_tensor_cores=self.tensor_cores,
-                paged_kv_indptr_buffer=self._int32_buffer(graph_size + 1),
-                paged_kv_indices_buffer=self.graph_kv_indices,
-                paged_kv_last_page_len_buffer=self._int32_buffer(graph_size),
-            )
+            self._graph_wrappers[graph_size] = self._graph_decode_wrapper(graph_size)
         return self._wrappers[0], self._graph_wrappers[graph_size]
+
+    def _graph_decode_wrapper(self, graph_size: int) -> Any:
+        return _import_flashinfer().BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace(),
+            KV_LAYOUT,
+            use_cuda_graph=True,
+            use_tensor_cores=self.tensor_cores,
+            paged_kv_indptr_buffer=self._int32_buffer(graph_size + 1),
+            paged_kv_indices_buffer=self.graph_kv_indices,
+            paged_kv_last_page_len_buffer=self._int32_buffer(graph_size),
+        )
 
     def _int32_buffer(self, size: int) -> torch.Tensor:
         return torch.zeros(size, dtype=torch.int32, device=self.device)

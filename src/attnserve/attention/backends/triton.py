@@ -26,7 +26,11 @@ from attnserve.attention.abstract import (
     AttentionSpec,
     BackendCapabilities,
 )
-from attnserve.attention.backends.utils import DecodeGraphBuffers, int32_block_table
+from attnserve.attention.backends.utils import (
+    DecodeGraphBuffers,
+    int32_block_table,
+    int32_on,
+)
 from attnserve.attention.kv_scales import KVCacheScales
 from attnserve.attention.layout import StepLayout
 from attnserve.host_copy import to_device
@@ -73,8 +77,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
         return TritonMetadata(
             **layout.common_metadata(self.device),
             block_table=int32_block_table(layout, self.device),
-            seq_lens=self._int32(layout.seq_lens),
-            query_start_loc=self._int32(layout.query_start_loc),
+            seq_lens=int32_on(layout.seq_lens, self.device),
+            query_start_loc=int32_on(layout.query_start_loc, self.device),
             max_query_len=int(prefill_lens.max()) if prefill_lens.numel() else 0,
             max_prefill_context_len=int(prefill_context.max()) if prefill_context.numel() else 0,
             decode_num_splits=self._num_splits(
@@ -103,9 +107,6 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             max_prefill_context_len=0,
             decode_num_splits=self._num_splits(layout.num_seqs, buffers.max_seq_len),
         )
-
-    def _int32(self, host: torch.Tensor) -> torch.Tensor:
-        return to_device(host.to(torch.int32), self.device)
 
 
 class TritonImpl(AttentionImpl[TritonMetadata]):

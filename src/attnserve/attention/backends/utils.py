@@ -61,10 +61,14 @@ def write_to_slots(
     v_cache[slots] = value.view(-1, *v_cache.shape[1:])[written]
 
 
+def int32_on(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor as int32 (the kernels' type) on `device`, in one transfer."""
+    return to_device(host.to(torch.int32), device)
+
+
 def int32_block_table(layout: StepLayout, device: torch.device | str) -> torch.Tensor:
-    """The layout's [B, W] block table as int32 (the kernels' type) on `device`, in one
-    transfer."""
-    return to_device(layout.block_table.to(torch.int32), device)
+    """The layout's [B, W] block table as int32 on `device`, in one transfer."""
+    return int32_on(layout.block_table, device)
 
 
 @dataclass(frozen=True)
