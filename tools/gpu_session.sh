@@ -56,20 +56,26 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
 export ATTNSERVE_CACHE_DIR=/tmp/attnserve-cache  # the kernel libraries' JIT caches too
+CUTLASS_PARTS=/tmp/cutlass-cu13-parts
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
-    # cutlass-dsl's libraries (flash-attn-4's compiler; ~92 MB) come in two parts, .fa4a/ and
-    # .fa4b/, carried by two calls on the same warm machine; joined once both are here
-    # (unpacked by Python's tarfile: the image may have no xz); pip --upgrade replaces the
-    # package's folder, so they are unpacked again after every install
-    if [ -f .fa4a/cu13part.aa ] && [ -f .fa4b/cu13part.ab ]; then
-        cat .fa4a/cu13part.aa .fa4b/cu13part.ab | python3 -c 'import sys, tarfile
+    # cutlass-dsl's CUDA 13 libraries (flash-attn-4's compiler; 92 MB as a wheel) come in two
+    # parts, .fa4a/ and .fa4b/, carried by two calls on the same warm machine. A carried folder
+    # does not stay for the next call, so each part is kept in $CUTLASS_PARTS (outside the
+    # tree) and the two are joined once both are there (unpacked by Python's tarfile: the image
+    # may have no xz); pip --upgrade replaces the package's folder, so they are unpacked again
+    # after every install
+    for part in .fa4a/cu13part.aa .fa4b/cu13part.ab; do
+        [ -f "$part" ] && mkdir -p "$CUTLASS_PARTS" && cp "$part" "$CUTLASS_PARTS/"
+    done
+    if [ -f "$CUTLASS_PARTS/cu13part.aa" ] && [ -f "$CUTLASS_PARTS/cu13part.ab" ]; then
+        cat "$CUTLASS_PARTS/cu13part.aa" "$CUTLASS_PARTS/cu13part.ab" | python3 -c 'import sys, tarfile
 tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall("/tmp/site")' || exit 1
         echo "cutlass-dsl cu13 libraries unpacked"
     elif compgen -G ".whl/nvidia_cutlass_dsl*.whl" >/dev/null; then
-        echo "warning: cutlass-dsl without its cu13 libraries (.fa4a/ and .fa4b/): flashinfer" \
-            "and flash-attn-4 fail to import" >&2
+        echo "warning: cutlass-dsl without its cu13 libraries (.fa4a/ and .fa4b/, one call" \
+            "each): flashinfer and flash-attn-4 fail to import" >&2
     fi
     # the .pth that cutlass-dsl installs is not read from a --target folder
     export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:src

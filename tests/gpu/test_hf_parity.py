@@ -121,12 +121,15 @@ def test_fp32_cuda_graph_replays_give_the_eager_tokens(
     assert graphed == reference.tokens
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("backend", backend_names())
 def test_bf16_tokens_part_from_hf_only_at_rounding_ties(
-    backend: str, hf_reference: Callable[[str], Reference]
+    backend: str, enforce_eager: bool, hf_reference: Callable[[str], Reference]
 ) -> None:
+    """Eager, and with decode steps from CUDA graphs: the check of graph replay for backends
+    that serve no fp32 (FLASHINFER, FLASH_ATTN)."""
     reference = hf_reference("bfloat16")
-    ours = _tokens(backend, "bfloat16", False, reference.prompts)
+    ours = _tokens(backend, "bfloat16", enforce_eager, reference.prompts)
     assert [len(tokens) for tokens in ours] == [NEW_TOKENS] * len(ours)
     assert_parts_only_at_rounding(reference, ours, BF16_MAX_STEPS)
 

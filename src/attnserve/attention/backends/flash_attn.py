@@ -20,6 +20,7 @@ without it.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -101,8 +102,10 @@ def _use_kernel_cache() -> None:
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
 
 
+@functools.cache
 def _varlen_attention() -> Any:
-    """flash_attn_varlen_func, its kernels cached on disk in attnserve's cache."""
+    """flash_attn_varlen_func, its kernels cached on disk in attnserve's cache (looked up once:
+    every layer of every step calls it)."""
     _use_kernel_cache()
     return importlib.import_module(_KERNEL_MODULE).flash_attn_varlen_func
 
