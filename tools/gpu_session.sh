@@ -23,6 +23,13 @@
 #                the ~33 GB the workload's bf16 K/V take), and bench kv-quality on Qwen3-0.6B;
 #                JSON: throughput_{auto,fp8}, pressure_{auto,fp8}, kv_quality (steps limited to
 #                545 s in all, FP8KV_TIMEOUT 540 s: run it alone, `bash tools/gpu_session.sh fp8kv`)
+#   backends     `attnserve bench backends` (bench/backends.py): every backend that runs here on
+#                the standard, prefix and long kinds, output tok/s and attention share side by
+#                side (BACKENDS_ARGS, e.g. "--backends TRITON,FLASH_ATTN --workloads prefix";
+#                BACKENDS_TIMEOUT, default 420 s: run it alone)
+#   lora         the LoRA products' cost a decode token (tools/lora_cost.py --sweep) and batch-1
+#                latency on Llama-3-8B's shape without and with one rank-16 adapter (issue 52's
+#                target: <= 1.1x); LORA_TIMEOUT (default 300 s)
 #   serve        `attnserve bench serve --launch` on Qwen3-0.6B's shape: a burst of 400 streamed
 #                requests (512 in, 128 out) against the server (engine core in its own process),
 #                then LLM.generate of the same requests, and their ratio (needs the fastapi,
@@ -36,12 +43,15 @@
 #
 # Knobs (environment). The time limits add up to 550 s, so a full run ends inside ~9 minutes:
 #   CONFORMANCE_SELECT   extended regex over collected test ids; only matching tests run.
-#                        Default: every cuda test of TORCH_SDPA, TRITON and the ONE_FILE
-#                        example, the Triton kernel tests, FLASHINFER's bf16 head-128 cases
-#                        without window or soft-cap (one just-in-time variant, ~80 s to build),
-#                        three FLEX_ATTENTION cases. '-cuda' selects every cuda test: the full
-#                        FLASHINFER grid needs ~20 minutes of compilation, so split it by
-#                        backend or case over several calls.
+#                        Default: every cuda test of TORCH_SDPA, TRITON, FLASH_ATTN and the
+#                        ONE_FILE example, the Triton kernel tests, FLASHINFER's bf16 head-128
+#                        cases without window or soft-cap, three FLEX_ATTENTION cases.
+#                        FLASHINFER's modules for those cases (prefill, decode, tensor-core
+#                        decode) took over 180 s to build on an H100 (2026-12-06): on a fresh
+#                        machine build them in a call of their own (CONFORMANCE_SELECT=
+#                        FLASHINFER-cuda CONFORMANCE_TIMEOUT=500), run the rest in the next.
+#                        '-cuda' selects every cuda test: the full FLASHINFER grid needs ~20
+#                        minutes of compilation, so split it by backend or case over calls.
 #   CONFORMANCE_WORKERS  pytest-xdist workers (default 8); CONFORMANCE_TIMEOUT (default 170 s)
 #   GPU_TESTS_TIMEOUT    (default 180 s)
 #   KERNELS_ARGS         extra arguments of bench kernels (e.g. "--backends TRITON --sweep
@@ -106,7 +116,7 @@ env_report() {
 
 conformance() {
     local select tests workers=()
-    select='(TORCH_SDPA|TRITON|ONE_FILE)-cuda|test_triton_(ops|prefill)\.py'
+    select='(TORCH_SDPA|TRITON|ONE_FILE|FLASH_ATTN)-cuda|test_triton_(ops|prefill)\.py'
     select+='|FLASHINFER-cuda(\]|-block|-Case\(.*head_size=128, block_size=[0-9]+, '
     select+='dtype=torch\.bfloat16, sliding_window=None, alibi=False, soft_cap=None)'
     select+='|FLEX_ATTENTION-cuda(\]|-block|-Case\(.*seed=(9|25|34)\))'
@@ -164,14 +174,22 @@ kinds() {  # each kind in a process of its own, its Triton cache empty (as on a 
     return "$rc"
 }
 
-export -f env_report conformance fp8kv kinds
+lora() {  # batch-1 latency without and with one adapter, same process kind and flags
+    local latency=(python3 -m attnserve.cli bench latency --model llama-3-8b --load-format dummy
+        --batch-size 1)  # docs/benchmarks.md's LoRA rows
+    python3 tools/lora_cost.py --sweep || return 1
+    "${latency[@]}" --json "$OUT/lora_base.json" || return 1
+    "${latency[@]}" --enable-lora --num-loras 1 --lora-rank 16 --json "$OUT/lora_one.json"
+}
+
+export -f env_report conformance fp8kv kinds lora
 
 phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(conformance gpu kernels throughput)
 for name in "${phases[@]}"; do
     case $name in
-        env | conformance | gpu | kernels | throughput | kinds | fp8kv | serve) ;;
-        *) echo "unknown phase $name (env, conformance, gpu, kernels, throughput, kinds, fp8kv, serve)" >&2 && exit 2 ;;
+        env | conformance | gpu | kernels | throughput | kinds | fp8kv | backends | lora | serve) ;;
+        *) echo "unknown phase $name (env, conformance, gpu, kernels, throughput, kinds, fp8kv, backends, lora, serve)" >&2 && exit 2 ;;
     esac
 done
 : >"$OUT/summary.txt"
@@ -195,6 +213,12 @@ for name in "${phases[@]}"; do
                 --min-len 100 --max-len 1024 --json "$OUT/throughput.json" ${THROUGHPUT_ARGS:-}
             ;;
         kinds) phase kinds "${KINDS_TIMEOUT:-200}" kinds ;;
+        backends)
+            # shellcheck disable=SC2086  # BACKENDS_ARGS is a list of words
+            phase backends "${BACKENDS_TIMEOUT:-420}" python3 -m attnserve.cli bench backends \
+                --json "$OUT/backends.json" ${BACKENDS_ARGS:-}
+            ;;
+        lora) phase lora "${LORA_TIMEOUT:-300}" lora ;;
         fp8kv) phase fp8kv "${FP8KV_TIMEOUT:-540}" fp8kv ;;
         serve)
             # shellcheck disable=SC2086  # SERVE_ARGS is a list of words
