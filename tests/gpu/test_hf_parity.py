@@ -51,6 +51,13 @@ def _skip_unless_servable(backend: str, dtype: str) -> None:
         pytest.skip(str(error))
 
 
+def _skip_unless_graphed(backend: str, dtype: str) -> None:
+    """Skip unless `backend` serves the model here and captures CUDA graphs."""
+    _skip_unless_servable(backend, dtype)
+    if not get_backend_cls(backend).capabilities.graphs:
+        pytest.skip(f"{backend} captures no CUDA graphs: it runs eagerly either way")
+
+
 def _engine(backend: str, dtype: str, enforce_eager: bool) -> LLM:
     """A fresh engine on `backend`; the test is skipped when the backend cannot serve it here."""
     _skip_unless_servable(backend, dtype)
@@ -89,14 +96,12 @@ def test_fp32_eager_tokens_equal_hf(
     assert fp32_eager_tokens(backend) == hf_reference("float32").tokens
 
 
-def _graphed_engine(
-    backend: str, dtype: str, monkeypatch: pytest.MonkeyPatch
-) -> tuple[LLM, list[int]]:
-    """A fresh engine on `backend` with CUDA graphs, and a one-item list counting its decode
-    graph replays; skipped for a backend that captures none."""
-    _skip_unless_servable(backend, dtype)
-    if not get_backend_cls(backend).capabilities.graphs:
-        pytest.skip(f"{backend} captures no CUDA graphs: it runs eagerly either way")
+def _graphed_tokens(
+    backend: str, dtype: str, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> list[list[int]]:
+    """A fresh engine's tokens on `backend` with CUDA graphs, every decode step of the batch
+    checked to come from a graph; skipped for a backend that captures none."""
+    _skip_unless_graphed(backend, dtype)
     llm = _engine(backend, dtype, enforce_eager=False)
     graphs = llm.llm_engine.executor.driver_runner.graphs
     assert graphs is not None, "enforce_eager=False captured no CUDA graphs"
@@ -107,7 +112,13 @@ def _graphed_engine(
         return replay(*args, **kwargs)
 
     monkeypatch.setattr(graphs, "run", counted)
-    return llm, replays
+    try:
+        tokens = engine_tokens(llm, prompts)
+    finally:
+        llm.shutdown()
+    # one prefill step for every prompt, then every decode step of the batch from a graph
+    assert replays[0] >= NEW_TOKENS - 1
+    return tokens
 
 
 @pytest.mark.parametrize("backend", backend_names())
@@ -118,40 +129,26 @@ def test_fp32_cuda_graph_replays_give_the_eager_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     reference = hf_reference("float32")
-    llm, replays = _graphed_engine(backend, "float32", monkeypatch)
-    try:
-        graphed = engine_tokens(llm, reference.prompts)
-    finally:
-        llm.shutdown()
-    # one prefill step for every prompt, then every decode step of the batch from a graph
-    assert replays[0] >= NEW_TOKENS - 1
+    graphed = _graphed_tokens(backend, "float32", reference.prompts, monkeypatch)
     assert graphed == fp32_eager_tokens(backend)
     assert graphed == reference.tokens
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("backend", backend_names())
 def test_bf16_tokens_part_from_hf_only_at_rounding_ties(
-    backend: str, hf_reference: Callable[[str], Reference]
+    backend: str,
+    graphs: bool,
+    hf_reference: Callable[[str], Reference],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Eager, and every decode step from a CUDA graph: the graph check of the backends that
+    serve no fp32 (FLASHINFER, FLASH_ATTN)."""
     reference = hf_reference("bfloat16")
-    ours = _tokens(backend, "bfloat16", True, reference.prompts)
-    assert [len(tokens) for tokens in ours] == [NEW_TOKENS] * len(ours)
-    assert_parts_only_at_rounding(reference, ours, BF16_MAX_STEPS)
-
-
-@pytest.mark.parametrize("backend", backend_names())
-def test_bf16_cuda_graph_replays_part_from_hf_only_at_rounding_ties(
-    backend: str, hf_reference: Callable[[str], Reference], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The check of graph replay for the backends that serve no fp32 (FLASHINFER, FLASH_ATTN):
-    every decode step from a graph, parting from HF only where eager may."""
-    reference = hf_reference("bfloat16")
-    llm, replays = _graphed_engine(backend, "bfloat16", monkeypatch)
-    try:
-        ours = engine_tokens(llm, reference.prompts)
-    finally:
-        llm.shutdown()
-    assert replays[0] >= NEW_TOKENS - 1
+    if graphs:
+        ours = _graphed_tokens(backend, "bfloat16", reference.prompts, monkeypatch)
+    else:
+        ours = _tokens(backend, "bfloat16", True, reference.prompts)
     assert [len(tokens) for tokens in ours] == [NEW_TOKENS] * len(ours)
     assert_parts_only_at_rounding(reference, ours, BF16_MAX_STEPS)
 
@@ -162,9 +159,7 @@ def test_fp32_piecewise_replays_of_prompt_steps_give_hfs_tokens(
 ) -> None:
     """Steps that carry prompts (here chunks of 256 tokens beside decodes) from the piecewise
     graphs of their token count, attention eager between the pieces."""
-    _skip_unless_servable(backend, "float32")
-    if not get_backend_cls(backend).capabilities.graphs:
-        pytest.skip(f"{backend} captures no CUDA graphs: it runs eagerly either way")
+    _skip_unless_graphed(backend, "float32")
     reference = hf_reference("float32")
     settings = ENGINE | {"max_num_batched_tokens": 256}
     llm = LLM(MODEL, dtype="float32", attention_backend=backend, **settings)
