@@ -62,9 +62,14 @@ def use_tensor_cores(spec: AttentionSpec) -> bool:
     return spec.num_heads // spec.num_kv_heads >= TENSOR_CORE_MIN_GROUP
 
 
+def _use_kernel_cache() -> None:
+    """FlashInfer's JIT builds on disk in attnserve's cache (read at its import)."""
+    use_project_kernel_cache("FLASHINFER_WORKSPACE_BASE", "flashinfer")
+
+
 def _import_flashinfer() -> Any:
     """flashinfer, its JIT cache pointed into attnserve's cache (built once per machine)."""
-    use_project_kernel_cache("FLASHINFER_WORKSPACE_BASE", "flashinfer")
+    _use_kernel_cache()
     import flashinfer
 
     return flashinfer
@@ -312,5 +317,5 @@ class FlashInferBackend(AttentionBackend):
             return "flashinfer is not installed"
         if _TRITON_ERROR is not None:
             return _TRITON_ERROR
-        use_project_kernel_cache("FLASHINFER_WORKSPACE_BASE", "flashinfer")
+        _use_kernel_cache()
         return import_failure("flashinfer")
